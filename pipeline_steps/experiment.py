@@ -1,0 +1,140 @@
+"""Experiment presets and the verl config they compose to.
+
+A preset (``dags/experiments/<name>.yaml``) holds what the pipeline needs around
+verl (model, datasets, cluster shape, evaluation settings) and a ``verl:`` map of
+verl Hydra overrides. A run merges, last one winning: the preset's ``verl`` map,
+the keys the pipeline derives (data files, model path, nodes, checkpoint dir),
+and free-form ``KEY=VALUE`` overrides typed by the user.
+
+:func:`compose` hands the result to verl's own Hydra config
+(``verl.trainer.config/ppo_trainer``), so unknown keys and bad types fail the
+way they would on the cluster, but on CPU in seconds.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from pipeline_steps.errors import UserError
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parents[1] / "dags" / "experiments"
+KEY_RE = re.compile(r"^\+{0,2}[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
+@dataclasses.dataclass
+class Experiment:
+    name: str
+    spec: dict  # the preset, with pipeline-level sections (model, datasets, cluster, evaluation, ...)
+    verl: dict  # verl Hydra overrides, dotted key -> value, in application order
+
+    def overrides(self) -> list[str]:
+        """Hydra override strings, every value rendered as a Hydra literal."""
+        return [f"{k}={hydra_value(v)}" for k, v in self.verl.items()]
+
+    def digest(self) -> str:
+        """Hash of everything that decides the training run (for lineage)."""
+        blob = json.dumps({"spec": self.spec, "verl": self.verl}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def hydra_value(v) -> str:
+    """Render a Python value as a Hydra override literal (strings always quoted)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    s = str(v)
+    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` typed by a user -> (key, value parsed as YAML scalar/list)."""
+    if "=" not in text:
+        raise UserError(f"--override {text!r}: expected KEY=VALUE, for example actor_rollout_ref.actor.optim.lr=1e-6")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not KEY_RE.match(key):
+        raise UserError(f"--override {text!r}: {key!r} is not a dotted config key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string; users mean a number
+        try:
+            value = float(value) if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()) else value
+        except ValueError:
+            pass
+    if isinstance(value, (dict, list, bool, int, float)) or value is None:
+        return key, value
+    return key, str(raw)
+
+
+def resolve_path(name_or_file: str) -> Path:
+    p = Path(name_or_file)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    cand = EXPERIMENTS_DIR / f"{name_or_file}.yaml"
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", name_or_file) and cand.is_file():
+        return cand
+    known = sorted(x.stem for x in EXPERIMENTS_DIR.glob("*.yaml"))
+    raise UserError(f"--experiment {name_or_file!r}: no such preset file or name; known presets: {known}")
+
+
+def load(name_or_file: str, overrides: list[str] | None = None, derived: dict | None = None) -> Experiment:
+    """Load a preset and merge pipeline-derived keys and user overrides (user wins)."""
+    path = resolve_path(name_or_file)
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"experiment {path}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("verl", {}), dict):
+        raise UserError(f"experiment {path}: must be a mapping with a 'verl' mapping of overrides")
+    verl = dict(spec.pop("verl", {}) or {})
+    for key in verl:
+        if not KEY_RE.match(str(key)):
+            raise UserError(f"experiment {path}: verl key {key!r} is not a dotted config key")
+    verl.update(derived or {})
+    for text in overrides or []:
+        k, v = parse_override(text)
+        verl.pop(k, None)  # re-insert so the user's value is applied last
+        verl[k] = v
+    spec.setdefault("name", path.stem)
+    return Experiment(name=str(spec["name"]), spec=copy.deepcopy(spec), verl=verl)
+
+
+def compose(exp: Experiment):
+    """verl's own Hydra composition of ``ppo_trainer`` with the experiment's overrides.
+
+    Raises UserError naming the offending key when Hydra rejects an override.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+            return hydra_compose(config_name="ppo_trainer", overrides=exp.overrides())
+    except (ConfigCompositionException, OverrideParseException) as exc:
+        cause = exc.__cause__ or exc
+        msg = " ".join(str(cause).split())
+        m = re.search(r"Could not override '([^']+)'", str(exc))
+        key = m.group(1) if m else None
+        if key:
+            raise UserError(f"verl override {key!r} rejected: {msg[:300]}; check the key's spelling against verl's ppo_trainer config") from None
+        raise UserError(f"verl config does not compose: {msg[:300]}") from None
+    finally:
+        GlobalHydra.instance().clear()
