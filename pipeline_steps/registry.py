@@ -33,6 +33,8 @@ BUILTIN: dict[str, DatasetSpec] = {
     "dapo_math": DatasetSpec("dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", "dapo_math", allow_patterns=("data/*", "README.md")),
     "geometry3k": DatasetSpec("geometry3k", "hiyouga/geometry3k", "geometry3k", allow_patterns=("data/*", "README.md")),
     "aime2024": DatasetSpec("aime2024", "Maxwell-Jia/AIME_2024", "aime", allow_patterns=("*.parquet", "*.jsonl", "README.md"), role="eval"),
+    # local JSONL files (no Hub repository): preprocess only, with --input pointing at a file or folder
+    "jsonl": DatasetSpec("jsonl", "", "jsonl"),
 }
 
 PREPROCESSORS = ("gsm8k", "dapo_math", "geometry3k", "aime", "jsonl")

@@ -1,0 +1,46 @@
+"""What every preprocessor shares: the rejection type, prompt keys and the tool-agent variant.
+
+A preprocessor module (one per dataset, like verl's ``utils/reward_score``) defines:
+``DATA_SOURCE`` (routes to the scorer in verl's ``default_compute_score``), ``REQUIRED_COLUMNS``,
+``TOOL_NAME`` (for the ``tool_agent`` variant), optional ``SPLIT_NAMES`` (source split -> output split), and either
+``convert_row(row, split, index, data_source) -> dict`` (raises :class:`Reject`) for small datasets, or
+``convert_batch(batch, split, start, data_source) -> (pa.Table, [(row, reason)])`` for vectorised ones.
+Optional ``read_rows(path) -> iterator of (row | None, reject reason | None)`` replaces the parquet reader.
+"""
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class Reject(Exception):
+    """A row that cannot become a training row; the message is a short reason slug."""
+
+
+def prompt_key(prompt: pa.Array) -> pa.Array:
+    """One string per row identifying its chat prompt (roles and contents), vectorised."""
+    if isinstance(prompt, pa.ChunkedArray):
+        prompt = prompt.combine_chunks()
+    flat = pc.list_flatten(prompt)
+    joined = pc.binary_join_element_wise(flat.field("role"), flat.field("content"), "\x1f")
+    offsets = prompt.offsets
+    offsets = pc.subtract(offsets, offsets[0])
+    return pc.binary_join(pa.ListArray.from_arrays(offsets, joined), "\x1e")
+
+
+def ground_truth(table: pa.Table) -> pa.Array:
+    return pc.struct_field(table["reward_model"].combine_chunks(), "ground_truth").cast(pa.string())
+
+
+def tool_agent_rows(rows: list[dict], tool_name: str) -> list[dict]:
+    """verl's multi-turn tool recipes: an agent loop name and per-row kwargs for the tool's create()."""
+    out = []
+    for row in rows:
+        gt = row["reward_model"]["ground_truth"]
+        question = row["prompt"][-1]["content"]
+        extra = dict(row["extra_info"] or {})
+        extra["need_tools_kwargs"] = True
+        extra["tools_kwargs"] = {tool_name: {"create_kwargs": {"ground_truth": gt}}}
+        extra["interaction_kwargs"] = {"query": question, "ground_truth": gt}
+        out.append(dict(row, agent_name="tool_agent", extra_info=extra))
+    return out
