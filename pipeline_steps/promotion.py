@@ -1,0 +1,143 @@
+"""Promotion gate and retention for exported models.
+
+Layout under the store root::
+
+    models/exported/<experiment>/<version>/...      one exported model (manifest-committed)
+    models/exported/<experiment>/latest.json        pointer to the promoted version
+
+A candidate becomes ``latest`` only if its avg@k beats the reference by MORE than the
+margin, where the reference is the current latest, or the base model when there is no
+latest yet. Scores are only compared when they come from the same evaluation set and the
+same sampling settings; otherwise the candidate stays a candidate and the reason says so.
+Retention keeps the newest ``keep`` versions (by export time) and never deletes the latest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+from pipeline_steps.errors import UserError
+
+log = logging.getLogger(__name__)
+
+EPS = 1e-12  # scores equal up to float noise count as equal (not promoted at margin 0)
+COMPARED = ("k", "temperature", "top_p", "max_new_tokens", "max_problems")
+
+
+@dataclasses.dataclass
+class Decision:
+    promote: bool
+    reason: str
+    reference: str  # "latest", "base" or "none"
+    reference_score: float | None
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def experiment_uri(store_root: str, experiment: str) -> str:
+    return f"{store_root.rstrip('/')}/models/exported/{experiment}"
+
+
+def check_results(res: dict, what: str) -> dict:
+    """Validate an evaluate ``results.json`` enough to compare it; UserError otherwise."""
+    overall = res.get("overall") if isinstance(res, dict) else None
+    if not isinstance(overall, dict) or not isinstance(overall.get("avg@k"), (int, float)):
+        raise UserError(f"{what}: no overall.avg@k; pass a results.json written by the evaluate step")
+    if int(overall.get("samples_scored") or 0) < 1 or int(overall.get("k") or 0) < 1:
+        raise UserError(f"{what}: no samples were scored (k={overall.get('k')}); re-run evaluate with --k >= 1 on a non-empty set")
+    return res
+
+
+def summary_of(res: dict) -> dict:
+    o = res["overall"]
+    return {
+        "avg@k": o["avg@k"], "pass@k": o.get("pass@k"), "maj@k": o.get("maj@k"), "k": o.get("k"),
+        "problems": o.get("problems"), "samples_scored": o.get("samples_scored"),
+        "eval_set_sha256": (res.get("eval_set") or {}).get("sha256"),
+        "sampling": res.get("sampling"),
+        "model_sha256": (res.get("model") or {}).get("content_sha256"),
+    }
+
+
+def _comparable(a: dict, b: dict) -> str | None:
+    """Why two evaluations cannot be compared, or None when they can."""
+    sa, sb = a.get("eval_set_sha256"), b.get("eval_set_sha256")
+    if sa and sb and sa != sb:
+        return f"evaluation sets differ ({sa[:12]} vs {sb[:12]})"
+    pa, pb = a.get("sampling") or {}, b.get("sampling") or {}
+    diff = [k for k in COMPARED if k in pa and k in pb and pa[k] != pb[k]]
+    if diff:
+        return "sampling settings differ (" + ", ".join(f"{k}: {pa[k]} vs {pb[k]}" for k in diff) + ")"
+    return None
+
+
+def decide(results: dict, base: dict, latest: dict | None, margin: float) -> Decision:
+    cand = summary_of(results)
+    score = float(cand["avg@k"])
+    if latest is not None:
+        ref_name, ref = f"latest {latest.get('version')}", latest
+    else:
+        ref_name, ref = "base model", summary_of(base)
+    why = _comparable(cand, ref)
+    if why:
+        return Decision(False, f"not promoted: cannot compare with the {ref_name}: {why}; re-evaluate with the same settings",
+                        "latest" if latest else "base", ref.get("avg@k"))
+    ref_score = float(ref["avg@k"])
+    diff = score - ref_score
+    kind = "latest" if latest else "base"
+    if diff > margin + EPS:
+        return Decision(True, f"promoted: avg@k {score:.4f} beats the {ref_name} ({ref_score:.4f}) by {diff:+.4f} > margin {margin:.4f}",
+                        kind, ref_score)
+    return Decision(False, f"not promoted: avg@k {score:.4f} vs the {ref_name} ({ref_score:.4f}) is {diff:+.4f}, "
+                           f"not more than margin {margin:.4f}; it stays a candidate", kind, ref_score)
+
+
+def _missing(exc: Exception) -> bool:
+    return isinstance(exc, (FileNotFoundError, KeyError)) or "not found" in str(exc).lower() or "no such" in str(exc).lower()
+
+
+def read_latest(store, exp_uri: str) -> dict | None:
+    try:
+        data = store.read_bytes(f"{exp_uri}/latest.json")
+    except Exception as exc:
+        if _missing(exc):
+            return None
+        raise
+    if data is None:
+        return None
+    try:
+        latest = json.loads(data)
+    except ValueError:
+        raise UserError(f"{exp_uri}/latest.json: not valid JSON; fix or delete it (the next promotion rewrites it)") from None
+    return latest if isinstance(latest, dict) and latest.get("version") else None
+
+
+def write_latest(store, exp_uri: str, version: str, version_uri: str, results: dict, exported_at: str) -> dict:
+    s = summary_of(results)
+    pointer = {"version": version, "uri": version_uri, "exported_at": exported_at, **s}
+    store.write_bytes(f"{exp_uri}/latest.json", (json.dumps(pointer, indent=2, sort_keys=True) + "\n").encode())
+    return pointer
+
+
+def _exported_at(store, exp_uri: str, version: str) -> str:
+    try:
+        return json.loads(store.read_bytes(f"{exp_uri}/{version}/export.json")).get("exported_at") or ""
+    except Exception:  # an old or foreign version without export.json sorts first (oldest)
+        return ""
+
+
+def prune(store, exp_uri: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` versions; never the latest. Returns deleted version names."""
+    if keep < 1:
+        raise UserError(f"--keep {keep}: must be at least 1")
+    versions = [v.rstrip("/").rsplit("/", 1)[-1] for v in store.list_versions(exp_uri)]
+    latest = read_latest(store, exp_uri)
+    protected = {latest["version"]} if latest else set()
+    ordered = sorted(versions, key=lambda v: (_exported_at(store, exp_uri, v), v), reverse=True)
+    doomed = [v for v in ordered[keep:] if v not in protected]
+    for v in doomed:
+        store.delete_prefix(f"{exp_uri}/{v}")
+        log.info("retention: deleted %s/%s (keeping %d)", exp_uri, v, keep)
+    return doomed
