@@ -1,0 +1,326 @@
+"""A small in-process stand-in for the Kubernetes API server, for RayJob tests.
+
+No Kubernetes API server can run on this machine, so the operator's REAL clients
+(the cncf-kubernetes ``KubernetesHook``, which uses the ``kubernetes`` package, and
+``kubernetes_asyncio`` in the trigger) talk HTTP to this server through an ordinary
+kube config whose ``server`` is ``http://127.0.0.1:PORT``.
+
+What it serves (the same paths, verbs, status codes and ``Status`` bodies as a real
+API server, so the clients' own error handling runs):
+
+- ``/apis/ray.io/v1/namespaces/{ns}/rayjobs``: POST (create; 409 ``AlreadyExists`` on a
+  duplicate name; 422 ``Invalid`` when the body fails the RayJob CRD's openAPIV3Schema,
+  if the schema file is given), GET (list, with an equality ``labelSelector``).
+- ``/apis/ray.io/v1/namespaces/{ns}/rayjobs/{name}``: GET, DELETE (404 ``NotFound``).
+- ``/api/v1/namespaces/{ns}/pods?labelSelector=`` and ``.../pods/{name}/log?tailLines=``:
+  the KubeRay submitter pod (``K8sJobMode``), whose log is the Ray job's log.
+
+A scripted controller plays KubeRay: each RayJob gets a list of status steps
+(``jobDeploymentStatus`` Initializing -> Running -> Complete/Failed/ValidationFailed,
+``jobStatus`` PENDING -> RUNNING -> SUCCEEDED/FAILED, ``reason``/``message``); every GET
+of that RayJob moves it one step, so tests are deterministic and need no timing. A
+step may also append lines to the submitter pod's log and JSON lines to a metrics
+file (what verl's file logger writes), so progress reporting is exercised. A step
+``{"wait_for": GATE}`` holds the job in its current state until the test adds GATE to
+``open_gates`` (to stop a waiting worker at a known point).
+
+What it does NOT cover: admission webhooks, the real KubeRay controller (RayCluster
+creation, submitter Job, backoffLimit retries, TTL and deletion rules), schema
+defaulting and CEL ``x-kubernetes-validations`` rules, finalizers (DELETE removes the
+object at once), watches, patch/update, authentication and RBAC, resourceVersion
+conflicts, and set-based label selectors (``in``, ``notin``, existence).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+import uuid
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlparse
+
+RAYJOBS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayjobs(?:/([^/]+))?$")
+PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
+
+# KubeRay-like scripts: each dict is one observed status (plus optional side effects).
+SUCCESS = [
+    {"jobDeploymentStatus": "Initializing"},
+    {"jobDeploymentStatus": "Running", "jobStatus": "PENDING"},
+    {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
+    {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "reason": "", "message": "Job finished successfully."},
+]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status_body(code: int, reason: str, message: str, name: str | None = None) -> dict:
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+    if name:
+        body["details"] = {"name": name, "group": "ray.io", "kind": "rayjobs"}
+    return body
+
+
+def _match(labels: dict, selector: str) -> bool:
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        m = re.fullmatch(r"([^=!]+?)\s*(==|=|!=)\s*(.*)", term)
+        if not m:
+            raise ValueError(f"unsupported label selector term {term!r}")
+        key, op, value = m.groups()
+        if (labels.get(key) == value) != (op != "!="):
+            return False
+    return True
+
+
+class StandIn:
+    """The API server stand-in plus its scripted KubeRay controller.
+
+    :param crd_file: the KubeRay RayJob CRD YAML; when given, created bodies are checked
+        against its openAPIV3Schema (422 on failure), as a real API server does.
+    """
+
+    def __init__(self, crd_file: str | Path | None = None):
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.scripts: dict[str, list[dict]] = {}
+        self.default_script: list[dict] = SUCCESS
+        self.pod_logs: dict[tuple[str, str], list[str]] = {}
+        self.metrics_files: dict[str, Path] = {}
+        self.requests: list[tuple[str, str]] = []  # (method, path) of every request
+        self.creates: list[dict] = []  # every body that was created (not the 409s)
+        self.deletes: list[str] = []
+        self.open_gates: set[str] = set()
+        self.lock = threading.RLock()
+        self._schema = None
+        if crd_file:
+            import yaml
+
+            crd = yaml.safe_load(Path(crd_file).read_text())
+            version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+            self._schema = version["schema"]["openAPIV3Schema"]
+        self._server: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- scripting ---------------------------------------------------------------------------------
+    def script(self, name: str, steps: list[dict], metrics_file: str | Path | None = None) -> None:
+        """Status steps the controller plays for the RayJob ``name`` (any attempt created later)."""
+        self.scripts[name] = [dict(s) for s in steps]
+        if metrics_file:
+            self.metrics_files[name] = Path(metrics_file)
+
+    def status(self, name: str, namespace: str = "default") -> dict | None:
+        obj = self.objects.get((namespace, name))
+        return None if obj is None else copy.deepcopy(obj.get("status") or {})
+
+    def count_creates(self, name_prefix: str = "") -> int:
+        return sum(1 for b in self.creates if b["metadata"]["name"].startswith(name_prefix))
+
+    # -- server lifecycle --------------------------------------------------------------------------
+    def start(self) -> str:
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output quiet
+                pass
+
+            def _send(self, code: int, body, content_type="application/json"):
+                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _dispatch(self, method: str):
+                url = urlparse(self.path)
+                query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+                body = None
+                if method == "POST":
+                    length = int(self.headers.get("Content-Length") or 0)
+                    try:
+                        body = json.loads(self.rfile.read(length) or b"{}")
+                    except json.JSONDecodeError:
+                        return self._send(400, _status_body(400, "BadRequest", "request body is not JSON"))
+                with stand_in.lock:
+                    stand_in.requests.append((method, url.path))
+                    code, out, ctype = stand_in.handle(method, url.path, query, body)
+                self._send(code, out, ctype)
+
+            def do_GET(self):
+                self._dispatch("GET")
+
+            def do_POST(self):
+                self._dispatch("POST")
+
+            def do_DELETE(self):
+                self._dispatch("DELETE")
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="k8s-stand-in", daemon=True)
+        self._thread.start()
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def stop(self) -> None:
+        if self._server:
+            self._server.shutdown()
+            self._server.server_close()
+            self._thread.join(timeout=5)
+            self._server = None
+
+    def kube_config(self, path: str | Path, namespace: str = "default") -> Path:
+        """Write a kube config pointing at this server (token auth: the clients send a bearer header)."""
+        import yaml
+
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {"token": "stand-in-token-not-a-secret"}}],
+            "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "tester", "namespace": namespace}}],
+            "current-context": "stand-in",
+        }
+        Path(path).write_text(yaml.safe_dump(cfg))
+        return Path(path)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    # -- API -----------------------------------------------------------------------------------------
+    def handle(self, method: str, path: str, query: dict, body):
+        m = RAYJOBS.match(path)
+        if m:
+            ns, name = m.groups()
+            if method == "POST" and not name:
+                return self._create(ns, body)
+            if method == "GET" and not name:
+                return self._list(ns, query.get("labelSelector", ""))
+            if method == "GET":
+                return self._get(ns, name)
+            if method == "DELETE":
+                return self._delete(ns, name)
+            return 405, _status_body(405, "MethodNotAllowed", f"{method} not supported here"), "application/json"
+        m = PODS.match(path)
+        if m and method == "GET":
+            ns, pod, log = m.groups()
+            if pod and log:
+                lines = self.pod_logs.get((ns, pod))
+                if lines is None:
+                    return 404, _status_body(404, "NotFound", f'pods "{pod}" not found', pod), "application/json"
+                tail = int(query.get("tailLines", 0) or 0)
+                return 200, "".join(line + "\n" for line in (lines[-tail:] if tail else lines)), "text/plain"
+            if not pod:
+                selector = query.get("labelSelector", "")
+                items = [self._pod(ns, p) for (n, p) in self.pod_logs if n == ns]
+                items = [i for i in items if _match(i["metadata"]["labels"], selector)]
+                return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}, "application/json"
+        return 404, _status_body(404, "NotFound", f"the server could not find the requested resource ({path})"), "application/json"
+
+    def _pod(self, ns: str, pod: str) -> dict:
+        job = pod.rsplit("-", 1)[0]
+        return {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod, "namespace": ns, "labels": {"batch.kubernetes.io/job-name": job, "job-name": job}},
+            "spec": {"containers": [{"name": "ray-job-submitter", "image": "rayproject/ray"}]},
+            "status": {"phase": "Running"},
+        }
+
+    def _create(self, ns: str, body):
+        name = ((body or {}).get("metadata") or {}).get("name")
+        if not name:
+            return 422, _status_body(422, "Invalid", "metadata.name: Required value"), "application/json"
+        if body.get("apiVersion") != "ray.io/v1" or body.get("kind") != "RayJob":
+            return 400, _status_body(400, "BadRequest", "body is not a ray.io/v1 RayJob"), "application/json"
+        if self._schema is not None:
+            import jsonschema
+
+            errors = sorted(jsonschema.Draft7Validator(self._schema).iter_errors(body), key=lambda e: list(e.path))
+            if errors:
+                e = errors[0]
+                where = ".".join(str(p) for p in e.path)
+                return 422, _status_body(422, "Invalid", f'RayJob.ray.io "{name}" is invalid: {where}: {e.message}', name), "application/json"
+        if (ns, name) in self.objects:
+            return 409, _status_body(409, "AlreadyExists", f'rayjobs.ray.io "{name}" already exists', name), "application/json"
+        obj = copy.deepcopy(body)
+        obj.pop("status", None)  # status is a subresource: a create never sets it
+        meta = obj["metadata"]
+        meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
+                    resourceVersion=str(len(self.requests)))
+        self.objects[(ns, name)] = obj
+        self.creates.append(copy.deepcopy(obj))
+        script = self.scripts.get(name)
+        if script is None:
+            base = next((k for k in self.scripts if name.startswith(k + "-")), None)  # later attempts of a scripted job
+            script = self.scripts.get(base, self.default_script) if base else self.default_script
+        obj["_script"] = [dict(s) for s in script]  # private to the stand-in; stripped from responses
+        obj["_metrics"] = self.metrics_files.get(name) or next(
+            (p for k, p in self.metrics_files.items() if name.startswith(k + "-")), None)
+        return 201, self._public(obj), "application/json"
+
+    def _advance(self, ns: str, obj: dict) -> None:
+        """One controller reconcile: apply the next scripted step, with its side effects."""
+        script = obj["_script"]
+        if script and "wait_for" in script[0]:  # a gate: the job stays as it is until the test opens it
+            if script[0]["wait_for"] not in self.open_gates:
+                return
+            script.pop(0)
+        if not script:
+            return
+        step = script.pop(0)
+        name = obj["metadata"]["name"]
+        status = obj.setdefault("status", {})
+        pod = f"{name}-sbmt"
+        if step.get("jobDeploymentStatus") in ("Initializing", "Running") and "rayClusterName" not in status:
+            status["rayClusterName"] = f"{name}-raycluster"
+            status["dashboardURL"] = f"{name}-raycluster-head-svc.{ns}.svc.cluster.local:8265"
+            status["jobId"] = obj.get("spec", {}).get("jobId") or name
+            status["startTime"] = _now()
+        if status.get("jobStatus") or step.get("jobStatus"):
+            self.pod_logs.setdefault((ns, pod), [])
+        for line in step.pop("log", []):
+            self.pod_logs.setdefault((ns, pod), []).append(line)
+        metrics = step.pop("metrics", [])
+        if metrics and obj["_metrics"]:
+            obj["_metrics"].parent.mkdir(parents=True, exist_ok=True)
+            with obj["_metrics"].open("a") as f:
+                for row in metrics:
+                    f.write(json.dumps(row) + "\n")
+        status.update(step)
+        status["observedGeneration"] = 1
+        if status.get("jobDeploymentStatus") in ("Complete", "Failed", "ValidationFailed"):
+            status.setdefault("endTime", _now())
+            status["failed" if status.get("jobStatus") != "SUCCEEDED" else "succeeded"] = 1
+
+    def _get(self, ns: str, name: str):
+        obj = self.objects.get((ns, name))
+        if obj is None:
+            return 404, _status_body(404, "NotFound", f'rayjobs.ray.io "{name}" not found', name), "application/json"
+        self._advance(ns, obj)
+        return 200, self._public(obj), "application/json"
+
+    def _list(self, ns: str, selector: str):
+        try:
+            items = [self._public(o) for (n, _), o in sorted(self.objects.items())
+                     if n == ns and _match(o["metadata"].get("labels") or {}, selector)]
+        except ValueError as exc:
+            return 400, _status_body(400, "BadRequest", str(exc)), "application/json"
+        return 200, {"apiVersion": "ray.io/v1", "kind": "RayJobList", "metadata": {"resourceVersion": "1"},
+                     "items": items}, "application/json"
+
+    def _delete(self, ns: str, name: str):
+        obj = self.objects.pop((ns, name), None)
+        if obj is None:
+            return 404, _status_body(404, "NotFound", f'rayjobs.ray.io "{name}" not found', name), "application/json"
+        self.deletes.append(name)
+        self.pod_logs.pop((ns, f"{name}-sbmt"), None)  # the cluster and submitter go with it
+        return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                     "details": {"name": name, "group": "ray.io", "kind": "rayjobs", "uid": obj["metadata"]["uid"]}}, "application/json"
+
+    @staticmethod
+    def _public(obj: dict) -> dict:
+        return {k: copy.deepcopy(v) for k, v in obj.items() if not k.startswith("_")}

@@ -1,0 +1,250 @@
+"""RayJobOperator and RayJobTrigger against a stand-in Kubernetes API server.
+
+No Kubernetes API server can run here, so the operator's real client code (the
+cncf-kubernetes ``KubernetesHook`` on the ``kubernetes`` package, and ``kubernetes_asyncio``
+in the trigger) talks HTTP to ``tests/k8s_api_stand_in.py`` through an Airflow connection
+(``AIRFLOW_CONN_K8S_STANDIN``) whose kube config points at ``http://127.0.0.1:PORT``. A
+scripted controller in the stand-in moves status the way KubeRay does; see its docstring
+for what it does not cover (admission webhooks, the real controller, schema defaulting).
+
+The operator is driven for real, the way Airflow runs a deferrable task:
+``execute`` -> ``TaskDeferred`` -> the trigger's async generator (``run()``) -> ``execute_complete``.
+The context is empty (no task instance), so the dashboard-link XCom push is not exercised here.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+from operators.rayjob import GROUP_LABEL, JobFailed, RayJobOperator, RayJobTrigger
+from k8s_api_stand_in import SUCCESS, StandIn
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
+CONN = "k8s_standin"
+NS = "training"
+
+
+@pytest.fixture
+def api(tmp_path, monkeypatch):
+    stand_in = StandIn(crd_file=CRD if CRD.is_file() else None)
+    stand_in.start()
+    kube_config = stand_in.kube_config(tmp_path / "kubeconfig", namespace=NS)
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
+                       json.dumps({"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config)}}))
+    yield stand_in
+    stand_in.stop()
+
+
+def rayjob_body(name: str, ckpt: str) -> dict:
+    """A minimal RayJob of the shape render_rayjob produces (verl entrypoint with quoted Hydra overrides)."""
+    args = ["python3", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
+            f"trainer.default_local_dir={ckpt}", "trainer.resume_mode=disable"]
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "verl-grpo"}},
+        "spec": {
+            "entrypoint": shlex.join(args), "jobId": f"{name}-job", "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": 60, "activeDeadlineSeconds": 3600,
+            "rayClusterSpec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {"containers": [
+                {"name": "ray-head", "image": "verlai/verl:latest"}]}}}},
+        },
+    }
+
+
+def make_op(name: str, tmp_path: Path, **kw) -> RayJobOperator:
+    return RayJobOperator(task_id="train", rayjob=rayjob_body(name, "/mnt/ckpt/run1"), namespace=NS,
+                          kubernetes_conn_id=CONN, poll_interval=0.01, metrics_uri=str(tmp_path / "metrics.jsonl"),
+                          checkpoint_uri=str(tmp_path / "ckpt"), **kw)
+
+
+def defer(op: RayJobOperator) -> RayJobTrigger:
+    with pytest.raises(TaskDeferred) as exc:
+        op.execute({})
+    assert exc.value.method_name == "execute_complete"
+    trigger = exc.value.trigger
+    # the triggerer rebuilds the trigger from serialize(): do the same
+    path, kwargs = trigger.serialize()
+    assert path == "operators.rayjob.RayJobTrigger"
+    return RayJobTrigger(**kwargs)
+
+
+def run_trigger(trigger: RayJobTrigger, timeout: float = 30) -> dict:
+    async def first():
+        gen = trigger.run()
+        try:
+            return (await gen.__anext__()).payload
+        finally:
+            await gen.aclose()
+
+    return asyncio.run(asyncio.wait_for(first(), timeout))
+
+
+def metrics_row(step: int, score: float) -> dict:
+    return {"step": step, "data": {"critic/score/mean": score, "actor/entropy": 1.5 - step / 10,
+                                   "response_length/mean": 12.0, "perf/throughput": 100.0 + step,
+                                   "timing_s/step": 2.5, "training/global_step": step}}
+
+
+def test_success_reports_progress_and_returns_xcom(api, tmp_path, capsys):
+    metrics = tmp_path / "metrics.jsonl"
+    api.script("grpo-ok", [
+        {"jobDeploymentStatus": "Initializing"},
+        {"jobDeploymentStatus": "Running", "jobStatus": "PENDING"},
+        {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "log": ["loading model", "step:1 - score:0.25"],
+         "metrics": [metrics_row(1, 0.25)]},
+        {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "log": ["step:2 - score:0.5"],
+         "metrics": [metrics_row(2, 0.5)]},
+        {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "log": ["training done"]},
+    ], metrics_file=metrics)
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
+    op = make_op("grpo-ok", tmp_path)
+    event = run_trigger(defer(op))
+    assert api.count_creates("grpo-ok") == 1
+    assert event["status"] == "success" and event["job_status"] == "SUCCEEDED"
+    assert event["log_tail"][-1] == "training done"
+    text = capsys.readouterr().out  # Airflow's structlog writes task and trigger logs to stdout here
+    assert "progress step 1: critic/score/mean=0.25" in text and "progress step 2: critic/score/mean=0.5" in text
+    assert "job log | loading model" in text and text.count("job log | step:1 - score:0.25") == 1  # no repeats
+    out = op.execute_complete({}, event)
+    assert out["last_step"] == 2 and out["checkpoint_step"] == 2
+    assert out["metrics"]["critic/score/mean"] == 0.5 and out["metrics"]["perf/throughput"] == 102.0
+    assert out["checkpoint_uri"] == str(tmp_path / "ckpt") and out["backend"] == "kuberay"
+    # the created object carries the attempt labels and went through the CRD schema check
+    created = api.creates[0]
+    assert created["metadata"]["labels"][GROUP_LABEL] == "grpo-ok" and created["metadata"]["namespace"] == NS
+
+
+@pytest.mark.parametrize("final, expect", [
+    ({"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed",
+      "message": "Job entrypoint command failed with exit code 1"}, ["jobStatus=FAILED", "exit code 1"]),
+    ({"jobDeploymentStatus": "Complete", "jobStatus": "STOPPED", "message": "Job was stopped"}, ["jobStatus=STOPPED"]),
+    ({"jobDeploymentStatus": "Failed", "jobStatus": "RUNNING", "reason": "DeadlineExceeded",
+      "message": "The RayJob has passed the activeDeadlineSeconds. DeadlineExceeded"}, ["reason=DeadlineExceeded", "activeDeadlineSeconds"]),
+])
+def test_terminal_failures_fail_with_reason_and_message(api, tmp_path, final, expect):
+    api.script("grpo-bad", [{"jobDeploymentStatus": "Initializing"},
+                            {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}, final])
+    op = make_op("grpo-bad", tmp_path)
+    event = run_trigger(defer(op))
+    assert event["status"] == "error"
+    with pytest.raises(JobFailed) as exc:
+        op.execute_complete({}, event)
+    for fragment in ["RayJob grpo-bad failed", *expect]:
+        assert fragment in str(exc.value)
+
+
+def test_validation_failed_fails_without_retry(api, tmp_path):
+    api.script("grpo-invalid", [{"jobDeploymentStatus": "ValidationFailed", "reason": "ValidationFailed",
+                                 "message": "The RayJob spec is invalid: entrypoint must be set in K8sJobMode"}])
+    op = make_op("grpo-invalid", tmp_path)
+    event = run_trigger(defer(op))
+    with pytest.raises(AirflowFailException, match="reason=ValidationFailed.*entrypoint must be set"):
+        op.execute_complete({}, event)
+
+
+def test_worker_dies_mid_wait_and_retry_reattaches_without_second_create(api, tmp_path):
+    api.script("grpo-crash", [
+        {"jobDeploymentStatus": "Initializing"},
+        {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
+        {"wait_for": "worker-restarted"},
+        *SUCCESS[-1:],
+    ])
+
+    async def wait_until_running_then_die(trigger):
+        task = asyncio.ensure_future(trigger.run().__anext__())
+        for _ in range(2000):
+            if (api.status("grpo-crash", NS) or {}).get("jobStatus") == "RUNNING":
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()  # the worker/triggerer process dies here
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(wait_until_running_then_die(defer(make_op("grpo-crash", tmp_path))))
+    assert api.status("grpo-crash", NS)["jobStatus"] == "RUNNING"
+    api.open_gates.add("worker-restarted")
+    retry = make_op("grpo-crash", tmp_path)  # a fresh operator object, as on a new worker
+    event = run_trigger(defer(retry))
+    assert event["status"] == "success" and event["name"] == "grpo-crash"
+    assert api.count_creates() == 1 and api.deletes == []
+    assert retry.execute_complete({}, event)["job"] == "grpo-crash"
+
+
+def test_retry_after_success_reattaches_and_succeeds_again(api, tmp_path):
+    op = make_op("grpo-done", tmp_path)
+    assert run_trigger(defer(op))["status"] == "success"
+    event = run_trigger(defer(make_op("grpo-done", tmp_path)))
+    assert event["status"] == "success" and api.count_creates() == 1
+
+
+def test_create_conflict_reattaches(api, tmp_path):
+    """Another worker created the RayJob between our list and our create (409): attach, do not fail."""
+    from operators.rayjob import RayJobHook
+
+    body = rayjob_body("grpo-race", "/mnt/ckpt/run1")  # created without our labels, so the list misses it
+    RayJobHook(conn_id=CONN).create_rayjob(body, NS)
+    trigger = defer(make_op("grpo-race", tmp_path))
+    assert trigger.name == "grpo-race" and api.count_creates() == 1
+    assert run_trigger(trigger)["status"] == "success"
+
+
+def test_killed_task_deletes_rayjob(api, tmp_path):
+    api.script("grpo-kill", [{"jobDeploymentStatus": "Initializing"}, {"wait_for": "never"}])
+    op = make_op("grpo-kill", tmp_path)
+    defer(op)
+    assert ("training", "grpo-kill") in api.objects
+    op.on_kill()
+    assert api.deletes == ["grpo-kill"] and ("training", "grpo-kill") not in api.objects
+
+
+def test_killed_deferred_task_trigger_deletes_rayjob_and_waiter_reports_it(api, tmp_path):
+    api.script("grpo-kill2", [{"jobDeploymentStatus": "Initializing"}, {"wait_for": "never"}])
+    trigger = defer(make_op("grpo-kill2", tmp_path))
+    asyncio.run(trigger.on_kill())
+    assert api.deletes == ["grpo-kill2"]
+    event = run_trigger(trigger)  # a waiter that outlives the object fails with a clear message
+    assert event["status"] == "error" and "was deleted while the task waited" in event["message"]
+
+
+def test_retry_after_failed_attempt_resumes_from_checkpoint(api, tmp_path):
+    api.script("grpo-resume", [{"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
+                               {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "message": "worker OOM"}])
+    api.script("grpo-resume-r1", SUCCESS)
+    first = make_op("grpo-resume", tmp_path)
+    event = run_trigger(defer(first))
+    with pytest.raises(JobFailed, match="worker OOM"):
+        first.execute_complete({}, event)
+    retry = make_op("grpo-resume", tmp_path)
+    trigger = defer(retry)
+    assert trigger.name == "grpo-resume-r1"
+    assert api.deletes == ["grpo-resume"]  # the failed attempt and its cluster are gone
+    assert api.count_creates() == 2
+    old, new = api.creates
+    old_args, new_args = shlex.split(old["spec"]["entrypoint"]), shlex.split(new["spec"]["entrypoint"])
+    assert new_args[-1] == "trainer.resume_mode=auto"  # Hydra: the last value wins over the earlier 'disable'
+    ckpt = [a for a in old_args if a.startswith("trainer.default_local_dir=")]
+    assert ckpt and [a for a in new_args if a.startswith("trainer.default_local_dir=")] == ckpt
+    assert new["spec"]["jobId"] == "grpo-resume-job-r1" and new["metadata"]["labels"][GROUP_LABEL] == "grpo-resume"
+    assert run_trigger(trigger)["status"] == "success"
+    # a third run (say, cleared after success) re-attaches to attempt 1: no new create
+    assert defer(make_op("grpo-resume", tmp_path)).name == "grpo-resume-r1" and api.count_creates() == 2
+
+
+def test_invalid_body_is_rejected_by_schema(api, tmp_path):
+    if not CRD.is_file():
+        pytest.skip(f"KubeRay CRD not found at {CRD} (../shared is absent): schema check not available")
+    op = make_op("grpo-schema", tmp_path)
+    op.rayjob["spec"]["activeDeadlineSeconds"] = "one hour"
+    from kubernetes.client.exceptions import ApiException
+
+    with pytest.raises(ApiException) as exc:
+        op.execute({})
+    assert exc.value.status == 422 and "activeDeadlineSeconds" in exc.value.body
+    assert api.count_creates() == 0
