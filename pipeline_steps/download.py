@@ -8,6 +8,7 @@ it is read by huggingface_hub itself and never logged.
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import shutil
@@ -32,6 +33,7 @@ def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: 
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -40,7 +42,12 @@ def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: 
     try:
         return Path(
             snapshot_download(
-                repo_id=repo_id, repo_type=repo_type, revision=revision, allow_patterns=list(allow_patterns) or None
+                repo_id=repo_id,
+                repo_type=repo_type,
+                revision=revision,
+                allow_patterns=list(allow_patterns) or None,
+                local_files_only=offline,  # a pinned commit would otherwise still ask the Hub for its file list
+                cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # read now, not at huggingface_hub import
             )
         )
     except RevisionNotFoundError:
@@ -49,19 +56,23 @@ def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: 
         raise UserError(f"{repo_type} {repo_id} is gated; accept its terms on the Hub and set a token (HF connection or HF_TOKEN)") from None
     except RepositoryNotFoundError:
         raise UserError(f"{repo_type} {repo_id} not found (or private without a token); check the name and the HF connection") from None
-    except LocalEntryNotFoundError:
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         where = "in the offline cache" if offline else "locally and the Hub is unreachable"
         raise UserError(f"revision {revision!r} of {repo_type} {repo_id} is not available {where}; pin a revision that is cached or allow network access") from None
 
 
-def materialise(snapshot: Path, dest: Path) -> int:
-    """Copy (hard-link when possible) a snapshot's files into ``dest`` atomically; skip when present."""
+def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
+    """Copy (hard-link when possible) a snapshot's files into ``dest`` atomically; skip when present.
+
+    Files outside ``allow_patterns`` are left out (an offline cache may hold more than was asked for).
+    """
     if (dest / ".complete").exists():
         return 0
     n = 0
     with atomic.atomic_dir(dest) as tmp:
         for src in sorted(snapshot.rglob("*")):
-            if src.is_dir():
+            rel = src.relative_to(snapshot).as_posix()
+            if src.is_dir() or (allow_patterns and not any(fnmatch.fnmatch(rel, pat) for pat in allow_patterns)):
                 continue
             out = tmp / src.relative_to(snapshot)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -80,7 +91,7 @@ def run(args):
     snapshot = fetch_snapshot(spec.repo_id, args.revision, spec.allow_patterns)
     commit = snapshot.name  # snapshot folders are named by the resolved commit
     out = Path(args.dest) / spec.name / commit
-    n = materialise(snapshot, out)
+    n = materialise(snapshot, out, spec.allow_patterns)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != ".complete")
     if not any(f.endswith((".parquet", ".jsonl", ".json", ".csv", ".arrow")) for f in files):
         raise UserError(f"dataset {spec.name} ({spec.repo_id}@{commit[:12]}) has no data files matching {list(spec.allow_patterns)}; check the registry entry")
