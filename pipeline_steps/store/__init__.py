@@ -1,0 +1,34 @@
+"""Object storage for dataset versions, staged models and checkpoints, chosen by URI.
+
+``open_store(uri)`` returns the backend for ``file:///abs/path`` (local disk, the
+embedded default), ``oss://bucket/prefix`` (Alibaba Cloud OSS) or ``gs://bucket/prefix``
+(Google Cloud Storage). Credentials come from the environment (the Airflow operator
+fills it from a connection, see ``operators/storage.py``)::
+
+    store = open_store(uri)
+    store.upload_dir(src_dir, dest_uri)     # -> {"uri","uploaded","skipped","bytes_uploaded","files","manifest_sha256"}
+    store.download_dir(src_uri, dest_dir)   # verifies every file against the manifest
+    store.read_manifest(uri)                # None when the version is incomplete
+    store.list_versions(prefix_uri); store.delete_prefix(uri); store.read_bytes(uri); store.write_bytes(uri, data)
+"""
+from __future__ import annotations
+
+from pipeline_steps.store.base import MANIFEST, Store, StoreURI, conn_id, parse_uri, validate_key
+
+__all__ = ["MANIFEST", "Store", "StoreURI", "conn_id", "open_store", "parse_uri", "validate_key"]
+
+
+def open_store(uri: str) -> Store:
+    """The store that holds ``uri`` (backend imported lazily: only the one in use is loaded)."""
+    u = parse_uri(uri)
+    if u.scheme == "file":
+        from pipeline_steps.store.local import LocalStore
+
+        return LocalStore(u)
+    if u.scheme == "oss":
+        from pipeline_steps.store.oss import OssStore
+
+        return OssStore(u)
+    from pipeline_steps.store.gcs import GcsStore
+
+    return GcsStore(u)

@@ -1,0 +1,431 @@
+"""The store interface, the version manifest and object-key validation.
+
+A *version* is a prefix holding files plus ``_manifest.json`` (path, size,
+sha256 and the backend's native checksum per file). The manifest is written last
+and is the commit marker: a prefix without it is incomplete and is never read.
+
+Backends implement a handful of object primitives (``_head``, ``_put_file``,
+``_get_file``, ``_get_bytes``, ``_put_bytes``, ``_list``, ``_delete``); the version
+logic (skip what is already there and verifies, repair what does not, write the
+manifest last, verify downloads) lives here once.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import sqlite3
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pipeline_steps import atomic
+from pipeline_steps.errors import UserError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "_manifest.json"
+MANIFEST_FORMAT = 1
+SCHEMES = ("file", "oss", "gs")
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
+_CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+_CHUNK = 8 << 20
+
+
+def conn_id() -> str:
+    """The Airflow connection id named in store errors (the credentials' origin)."""
+    return os.environ.get("PIPELINE_STORE_CONN_ID") or "pipeline_store"
+
+
+def validate_key(rel: str, what: str = "object key") -> str:
+    """A relative object key built from validated names, or UserError.
+
+    Rejects absolute paths, ``..``/``.`` and empty segments, backslashes and control
+    characters: keys end up as paths inside mounted buckets, so they must not escape.
+    """
+    if not isinstance(rel, str) or not rel:
+        raise UserError(f"{what} is empty; pass a relative path such as datasets/gsm8k/v1")
+    shown = rel.encode("unicode_escape").decode()[:200]
+    if _CONTROL_RE.search(rel):
+        raise UserError(f"{what} {shown!r} contains control characters; rename it")
+    if rel.startswith("/"):
+        raise UserError(f"{what} {shown!r} is absolute; pass a path relative to the store root")
+    if "\\" in rel:
+        raise UserError(f"{what} {shown!r} contains a backslash; use '/' between names")
+    for seg in rel.split("/"):
+        if seg in ("", ".", ".."):
+            raise UserError(f"{what} {shown!r} has an empty, '.' or '..' segment; pass a normalised relative path")
+    if len(rel.encode("utf-8")) > 1000:
+        raise UserError(f"{what} {shown[:60]!r}... is longer than 1000 bytes; shorten it")
+    return rel
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreURI:
+    scheme: str
+    bucket: str  # "" for file://
+    key: str  # prefix without leading/trailing slash ("" = root); for file:// the absolute path
+
+    def child(self, rel: str) -> "StoreURI":
+        rel = validate_key(rel)
+        if self.scheme == "file":
+            return StoreURI("file", "", str(Path(self.key) / rel))
+        return StoreURI(self.scheme, self.bucket, f"{self.key}/{rel}" if self.key else rel)
+
+    def __str__(self) -> str:
+        if self.scheme == "file":
+            return "file://" + self.key
+        return f"{self.scheme}://{self.bucket}/{self.key}"
+
+
+def parse_uri(uri: str) -> StoreURI:
+    """``file:///abs/path``, ``oss://bucket/prefix`` or ``gs://bucket/prefix`` -> StoreURI (validated)."""
+    if not isinstance(uri, str) or "://" not in uri:
+        raise UserError(f"store URI {uri!r}: expected file:///abs/path, oss://bucket/prefix or gs://bucket/prefix")
+    if _CONTROL_RE.search(uri):
+        raise UserError(f"store URI {uri.encode('unicode_escape').decode()!r} contains control characters")
+    parts = urlsplit(uri)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        raise UserError(f"store URI {uri!r}: scheme {scheme!r} not supported; use file://, oss:// or gs://")
+    if parts.query or parts.fragment:
+        raise UserError(f"store URI {uri!r}: must not contain '?' or '#'")
+    path = parts.path.strip("/")
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise UserError(f"store URI {uri!r}: file URIs need an absolute path, as in file:///data/store")
+        if path:
+            validate_key(path, f"path in store URI {uri!r}")
+        return StoreURI("file", "", "/" + path)
+    bucket = parts.netloc
+    if not _BUCKET_RE.match(bucket):
+        raise UserError(f"store URI {uri!r}: bucket {bucket!r} is not a valid bucket name (lower-case letters, digits, '-', 3-63 chars)")
+    if path:
+        validate_key(path, f"prefix in store URI {uri!r}")
+    return StoreURI(scheme, bucket, path)
+
+
+# -- local checksums ----------------------------------------------------------------------------
+
+
+class _ChecksumCache:
+    """Checksums of local files keyed by (path, size, mtime_ns, inode), so an unchanged
+    directory is not re-read on re-upload (the rsync heuristic). Stored in SQLite under
+    ``$PIPELINE_CACHE_DIR`` (default ``~/.cache/pipeline_steps``); losing it only costs time."""
+
+    def __init__(self):
+        root = Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline_steps")
+        self.db = None
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(root / "checksums.sqlite"), timeout=30, isolation_level=None)
+            self.db.execute("CREATE TABLE IF NOT EXISTS sums (path TEXT, size INT, mtime INT, ino INT, algo TEXT, value TEXT,"
+                            " PRIMARY KEY (path, algo))")
+        except (OSError, sqlite3.Error) as exc:  # read-only home: still correct, just slower
+            log.debug("checksum cache disabled: %s", exc)
+            self.db = None
+
+    def get(self, path: Path, st: os.stat_result, algo: str) -> str | None:
+        if self.db is None:
+            return None
+        row = self.db.execute("SELECT size, mtime, ino, value FROM sums WHERE path=? AND algo=?", (str(path), algo)).fetchone()
+        if row and tuple(row[:3]) == (st.st_size, st.st_mtime_ns, st.st_ino):
+            return row[3]
+        return None
+
+    def put(self, path: Path, st: os.stat_result, algo: str, value: str) -> None:
+        if self.db is not None:
+            self.db.execute("INSERT OR REPLACE INTO sums VALUES (?,?,?,?,?,?)",
+                            (str(path), st.st_size, st.st_mtime_ns, st.st_ino, algo, value))
+
+
+def _native_hasher(algo: str | None):
+    if algo == "crc64ecma":
+        from alibabacloud_oss_v2.crc import Crc64
+
+        c = Crc64(0)
+        return c.update, lambda: str(c.sum64())
+    if algo == "crc32c":
+        import base64
+
+        import google_crc32c
+
+        c = google_crc32c.Checksum()
+        return c.update, lambda: base64.b64encode(c.digest()).decode()
+    return None
+
+
+def file_checksums(path: Path, native: str | None, cache: _ChecksumCache | None = None) -> dict[str, str]:
+    """sha256 (and the backend's native checksum) of a local file, in one read."""
+    st = path.stat()
+    algos = ["sha256"] + ([native] if native and native != "sha256" else [])
+    if cache:
+        got = {a: cache.get(path, st, a) for a in algos}
+        if all(got.values()):
+            return got
+    sha = hashlib.sha256()
+    nat = _native_hasher(native) if native != "sha256" else None
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            if nat:
+                nat[0](chunk)
+    out = {"sha256": sha.hexdigest()}
+    if nat:
+        out[native] = nat[1]()
+    if cache and path.stat().st_mtime_ns == st.st_mtime_ns:  # not modified while we read it
+        for a, v in out.items():
+            cache.put(path, st, a, v)
+    return out
+
+
+def _source_files(src: Path) -> list[tuple[str, Path]]:
+    if not src.is_dir():
+        raise UserError(f"--src {src}: not a directory; pass the directory to upload")
+    files = []
+    for p in sorted(src.rglob("*")):
+        if p.is_dir():
+            continue
+        rel = p.relative_to(src).as_posix()
+        if rel.startswith(".tmp-") or "/.tmp-" in rel:  # atomic.py leftovers of a crashed writer
+            continue
+        validate_key(rel, f"file name {rel!r} in --src {src}")
+        if rel == MANIFEST:
+            raise UserError(f"--src {src} contains {MANIFEST}, the store's reserved commit marker; rename that file")
+        if not p.exists():
+            raise UserError(f"--src {src}: {rel} is a broken symlink; fix or remove it")
+        files.append((rel, p))
+    if not files:
+        raise UserError(f"--src {src}: directory is empty; nothing to upload")
+    return files
+
+
+@dataclasses.dataclass
+class ObjectInfo:
+    size: int
+    checksum: str | None  # the backend's native checksum, when it reports one
+
+
+class Store(abc.ABC):
+    """One backend. All public methods take full URIs of this store's scheme (and bucket)."""
+
+    scheme: str = ""
+    native: str | None = None  # name of the server-side checksum in the manifest ("crc64ecma", "crc32c", "sha256")
+
+    def __init__(self, root: StoreURI):
+        self.root = root
+
+    # -- primitives (keys are full object keys in the bucket, or absolute paths for file://) ----------
+    @abc.abstractmethod
+    def _head(self, key: str) -> ObjectInfo | None: ...
+
+    @abc.abstractmethod
+    def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> None: ...
+
+    @abc.abstractmethod
+    def _get_file(self, key: str, path: Path) -> None: ...
+
+    @abc.abstractmethod
+    def _get_bytes(self, key: str) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def _put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
+        """(object keys, common prefixes) under ``prefix`` (prefix ends with '/' or is '')."""
+
+    @abc.abstractmethod
+    def _delete(self, keys: list[str]) -> int: ...
+
+    def _cleanup_incomplete(self, prefix: str) -> int:
+        """Abort multipart uploads left open under ``prefix`` (backends that have them)."""
+        return 0
+
+    # -- URI helpers ------------------------------------------------------------------------------
+    def _parse(self, uri: str) -> StoreURI:
+        u = parse_uri(uri)
+        if u.scheme != self.scheme or u.bucket != self.root.bucket:
+            raise UserError(f"store URI {uri!r} belongs to another store than {self.root}; open a store for it")
+        return u
+
+    @staticmethod
+    def _join(prefix: str, rel: str) -> str:
+        return f"{prefix}/{rel}" if prefix else rel
+
+    # -- public API -------------------------------------------------------------------------------
+    def read_bytes(self, uri: str) -> bytes | None:
+        """A small object's bytes, or None when it does not exist."""
+        return self._get_bytes(self._parse(uri).key)
+
+    def write_bytes(self, uri: str, data: bytes) -> None:
+        """Write a small object in one request (replaces it atomically)."""
+        u = self._parse(uri)
+        validate_key(u.key.lstrip("/"), f"object {uri!r}")
+        self._put_bytes(u.key, data)
+
+    def read_manifest(self, uri: str) -> dict | None:
+        """The version's manifest, or None when the version is incomplete (no manifest yet)."""
+        u = self._parse(uri)
+        raw = self._get_bytes(self._join(u.key, MANIFEST))
+        if raw is None:
+            return None
+        try:
+            manifest = json.loads(raw)
+            if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), list):
+                raise ValueError("unknown format")
+        except (ValueError, AttributeError):
+            raise UserError(f"{uri}/{MANIFEST} is not a manifest this version understands; re-upload the version") from None
+        return manifest
+
+    def list_versions(self, prefix_uri: str) -> list[str]:
+        """URIs of the child prefixes of ``prefix_uri`` that hold a manifest (complete versions)."""
+        u = self._parse(prefix_uri)
+        base = f"{u.key}/" if u.key else ""
+        _, children = self._list(base, "/")
+        out = []
+        for child in sorted(children):
+            name = child[len(base):].strip("/")
+            if name and self._head(self._join(child.rstrip("/"), MANIFEST)) is not None:
+                out.append(str(u.child(name)))
+        return out
+
+    def delete_prefix(self, uri: str) -> int:
+        """Delete every object under ``uri`` (manifest first, so readers never see a half-deleted version)."""
+        u = self._parse(uri)
+        if not u.key.strip("/"):
+            raise UserError(f"refusing to delete the whole store {uri!r}; pass a version prefix")
+        base = u.key.rstrip("/") + "/"
+        keys, _ = self._list(base, None)
+        manifest = self._join(u.key, MANIFEST)
+        n = 0
+        if manifest in keys:
+            n += self._delete([manifest])
+        n += self._delete([k for k in keys if k != manifest])
+        self._cleanup_incomplete(base)
+        return n
+
+    def upload_dir(self, src_dir: str | os.PathLike, dest_uri: str) -> dict:
+        """Upload ``src_dir`` as the version ``dest_uri``; idempotent and resumable.
+
+        Files already stored with the right size and checksum are skipped (nothing
+        sent); missing or different ones (an interrupted run, a corrupted object) are
+        uploaded; the manifest is written last. Returns
+        ``{"uri","uploaded","skipped","bytes_uploaded","files","manifest_sha256"}``.
+        """
+        src = Path(src_dir)
+        u = self._parse(dest_uri)
+        if not u.key.strip("/"):
+            raise UserError(f"--dest {dest_uri!r} is a store root; upload into a version prefix such as .../datasets/<name>/<rev>")
+        files = _source_files(src)
+        cache = _ChecksumCache()
+        old_raw = self._get_bytes(self._join(u.key, MANIFEST))
+        entries, uploaded, skipped, sent = [], 0, 0, 0
+        for rel, path in files:
+            sums = file_checksums(path, self.native, cache)
+            size = path.stat().st_size
+            entry = {"path": rel, "size": size, **sums}
+            entries.append(entry)
+        manifest_bytes = render_manifest(entries, self.native)
+        if old_raw is not None and old_raw != manifest_bytes:
+            # The version's content changes: withdraw the commit marker first so no reader
+            # trusts a manifest that no longer matches the objects.
+            self._delete([self._join(u.key, MANIFEST)])
+        for entry, (rel, path) in zip(entries, files):
+            key = self._join(u.key, rel)
+            info = self._head(key)
+            want = entry.get(self.native) if self.native else None
+            if info is not None and info.size == entry["size"] and want is not None and info.checksum == want:
+                skipped += 1
+                continue
+            if info is not None:
+                log.warning("%s: stored object differs (size %s, checksum %s); re-uploading", key, info.size, info.checksum)
+            self._put_file(path, key, entry["size"], entry)
+            uploaded += 1
+            sent += entry["size"]
+        if old_raw != manifest_bytes:
+            self._put_bytes(self._join(u.key, MANIFEST), manifest_bytes)
+            sent += len(manifest_bytes)
+        aborted = self._cleanup_incomplete(self._join(u.key, ""))
+        if aborted:
+            log.info("aborted %d stale multipart upload(s) under %s", aborted, dest_uri)
+        summary = {
+            "uri": str(u),
+            "uploaded": uploaded,
+            "skipped": skipped,
+            "bytes_uploaded": sent,
+            "files": len(entries),
+            "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+        }
+        log.info("upload %s -> %s: %d uploaded, %d skipped, %d bytes sent", src, u, uploaded, skipped, sent)
+        return summary
+
+    def verify(self, uri: str) -> tuple[dict | None, list[str]]:
+        """(manifest, problems): compare every stored object's size and native checksum with the manifest."""
+        manifest = self.read_manifest(uri)
+        if manifest is None:
+            return None, ["no manifest"]
+        u = self._parse(uri)
+        problems = []
+        for e in manifest["files"]:
+            info = self._head(self._join(u.key, validate_key(e["path"], f"manifest path in {uri}")))
+            if info is None:
+                problems.append(f"{e['path']}: missing")
+            elif info.size != e["size"] or (self.native and info.checksum != e.get(self.native)):
+                problems.append(f"{e['path']}: size/checksum differs from the manifest")
+        return manifest, problems
+
+    def download_dir(self, src_uri: str, dest_dir: str | os.PathLike) -> dict:
+        """Download a complete version into ``dest_dir`` (atomically), verifying every file's
+        size and sha256 against the manifest; UserError on an incomplete version or a mismatch."""
+        u = self._parse(src_uri)
+        manifest = self.read_manifest(src_uri)
+        if manifest is None:
+            raise UserError(f"{src_uri} has no {MANIFEST}: the version is incomplete or absent; upload it first")
+        dest = Path(dest_dir)
+        total = 0
+        with atomic.atomic_dir(dest) as tmp:
+            for e in manifest["files"]:
+                rel = validate_key(e["path"], f"manifest path in {src_uri}")
+                out = tmp / rel
+                out.parent.mkdir(parents=True, exist_ok=True)
+                self._get_file(self._join(u.key, rel), out)
+                got = file_checksums(out, None)
+                if out.stat().st_size != e["size"] or got["sha256"] != e["sha256"]:
+                    raise UserError(
+                        f"{src_uri}/{rel}: stored object does not match the manifest (sha256 {got['sha256'][:12]} != "
+                        f"{e['sha256'][:12]}); the version is corrupted, re-upload it from its source")
+                total += e["size"]
+        return {"uri": str(u), "path": str(dest), "files": len(manifest["files"]), "bytes": total}
+
+
+def render_manifest(entries: list[dict], native: str | None) -> bytes:
+    """Deterministic manifest bytes: the same files give the same manifest (no timestamps)."""
+    files = sorted(entries, key=lambda e: e["path"])
+    doc = {
+        "format": MANIFEST_FORMAT,
+        "native": native,
+        "files": files,
+        "file_count": len(files),
+        "total_bytes": sum(e["size"] for e in files),
+    }
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def copy_file(src: Path, dest: Path) -> None:
+    """Stream-copy a file into place atomically (temp sibling + rename)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}")
+    try:
+        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+            shutil.copyfileobj(fi, fo, _CHUNK)
+            fo.flush()
+            os.fsync(fo.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,160 @@
+"""``gs://bucket/prefix``: Google Cloud Storage through ``google-cloud-storage``.
+
+Files at or above one part go through resumable uploads in ``PIPELINE_STORE_PART_MB``
+chunks (memory bounded by one chunk); smaller files are single-request uploads.
+Every upload and download is CRC32C-checked by the library; CRC32C is also the
+native checksum the manifest records and re-runs compare against (object
+metadata, no data read). Parallel composite/XML multipart uploads
+(``transfer_manager.upload_chunks_concurrently``) are not used: the local emulators
+do not support them, and a code path that cannot be tested here is not shipped.
+
+Environment: ``GOOGLE_APPLICATION_CREDENTIALS`` (key file path) or ``GCS_KEYFILE_JSON``
+(key file content, from a connection's ``keyfile_dict``), ``GOOGLE_CLOUD_PROJECT``;
+``STORAGE_EMULATOR_HOST`` points the client at an emulator (no credentials then).
+``PIPELINE_STORE_RETRY_DEADLINE`` (seconds, 60) bounds retries of transient errors.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from pipeline_steps.errors import UserError
+from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id
+from pipeline_steps.store.oss import _tuning
+
+log = logging.getLogger(__name__)
+
+
+class GcsStore(Store):
+    scheme = "gs"
+    native = "crc32c"
+
+    def __init__(self, root: StoreURI):
+        super().__init__(root)
+        from google.api_core import exceptions as gexc
+        from google.cloud import storage
+        from google.cloud.storage.retry import DEFAULT_RETRY
+
+        self._gexc = gexc
+        self.part_size, _ = _tuning()
+        self.part_size = max(256 << 10, self.part_size // (256 << 10) * (256 << 10))  # GCS chunks: multiples of 256 KiB
+        deadline = float(os.environ.get("PIPELINE_STORE_RETRY_DEADLINE", "60"))
+        self.retry = DEFAULT_RETRY.with_timeout(deadline)
+        self.timeout = (float(os.environ.get("PIPELINE_STORE_CONNECT_TIMEOUT", "10")), 120)
+        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
+        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        self.endpoint = emulator or "storage.googleapis.com"
+        credentials = None
+        keyfile_json = os.environ.get("GCS_KEYFILE_JSON")
+        with self._errors("connect", ""):
+            if emulator:
+                from google.auth.credentials import AnonymousCredentials
+
+                credentials, project = AnonymousCredentials(), project or "test-project"
+            elif keyfile_json:
+                from google.oauth2 import service_account
+
+                try:
+                    info = json.loads(keyfile_json)
+                    credentials = service_account.Credentials.from_service_account_info(info)
+                except (ValueError, KeyError, TypeError):
+                    raise UserError(f"store connection {conn_id()!r}: its GCS key file JSON is not a valid service-account key; paste the key file again") from None
+                project = project or info.get("project_id")
+            self.client = storage.Client(project=project, credentials=credentials)
+        self.bucket_name = root.bucket
+        self.bucket = self.client.bucket(root.bucket)
+        self._bucket_checked = False
+
+    @contextlib.contextmanager
+    def _errors(self, op: str, key: str):
+        """Library errors -> one-line UserError naming the connection id; never a secret."""
+        gexc = self._gexc
+        cid = conn_id()
+        where = f"gs://{self.root.bucket}/{key}" if key else f"gs://{self.root.bucket}"
+        try:
+            yield
+        except UserError:
+            raise
+        except (gexc.Unauthorized, gexc.Forbidden) as exc:
+            raise UserError(f"store connection {cid!r}: GCS refused the credentials for {where} (HTTP {exc.code}); check the connection's key file and project") from None
+        except gexc.NotFound:
+            raise UserError(f"store connection {cid!r}: bucket {self.root.bucket!r} does not exist (GCS {op} {where}); create it or fix the URI") from None
+        except gexc.GoogleAPICallError as exc:
+            raise UserError(f"store connection {cid!r}: GCS {op} {where} failed (HTTP {exc.code})") from None
+        except Exception as exc:
+            import google.auth.exceptions as gae
+            import requests
+            from google.resumable_media import DataCorruption
+
+            if isinstance(exc, DataCorruption):
+                raise UserError(f"GCS {op} {where}: CRC32C mismatch between client and server; the transfer was corrupted, re-run") from None
+            if isinstance(exc, gae.DefaultCredentialsError):
+                raise UserError(f"store connection {cid!r}: no GCS credentials found; set the connection's key_path/keyfile_dict (or GOOGLE_APPLICATION_CREDENTIALS)") from None
+            if isinstance(exc, (gae.TransportError, gae.RefreshError, requests.ConnectionError, requests.Timeout, gexc.RetryError)):
+                raise UserError(f"store connection {cid!r}: cannot reach GCS at {self.endpoint} or get a token ({exc.__class__.__name__}); check the connection and the network") from None
+            raise
+
+    def _ensure_bucket(self):
+        if self._bucket_checked:
+            return
+        with self._errors("get-bucket", ""):
+            self.client.get_bucket(self.bucket_name, retry=self.retry, timeout=self.timeout)
+        self._bucket_checked = True
+
+    # -- primitives -------------------------------------------------------------------------------
+    def _head(self, key: str) -> ObjectInfo | None:
+        self._ensure_bucket()
+        with self._errors("head", key):
+            blob = self.bucket.get_blob(key, retry=self.retry, timeout=self.timeout)
+        if blob is None:
+            return None
+        return ObjectInfo(size=int(blob.size), checksum=blob.crc32c)
+
+    def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> None:
+        self._ensure_bucket()
+        blob = self.bucket.blob(key, chunk_size=self.part_size if size >= self.part_size else None)
+        with self._errors("upload", key):
+            blob.upload_from_filename(str(path), checksum="crc32c", retry=self.retry, timeout=self.timeout)
+        if blob.crc32c and blob.crc32c != checksums.get(self.native):
+            raise UserError(f"{path}: changed while it was uploaded (CRC32C {blob.crc32c} != {checksums.get(self.native)}); re-run when the source is stable")
+
+    def _get_file(self, key: str, path: Path) -> None:
+        self._ensure_bucket()
+        blob = self.bucket.blob(key, chunk_size=self.part_size)
+        with self._errors("download", key):
+            blob.download_to_filename(str(path), checksum="crc32c", retry=self.retry, timeout=self.timeout)
+
+    def _get_bytes(self, key: str) -> bytes | None:
+        self._ensure_bucket()
+        with self._errors("get", key):
+            try:
+                return self.bucket.blob(key).download_as_bytes(retry=self.retry, timeout=self.timeout)
+            except self._gexc.NotFound:
+                return None
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        self._ensure_bucket()
+        with self._errors("put", key):
+            self.bucket.blob(key).upload_from_string(data, checksum="crc32c", retry=self.retry, timeout=self.timeout)
+
+    def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
+        self._ensure_bucket()
+        with self._errors("list", prefix):
+            it = self.client.list_blobs(self.bucket_name, prefix=prefix, delimiter=delimiter, retry=self.retry, timeout=self.timeout)
+            keys = [b.name for b in it]
+            return keys, sorted(it.prefixes)
+
+    def _delete(self, keys: list[str]) -> int:
+        self._ensure_bucket()
+        n = 0
+        for k in keys:
+            with self._errors("delete", k):
+                try:
+                    self.bucket.blob(k).delete(retry=self.retry, timeout=self.timeout)
+                    n += 1
+                except self._gexc.NotFound:
+                    pass
+        return n

@@ -1,0 +1,220 @@
+"""``oss://bucket/prefix``: Alibaba Cloud OSS through ``alibabacloud-oss-v2``.
+
+Files go through the SDK's upload manager (parallel multipart above one part, one
+PutObject below it) with its checkpoint files, so a killed upload resumes from its
+last complete part on the next run; downloads use its download manager. The SDK's
+CRC64-ECMA checks stay on: each part and the whole object are verified against
+the server's ``x-oss-hash-crc64ecma``, which is also the native checksum the
+manifest records and re-runs compare against (HeadObject, no data read).
+
+Environment (the Airflow side fills it from a connection, see operators/storage.py):
+``OSS_ACCESS_KEY_ID``, ``OSS_ACCESS_KEY_SECRET`` (``OSS_SESSION_TOKEN``), ``OSS_REGION``,
+``OSS_ENDPOINT``; ``OSS_PATH_STYLE=true`` forces path-style addressing (automatic for
+IP/localhost endpoints). Tuning: ``PIPELINE_STORE_PART_MB`` (16), ``PIPELINE_STORE_PARALLEL`` (4):
+peak memory is bounded by parts in flight x part size.
+"""
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from pipeline_steps.errors import UserError
+from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id
+
+log = logging.getLogger(__name__)
+
+
+def _tuning() -> tuple[int, int]:
+    try:
+        part = int(float(os.environ.get("PIPELINE_STORE_PART_MB", "16")) * (1 << 20))
+        par = int(os.environ.get("PIPELINE_STORE_PARALLEL", "4"))
+    except ValueError:
+        raise UserError("PIPELINE_STORE_PART_MB / PIPELINE_STORE_PARALLEL must be numbers") from None
+    return max(part, 100 << 10), max(par, 1)
+
+
+def checkpoint_dir() -> str:
+    root = Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline_steps") / "oss-checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    return str(root) + os.sep  # the SDK takes dirname() of this value
+
+
+class OssStore(Store):
+    scheme = "oss"
+    native = "crc64ecma"
+
+    def __init__(self, root: StoreURI):
+        super().__init__(root)
+        import alibabacloud_oss_v2 as oss
+
+        self._oss = oss
+        self.bucket = root.bucket
+        self.part_size, self.parallel = _tuning()
+        region = os.environ.get("OSS_REGION", "")
+        endpoint = os.environ.get("OSS_ENDPOINT", "")
+        if not region:
+            raise UserError(f"store connection {conn_id()!r}: no OSS region; set the connection's extra 'region' (or OSS_REGION), e.g. cn-hangzhou")
+        key_id, secret = os.environ.get("OSS_ACCESS_KEY_ID", ""), os.environ.get("OSS_ACCESS_KEY_SECRET", "")
+        if not key_id or not secret:
+            raise UserError(f"store connection {conn_id()!r}: no OSS credentials; set its login/password (or OSS_ACCESS_KEY_ID/OSS_ACCESS_KEY_SECRET)")
+        cfg = oss.config.load_default()
+        cfg.credentials_provider = oss.credentials.StaticCredentialsProvider(key_id, secret, os.environ.get("OSS_SESSION_TOKEN") or None)
+        cfg.region = region
+        if endpoint:
+            cfg.endpoint = endpoint
+        cfg.use_path_style = _path_style(endpoint)
+        cfg.connect_timeout = float(os.environ.get("PIPELINE_STORE_CONNECT_TIMEOUT", "10"))
+        cfg.retry_max_attempts = int(os.environ.get("PIPELINE_STORE_RETRIES", "3"))
+        self.endpoint = endpoint or f"oss-{region}.aliyuncs.com"
+        self.client = oss.Client(cfg)
+        self._bucket_checked = False
+
+    # -- errors -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _errors(self, op: str, key: str = ""):
+        """SDK errors -> one-line UserError naming the connection id; never a secret."""
+        oss = self._oss
+        try:
+            yield
+        except UserError:
+            raise
+        except Exception as exc:
+            where = f"oss://{self.bucket}/{key}" if key else f"oss://{self.bucket}"
+            err = exc
+            while hasattr(err, "unwrap") and err.unwrap() is not None and err.unwrap() is not err:
+                err = err.unwrap()
+            cid = conn_id()
+            if isinstance(err, oss.exceptions.ServiceError):
+                code = err.code or f"HTTP {err.status_code}"
+                if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "SecurityTokenExpired", "InvalidSecurityToken"):
+                    raise UserError(f"store connection {cid!r}: OSS refused the credentials for {where} ({code}); check the connection's key id and secret") from None
+                if code == "NoSuchBucket":
+                    raise UserError(f"store connection {cid!r}: bucket {self.bucket!r} does not exist at {self.endpoint} (NoSuchBucket); create it or fix the URI/region") from None
+                raise UserError(f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code})") from None
+            if isinstance(err, oss.exceptions.InconsistentError):
+                raise UserError(f"OSS {op} {where}: CRC64 mismatch between client and server; the transfer was corrupted, re-run") from None
+            if isinstance(err, (oss.exceptions.RequestError, ConnectionError)):
+                raise UserError(f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} ({err.__class__.__name__}); check the connection's endpoint/region and the network") from None
+            raise
+
+    def _ensure_bucket(self):
+        """One cheap request up front so bad credentials/bucket/endpoint fail with a clear line."""
+        if self._bucket_checked:
+            return
+        with self._errors("list", self.root.key):
+            self.client.list_objects_v2(self._oss.ListObjectsV2Request(bucket=self.bucket, prefix=self.root.key, max_keys=1))
+        self._bucket_checked = True
+
+    # -- primitives -------------------------------------------------------------------------------
+    def _head(self, key: str) -> ObjectInfo | None:
+        self._ensure_bucket()
+        oss = self._oss
+        with self._errors("head", key):
+            try:
+                r = self.client.head_object(oss.HeadObjectRequest(bucket=self.bucket, key=key))
+            except oss.exceptions.OperationError as exc:
+                se = exc.unwrap()
+                if isinstance(se, oss.exceptions.ServiceError) and se.code == "NoSuchKey":
+                    return None
+                raise
+        return ObjectInfo(size=int(r.content_length), checksum=r.hash_crc64)
+
+    def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> None:
+        self._ensure_bucket()
+        oss = self._oss
+        uploader = self.client.uploader(part_size=self.part_size, parallel_num=self.parallel)
+        with self._errors("upload", key):
+            try:
+                result = uploader.upload_file(
+                    oss.PutObjectRequest(bucket=self.bucket, key=key), str(path),
+                    enable_checkpoint=True, checkpoint_dir=checkpoint_dir(),
+                )
+            except oss.uploader.UploadError as exc:
+                # With checkpoints the SDK keeps parts for a resume; after an error (not a kill) we abort
+                # instead, so no multipart upload is left behind (a retry starts the file afresh).
+                if exc.upload_id:
+                    with contextlib.suppress(Exception):
+                        self.client.abort_multipart_upload(oss.AbortMultipartUploadRequest(bucket=self.bucket, key=key, upload_id=exc.upload_id))
+                raise
+        if result.hash_crc64 is not None and result.hash_crc64 != checksums.get(self.native):
+            raise UserError(f"{path}: changed while it was uploaded (CRC64 {result.hash_crc64} != {checksums.get(self.native)}); re-run when the source is stable")
+
+    def _get_file(self, key: str, path: Path) -> None:
+        self._ensure_bucket()
+        oss = self._oss
+        downloader = self.client.downloader(part_size=self.part_size, parallel_num=self.parallel)
+        with self._errors("download", key):
+            downloader.download_file(oss.GetObjectRequest(bucket=self.bucket, key=key), str(path))
+
+    def _get_bytes(self, key: str) -> bytes | None:
+        self._ensure_bucket()
+        oss = self._oss
+        with self._errors("get", key):
+            try:
+                r = self.client.get_object(oss.GetObjectRequest(bucket=self.bucket, key=key))
+            except oss.exceptions.OperationError as exc:
+                se = exc.unwrap()
+                if isinstance(se, oss.exceptions.ServiceError) and se.code == "NoSuchKey":
+                    return None
+                raise
+            with contextlib.closing(r.body):
+                return r.body.read()
+
+    def _put_bytes(self, key: str, data: bytes) -> None:
+        self._ensure_bucket()
+        with self._errors("put", key):
+            self.client.put_object(self._oss.PutObjectRequest(bucket=self.bucket, key=key, body=data))
+
+    def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
+        self._ensure_bucket()
+        keys, prefixes = [], []
+        with self._errors("list", prefix):
+            pages = self.client.list_objects_v2_paginator().iter_page(
+                self._oss.ListObjectsV2Request(bucket=self.bucket, prefix=prefix, delimiter=delimiter or None))
+            for page in pages:
+                keys += [o.key for o in page.contents or []]
+                prefixes += [p.prefix for p in page.common_prefixes or []]
+        return keys, prefixes
+
+    def _delete(self, keys: list[str]) -> int:
+        if not keys:
+            return 0
+        self._ensure_bucket()
+        oss = self._oss
+        n = 0
+        with self._errors("delete", keys[0]):
+            for i in range(0, len(keys), 1000):
+                batch = [oss.DeleteObject(key=k) for k in keys[i:i + 1000]]
+                self.client.delete_multiple_objects(oss.DeleteMultipleObjectsRequest(bucket=self.bucket, objects=batch, quiet=True))
+                n += len(batch)
+        return n
+
+    def _cleanup_incomplete(self, prefix: str) -> int:
+        self._ensure_bucket()
+        oss = self._oss
+        n = 0
+        with self._errors("abort-multipart", prefix):
+            pages = self.client.list_multipart_uploads_paginator().iter_page(
+                oss.ListMultipartUploadsRequest(bucket=self.bucket, prefix=prefix))
+            for page in pages:
+                for up in page.uploads or []:
+                    self.client.abort_multipart_upload(oss.AbortMultipartUploadRequest(bucket=self.bucket, key=up.key, upload_id=up.upload_id))
+                    n += 1
+        return n
+
+
+def _path_style(endpoint: str) -> bool:
+    if os.environ.get("OSS_PATH_STYLE", "").lower() in ("1", "true", "yes"):
+        return True
+    host = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+        return True  # virtual-hosted names cannot be formed on an IP address
+    except ValueError:
+        return False

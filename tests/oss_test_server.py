@@ -1,0 +1,339 @@
+"""A small Alibaba OSS-dialect HTTP server for tests, on moto's in-process S3 backend.
+
+No local server speaks OSS: ``alibabacloud-oss-v2`` signs with ``OSS4-HMAC-SHA256``,
+sends ``x-oss-*`` headers, expects namespace-free XML and checks CRC64-ECMA
+headers. This layer sits in front of moto's S3 Flask app (called in process
+through werkzeug's test client, no second server) and translates:
+
+- request headers ``x-oss-*`` -> ``x-amz-*``; response headers ``x-amz-*`` -> ``x-oss-*``;
+- response XML: the S3 namespace is stripped (the SDK parses plain tag names);
+- ``x-oss-hash-crc64ecma``: a real CRC64-ECMA (computed with the SDK's own
+  ``Crc64``) on PutObject and UploadPart (of the body received), on
+  CompleteMultipartUpload (combined from the parts, as OSS does), on GetObject and
+  HeadObject (of the whole stored object), and ``<HashCrc64ecma>`` per part in
+  ListParts, so the SDK's CRC checks in put, the uploader (including resume) and
+  the downloader really run;
+- authentication: the V4 signature is recomputed from the request with the
+  server's secret; an unknown key id answers 403 ``InvalidAccessKeyId``, a wrong
+  secret 403 ``SignatureDoesNotMatch`` (OSS error codes and XML shape).
+
+Covered for real (moto's S3 semantics): bucket create/head, Put/Get/Head/Delete
+object, ranged GET, ListObjectsV2 with prefix/delimiter/continuation,
+DeleteMultipleObjects, multipart initiate/upload-part/complete/abort/list-parts/
+list-multipart-uploads, NoSuchBucket/NoSuchKey errors.
+
+Not covered: virtual-hosted addressing (clients must use path style), STS tokens
+and presigned URLs (query-string auth), ACLs, versioning, OSS-only APIs (append,
+symlink, restore, tagging differences), server-side encryption, request time skew
+and exact OSS error ``EC`` codes.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import hmac
+import re
+import threading
+import uuid
+import xml.etree.ElementTree as ET
+from email.utils import formatdate
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+from alibabacloud_oss_v2.crc import Crc64
+
+_NS_RE = re.compile(rb'\sxmlns="[^"]*"')
+_AUTH_RE = re.compile(r"OSS4-HMAC-SHA256 Credential=([^/]+)/(\d{8})/([^/]+)/([^/]+)/aliyun_v4_request"
+                      r"(?:,\s*AdditionalHeaders=([^,]*))?,\s*Signature=([0-9a-f]+)")
+_CRC_COMBINE = None
+
+
+def crc64(data: bytes, crc: int = 0) -> int:
+    c = Crc64(crc)
+    c.update(data)
+    return c.sum64()
+
+
+def _combine(crc1: int, crc2: int, len2: int) -> int:
+    return Crc64.combine(crc1, crc2, len2)
+
+
+def _signature(secret: str, date: str, region: str, product: str, string_to_sign: str) -> str:
+    key = ("aliyun_v4" + secret).encode()
+    for part in (date, region, product, "aliyun_v4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    return hmac.new(key, string_to_sign.encode(), hashlib.sha256).hexdigest()
+
+
+class OssTestServer:
+    """``with OssTestServer(key_id, secret) as srv: srv.endpoint`` -> ``http://127.0.0.1:<port>``.
+
+    :param access_key_id: the only key id the server accepts
+    :param access_key_secret: its secret (used to verify V4 signatures)
+    :param region: region name expected in the signature scope
+    :param port: 0 picks a free port on 127.0.0.1
+    """
+
+    def __init__(self, access_key_id: str, access_key_secret: str, region: str = "cn-test", port: int = 0):
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.moto_server.werkzeug_app import create_backend_app
+        from moto.s3.models import s3_backends
+        from werkzeug.test import Client
+
+        self.credentials = {access_key_id: access_key_secret}
+        self.region = region
+        self._app = Client(create_backend_app("s3"))
+        self._backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+        self._lock = threading.Lock()  # moto's backend is not meant for concurrent mutation
+        self._crc_cache: dict[tuple[str, str, str], int] = {}
+        self._part_crc: dict[tuple[str, int], tuple[int, int]] = {}
+        self.requests: list[tuple[str, str]] = []  # (method, path?query) for assertions
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    @property
+    def port(self) -> int:
+        return self._httpd.server_address[1]
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "OssTestServer":
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="oss-test-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread:
+            self._thread.join(timeout=5)
+        self._backend.reset()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- helpers for tests (direct backend access, as an operator with console access would have) ----
+    def create_bucket(self, name: str) -> None:
+        with self._lock:
+            self._backend.create_bucket(name, "us-east-1")
+
+    def object_bytes(self, bucket: str, key: str) -> bytes:
+        with self._lock:
+            return self._backend.get_object(bucket, key).value
+
+    def keys(self, bucket: str) -> list[str]:
+        with self._lock:
+            return sorted(self._backend.get_bucket(bucket).keys.keys())
+
+    def open_multipart_uploads(self, bucket: str) -> list[str]:
+        with self._lock:
+            return sorted(mp.key_name for mp in self._backend.get_bucket(bucket).multiparts.values())
+
+    # -- translation ---------------------------------------------------------------------------------
+    def _object_crc(self, bucket: str, key: str) -> int | None:
+        try:
+            obj = self._backend.get_object(bucket, key)
+        except Exception:
+            return None
+        if obj is None:
+            return None
+        ck = (bucket, key, obj.etag)
+        if ck not in self._crc_cache:
+            c = Crc64(0)
+            with obj.lock:  # stream the stored buffer; objects may be large (benchmarks)
+                obj._value_buffer.seek(0)
+                while chunk := obj._value_buffer.read(8 << 20):
+                    c.update(chunk)
+            self._crc_cache[ck] = c.sum64()
+        return self._crc_cache[ck]
+
+    def _check_auth(self, method: str, raw_path: str, raw_query: str, headers: dict[str, str]) -> tuple[int, str, str] | None:
+        auth = headers.get("authorization", "")
+        m = _AUTH_RE.fullmatch(auth.strip())
+        if not m:
+            return 403, "AccessDenied", "missing or malformed OSS4-HMAC-SHA256 Authorization header"
+        key_id, date, region, product, additional, signature = m.groups()
+        secret = self.credentials.get(key_id)
+        if secret is None:
+            return 403, "InvalidAccessKeyId", "The OSS Access Key Id you provided does not exist in our records."
+        additional_list = [h for h in (additional or "").split(";") if h]
+        path = unquote(raw_path)
+        segs = path.lstrip("/").split("/", 1)
+        uri = "/" + (segs[0] + "/" + (segs[1] if len(segs) > 1 else "") if segs[0] else "")
+        canonical_uri = quote(uri, safe="/")
+        pairs = sorted(p.partition("=")[::2] for p in raw_query.split("&") if p) if raw_query else []
+        canonical_query = "&".join(f"{k}={v}" if v else k for k, v in pairs)
+        signed = sorted(
+            (k, v) for k, v in headers.items()
+            if k.startswith("x-oss-") or k in ("content-type", "content-md5") or k in additional_list
+        )
+        canonical_headers = "".join(f"{k}:{v}\n" for k, v in signed)
+        payload = headers.get("x-oss-content-sha256", "UNSIGNED-PAYLOAD")
+        canonical = f"{method}\n{canonical_uri}\n{canonical_query}\n{canonical_headers}\n{';'.join(additional_list)}\n{payload}"
+        scope = f"{date}/{region}/{product}/aliyun_v4_request"
+        sts = "\n".join(["OSS4-HMAC-SHA256", headers.get("x-oss-date", ""), scope, hashlib.sha256(canonical.encode()).hexdigest()])
+        if os.environ.get("OSS_TEST_SERVER_DEBUG"):
+            print("canonical:", repr(canonical), headers)
+        if region != self.region or not hmac.compare_digest(_signature(secret, date, region, product, sts), signature):
+            return 403, "SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided."
+        return None
+
+    def handle(self, method: str, target: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, str], bytes]:
+        parts = urlsplit(target)
+        raw_path, raw_query = parts.path, parts.query
+        self.requests.append((method, target))
+        request_id = uuid.uuid4().hex.upper()[:24]
+        denied = self._check_auth(method, raw_path, raw_query, headers)
+        if denied:
+            status, code, msg = denied
+            err = self._error_xml(code, msg, request_id)
+            if method == "HEAD":
+                return status, {"x-oss-request-id": request_id, "x-oss-err": base64.b64encode(err).decode()}, b""
+            return status, {"x-oss-request-id": request_id, "Content-Type": "application/xml"}, err
+        query = dict(parse_qsl(raw_query, keep_blank_values=True))
+        path = unquote(raw_path).lstrip("/")
+        bucket, _, key = path.partition("/")
+
+        fwd = {}
+        for k, v in headers.items():
+            if k in ("authorization", "host", "content-length", "transfer-encoding"):
+                continue
+            fwd["x-amz-" + k[6:] if k.startswith("x-oss-") else k] = v
+        fwd["Host"] = f"127.0.0.1:{self.port}"
+        # authenticated above; moto only needs to see that the request is signed (else it applies anonymous ACLs)
+        fwd["Authorization"] = "AWS4-HMAC-SHA256 Credential=test/20000101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0"
+        with self._lock:
+            resp = self._app.open(method=method, path=raw_path, query_string=raw_query, headers=fwd, data=body)
+            out_body = resp.get_data() if method != "HEAD" else b""
+            out_headers: dict[str, str] = {}
+            for k, v in resp.headers.items():
+                lk = k.lower()
+                if lk in ("content-length", "transfer-encoding", "server", "date", "connection"):
+                    continue
+                out_headers["x-oss-" + lk[6:] if lk.startswith("x-amz-") else k] = v
+            status = resp.status_code
+            if method == "HEAD" and "Content-Length" in resp.headers:
+                out_headers["Content-Length"] = resp.headers["Content-Length"]
+            is_object_data = bool(key) and method in ("GET", "HEAD") and status < 300 and not (
+                {"uploadId", "uploads", "acl", "tagging"} & set(query)
+            )
+            crc = None
+            if status < 300 and key:
+                if method == "PUT" and "partNumber" in query and "uploadId" in query:
+                    crc = crc64(body)
+                    self._part_crc[(query["uploadId"], int(query["partNumber"]))] = (crc, len(body))
+                elif method == "PUT" and "x-oss-copy-source" not in headers and not query:
+                    crc = crc64(body)
+                    self._crc_cache[(bucket, key, resp.headers.get("ETag", ""))] = crc
+                elif method == "POST" and "uploadId" in query:
+                    crc = self._object_crc(bucket, key)
+                elif is_object_data:
+                    crc = self._object_crc(bucket, key)
+            if crc is not None:
+                out_headers["x-oss-hash-crc64ecma"] = str(crc)
+            if not is_object_data and out_body.lstrip().startswith(b"<"):
+                out_body = _NS_RE.sub(b"", out_body, count=1)
+                if method == "GET" and "uploadId" in query and status < 300:
+                    out_body = self._add_part_crcs(query["uploadId"], out_body)
+                out_headers["Content-Type"] = "application/xml"
+        out_headers["x-oss-request-id"] = request_id
+        if status == 404 and method == "HEAD" and not out_body:  # moto answers HEAD 404s without a document
+            try:
+                self._backend.get_bucket(bucket)
+                code = "NoSuchKey"
+            except Exception:
+                code = "NoSuchBucket"
+            out_body = self._error_xml(code, "The specified resource does not exist.", request_id)
+        if status >= 300 and method == "HEAD":  # OSS puts a HEAD's error document in a header
+            out_headers["x-oss-err"] = base64.b64encode(out_body).decode()
+            out_body = b""
+        return status, out_headers, out_body
+
+    def _add_part_crcs(self, upload_id: str, xml: bytes) -> bytes:
+        root = ET.fromstring(xml)
+        for part in root.iter("Part"):
+            n = int(part.findtext("PartNumber"))
+            if (upload_id, n) in self._part_crc:
+                ET.SubElement(part, "HashCrc64ecma").text = str(self._part_crc[(upload_id, n)][0])
+        return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root)
+
+    @staticmethod
+    def _error_xml(code: str, message: str, request_id: str) -> bytes:
+        root = ET.Element("Error")
+        for tag, text in (("Code", code), ("Message", message), ("RequestId", request_id), ("HostId", "127.0.0.1"), ("EC", "0002-00000000")):
+            ET.SubElement(root, tag).text = text
+        return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root)
+
+    def _handler_class(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet: tests read assertions, not access logs
+                pass
+
+            def _read_body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    chunks = []
+                    while True:
+                        size = int(self.rfile.readline().strip().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            break
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    return b"".join(chunks)
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _do(self):
+                body = self._read_body()
+                headers = {k.lower(): v.strip() for k, v in self.headers.items()}
+                try:
+                    status, out_headers, out_body = server.handle(self.command, self.path, headers, body)
+                except Exception as exc:  # surface as a 500 so the client's retry/err path runs
+                    status, out_headers, out_body = 500, {"Content-Type": "application/xml"}, server._error_xml(
+                        "InternalError", f"{exc.__class__.__name__}: {exc}", "0")
+                self.send_response(status)
+                for k, v in out_headers.items():
+                    self.send_header(k, v)
+                self.send_header("Date", formatdate(usegmt=True))
+                if "Content-Length" not in out_headers:
+                    self.send_header("Content-Length", str(len(out_body)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(out_body)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _do
+
+        return Handler
+
+
+def main() -> None:  # run standalone: python tests/oss_test_server.py KEY SECRET [PORT] [BUCKET...]
+    import sys
+    import time
+
+    key, secret = sys.argv[1], sys.argv[2]
+    port = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    srv = OssTestServer(key, secret, port=port).start()
+    for b in sys.argv[4:]:
+        srv.create_bucket(b)
+    print(srv.endpoint, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    main()
