@@ -33,6 +33,7 @@ conflicts, and set-based label selectors (``in``, ``notin``, existence).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import threading
@@ -77,6 +78,17 @@ def _match(labels: dict, selector: str) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=4)
+def _validator(crd_file: str):
+    """A JSON-schema validator for the CRD's v1 openAPIV3Schema (parsed once: the file is large)."""
+    import jsonschema
+    import yaml
+
+    crd = yaml.load(Path(crd_file).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return jsonschema.Draft7Validator(version["schema"]["openAPIV3Schema"])
+
+
 class StandIn:
     """The API server stand-in plus its scripted KubeRay controller.
 
@@ -95,13 +107,7 @@ class StandIn:
         self.deletes: list[str] = []
         self.open_gates: set[str] = set()
         self.lock = threading.RLock()
-        self._schema = None
-        if crd_file:
-            import yaml
-
-            crd = yaml.safe_load(Path(crd_file).read_text())
-            version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
-            self._schema = version["schema"]["openAPIV3Schema"]
+        self._validator = _validator(str(crd_file)) if crd_file else None
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -236,10 +242,8 @@ class StandIn:
             return 422, _status_body(422, "Invalid", "metadata.name: Required value"), "application/json"
         if body.get("apiVersion") != "ray.io/v1" or body.get("kind") != "RayJob":
             return 400, _status_body(400, "BadRequest", "body is not a ray.io/v1 RayJob"), "application/json"
-        if self._schema is not None:
-            import jsonschema
-
-            errors = sorted(jsonschema.Draft7Validator(self._schema).iter_errors(body), key=lambda e: list(e.path))
+        if self._validator is not None:
+            errors = sorted(self._validator.iter_errors(body), key=lambda e: list(e.path))
             if errors:
                 e = errors[0]
                 where = ".".join(str(p) for p in e.path)
