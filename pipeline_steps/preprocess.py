@@ -7,6 +7,7 @@ prompt, different ground truths). Output is written atomically and is byte-ident
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib
 import io
@@ -33,6 +34,8 @@ def add_arguments(p):
     p.add_argument("--max-rejected-fraction", type=float, default=0.05, help="fail when more than this fraction of rows is rejected (default 0.05)")
     p.add_argument("--limit", type=int, default=None, help="keep at most this many rows per split (smoke runs)")
     p.add_argument("--registry", default=None, help="YAML/JSON file with extra dataset entries")
+    p.add_argument("--skip-existing", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip when OUTPUT already holds a complete result for the same input and settings (default on)")
 
 
 def resolve_splits(spec: registry.DatasetSpec, root: Path) -> dict[str, list[str]]:
@@ -238,9 +241,39 @@ def _parquet_bytes(table) -> bytes:
     return buf.getvalue()
 
 
+def _summary(spec, out: Path, stats: dict, skipped: bool) -> dict:
+    splits = sorted(k for k, v in stats["splits"].items() if v["rows_out"])
+    return {
+        "dataset": spec.name,
+        "output": str(out),
+        "splits": {s: str(out / f"{s}.parquet") for s in splits},
+        "content_hash": stats["content_hash"],
+        "rows_out": stats["rows_out"],
+        "duplicates": stats["duplicates"],
+        "rejected": stats["rejected"],
+        "commit": stats["source"]["commit"],
+        "skipped": skipped,
+    }
+
+
+def _existing(out: Path, root: Path, args) -> dict | None:
+    """stats.json of a complete earlier run on the same input and settings (the directory appears atomically)."""
+    try:
+        stats = json.loads((out / "stats.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same = stats.get("source", {}).get("input") == str(root) and stats.get("variant") == args.variant and stats.get("limit") == args.limit
+    files_ok = all((out / f"{s}.parquet").is_file() for s, v in stats.get("splits", {}).items() if v.get("rows_out"))
+    return stats if same and files_ok else None
+
+
 def run(args):
     spec = registry.get(args.dataset, args.registry)
     root = Path(args.input)
+    out = Path(args.output)
+    if args.skip_existing and (stats := _existing(out, root, args)):
+        log.info("dataset %s: %s already holds this input's output; skipping", spec.name, out)
+        return _summary(spec, out, stats, skipped=True)
     if not 0.0 <= args.max_rejected_fraction <= 1.0:
         raise UserError(f"--max-rejected-fraction {args.max_rejected_fraction}: must be between 0 and 1")
     if args.limit is not None and args.limit < 1:
@@ -263,7 +296,6 @@ def run(args):
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     stats["content_hash"] = digest.hexdigest()
     stats["source"] = {"input": str(root), "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None}
-    out = Path(args.output)
     with atomic.atomic_dir(out) as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
@@ -272,13 +304,4 @@ def run(args):
                 f.write(json.dumps({"split": split, "reason": reason, "row": _json_safe(row)}, sort_keys=True, default=str) + "\n")
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True, default=str) + "\n")
     log.info("dataset %s: %d rows in, %d out, %d duplicates, %d rejected -> %s", spec.name, stats["rows_in"], stats["rows_out"], stats["duplicates"], stats["rejected"], out)
-    return {
-        "dataset": spec.name,
-        "output": str(out),
-        "splits": {s: str(out / f"{s}.parquet") for s in sorted(outputs)},
-        "content_hash": stats["content_hash"],
-        "rows_out": stats["rows_out"],
-        "duplicates": stats["duplicates"],
-        "rejected": stats["rejected"],
-        "commit": stats["source"]["commit"],
-    }
+    return _summary(spec, out, stats, skipped=False)

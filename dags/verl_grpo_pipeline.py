@@ -1,0 +1,117 @@
+"""verl GRPO post-training: download -> preprocess -> upload_dataset -> stage_model -> train -> evaluate -> export.
+
+Declarative only: the work lives in ``pipeline_steps`` (plain Python, run as ``python -m pipeline_steps ...``) and
+the Airflow side in ``operators``. Nothing heavy is imported here: the scheduler re-parses this file constantly.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pendulum
+from airflow.sdk import Param, dag, task
+
+from operators.step import PipelineStepOperator
+from pipeline_steps import plan as planning
+
+PRESETS = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("*.yaml"))
+SCHEDULE = os.environ.get("VERL_PIPELINE_SCHEDULE", "@weekly")
+GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")
+GPU_SLOTS = int(os.environ.get("VERL_PIPELINE_GPU_SLOTS", "8"))
+RUN = "{{ ti.xcom_pull(task_ids='plan', key='run')"  # the run-level plan, rendered as a native object
+STORE = RUN + "['store'] }}"
+
+
+def retrying(timeout: timedelta, retries: int = 2) -> dict:
+    """Retries with exponential back-off and a hard execution timeout, for every task."""
+    return {"retries": retries, "retry_delay": timedelta(seconds=20), "retry_exponential_backoff": True,
+            "max_retry_delay": timedelta(minutes=10), "execution_timeout": timeout}
+
+
+PARAMS = {
+    "experiment": Param("local_tiny", enum=PRESETS, title="Experiment preset", section="Experiment",
+                        description="dags/experiments/<name>.yaml: model, datasets, cluster shape and verl settings."),
+    "backend": Param("local", enum=["local", "kuberay"], title="Backend", section="Experiment",
+                     description="local: a local Ray cluster trains on CPU (tiny model). kuberay: a RayJob on GPU nodes."),
+    "smoke": Param(False, type="boolean", title="Smoke run", section="Experiment",
+                   description=f"Train one step on the first {planning.SMOKE_ROWS} rows of each dataset before a long run."),
+    "datasets": Param([], type="array", items={"type": "string", "pattern": "^[a-z0-9][a-z0-9_.-]{0,63}$"}, uniqueItems=True,
+                      title="Training datasets", section="Data", description="Registry names; empty = the preset's."),
+    "eval_dataset": Param("", type="string", pattern="^([a-z0-9][a-z0-9_.-]{0,63})?$", title="Evaluation set", section="Data",
+                          description="Empty = the preset's (aime2024)."),
+    "dataset_revisions": Param({}, type="object", additionalProperties={"type": "string", "pattern": "^[A-Za-z0-9._/-]{1,128}$"},
+                               title="Pinned dataset revisions", section="Data",
+                               description='{"gsm8k": "<commit>"}; unpinned datasets resolve to their newest commit at the logical date.'),
+    "variant": Param("default", enum=["default", "tool_agent"], title="Row variant", section="Data"),
+    "model": Param("", type="string", pattern="^([A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?)?$", title="Model", section="Model",
+                   description="Hugging Face repo id (org/name) or 'tiny'; empty = the preset's."),
+    "model_revision": Param("", type="string", pattern="^[A-Za-z0-9._/-]{0,128}$", title="Model revision", section="Model"),
+    "learning_rate": Param(None, type=["null", "number"], exclusiveMinimum=0, maximum=1, title="Learning rate", section="Hyperparameters"),
+    "rollout_n": Param(None, type=["null", "integer"], minimum=1, maximum=1024, title="Rollouts per prompt (GRPO group size)", section="Hyperparameters"),
+    "train_batch_size": Param(None, type=["null", "integer"], minimum=1, title="Train batch size (prompts)", section="Hyperparameters"),
+    "total_training_steps": Param(None, type=["null", "integer"], minimum=1, title="Total training steps", section="Hyperparameters"),
+    "kl_coef": Param(None, type=["null", "number"], minimum=0, title="KL loss coefficient (0 = off)", section="Hyperparameters"),
+    "verl_overrides": Param([], type="array", items={"type": "string", "pattern": r"^\+{0,2}[A-Za-z_][A-Za-z0-9_.]*=.*$"},
+                            title="verl overrides", section="Hyperparameters",
+                            description="Free-form KEY=VALUE Hydra overrides, applied last; checked by the CPU pre-flight."),
+    "nnodes": Param(None, type=["null", "integer"], minimum=1, maximum=64, title="Nodes", section="Cluster"),
+    "gpus_per_node": Param(None, type=["null", "integer"], minimum=0, maximum=16, title="GPUs per node", section="Cluster"),
+    "store_uri": Param("", type="string", pattern="^((file|oss|gs)://[A-Za-z0-9._/-]+)?$", title="Store root URI", section="Cluster",
+                       description="file:///path, oss://bucket/prefix or gs://bucket/prefix; empty = the deployment's default."),
+    "revisions_as_of_logical_date": Param(True, type="boolean", title="Resolve revisions as of the logical date", section="Data"),
+}
+
+
+@dag(
+    dag_id="verl_grpo_pipeline",
+    schedule=None if SCHEDULE.lower() in ("", "none", "off") else SCHEDULE,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=int(os.environ.get("VERL_PIPELINE_MAX_ACTIVE_RUNS", "1")),
+    params=PARAMS,
+    tags=["verl", "grpo", "rl"],
+    default_args=retrying(timedelta(hours=1)),
+    doc_md=__doc__,
+    render_template_as_native_obj=True,
+)
+def verl_grpo_pipeline():
+    @task(task_id="plan", **retrying(timedelta(minutes=5)))
+    def plan(params=None, logical_date=None, run_id=None, dag=None, ti=None) -> list[dict]:
+        """Resolve dataset revisions (pinned, or as of the logical date) and every location of this run.
+
+        Returns the dataset items to map over; the run-level plan is pushed under the XCom key ``run``.
+        """
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from pipeline_steps.errors import UserError
+
+        try:
+            run = planning.plan(dict(params), logical_date, run_id, dag.dag_id)
+        except UserError as exc:
+            raise AirflowFailException(str(exc)) from None
+        ti.xcom_push(key="run", value=run)
+        return run["datasets"]
+
+    datasets = plan()
+    download = PipelineStepOperator.partial(
+        task_id="download", step="download", **retrying(timedelta(hours=2)),
+    ).expand(request=datasets.map(planning.download_request))
+    preprocess = PipelineStepOperator.partial(
+        task_id="preprocess", step="preprocess", **retrying(timedelta(hours=2)),
+    ).expand(request=download.output.map(planning.preprocess_request))
+    upload_dataset = PipelineStepOperator.partial(
+        task_id="upload_dataset", step="upload", store_uri=STORE, **retrying(timedelta(hours=2)),
+    ).expand(request=preprocess.output.map(planning.upload_request))
+    stage_model = PipelineStepOperator(
+        task_id="stage_model", step="stage-model", request=RUN + "['model'] }}", store_uri=STORE, **retrying(timedelta(hours=3)),
+    )
+    datasets >> stage_model
+    train = PipelineStepOperator(task_id="train", step="train", pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=48)))
+    evaluate = PipelineStepOperator(task_id="evaluate", step="evaluate", pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=6)))
+    export = PipelineStepOperator(task_id="export", step="export", **retrying(timedelta(hours=3)))
+
+    [upload_dataset, stage_model] >> train >> evaluate >> export
+
+
+verl_grpo_pipeline()

@@ -1,0 +1,106 @@
+"""Run a pipeline step (``python -m pipeline_steps <step> ...``) from Airflow.
+
+The step runs in a child process: the worker never imports torch, verl or ray, memory is returned when the step
+ends, and the command is the one a user would type in a shell or a pod. Arguments are an argv list (never a shell
+string), so values typed into the trigger form cannot break out of their argument. Secrets reach the child only
+through its environment, built from Airflow Connections.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def hf_env(conn_id: str | None) -> dict[str, str]:
+    """HF_TOKEN from a Hugging Face connection (password, or extra ``token``); none when the connection is absent."""
+    if not conn_id:
+        return {}
+    from airflow.sdk import BaseHook
+
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except Exception:  # no such connection: public repositories need no token
+        return {}
+    token = conn.password or (conn.extra_dejson or {}).get("token")
+    return {"HF_TOKEN": token} if token else {}
+
+
+class PipelineStepOperator(BaseOperator):
+    """Run one pipeline step as a child process and push its JSON summary as the task's XCom.
+
+    :param step: step name, as in ``python -m pipeline_steps --help``.
+    :param request: ``{"args": [...], "carry": {...}}``: the step's argv, and context that is merged into the
+        returned value so the next mapped task knows which dataset it is working on.
+    :param store_uri: store root; when set, the store connection's environment is passed to the step.
+    :param store_conn_id: Airflow connection for object storage (OSS or GCS credentials).
+    :param hf_conn_id: Airflow connection holding a Hugging Face token.
+    :param summary_key: key under which the step summary is added to ``carry`` (default: the step name).
+
+    Exit code 2 (bad input) fails the task without retries: retrying the same input cannot help.
+    Any other failure raises normally so the task's retries apply.
+    """
+
+    template_fields: Sequence[str] = ("request", "store_uri")
+    ui_color = "#e8f0fe"
+
+    def __init__(self, *, step: str, request: dict | None = None, store_uri: str = "", store_conn_id: str | None = "pipeline_store",
+                 hf_conn_id: str | None = "huggingface_default", summary_key: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.step = step
+        self.request = request or {}
+        self.store_uri = store_uri
+        self.store_conn_id = store_conn_id
+        self.hf_conn_id = hf_conn_id
+        self.summary_key = summary_key or step.replace("-", "_")
+        self._proc: subprocess.Popen | None = None
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
+        env.update(hf_env(self.hf_conn_id))
+        if self.store_uri and not self.store_uri.startswith("file://"):
+            from operators.storage import store_env
+
+            env.update(store_env(self.store_conn_id, self.store_uri))
+        return env
+
+    def execute(self, context):
+        args = [str(a) for a in self.request.get("args", [])]
+        cmd = [sys.executable, "-m", "pipeline_steps", self.step, *args]
+        self.log.info("running: python -m pipeline_steps %s %s", self.step, " ".join(args))
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.child_env(),
+                                      cwd=PROJECT_ROOT, start_new_session=True)
+        last_error = ""
+        for line in self._proc.stderr:  # the step's log, streamed into the task log as it runs
+            line = line.rstrip()
+            self.log.info("%s", line)
+            if line.startswith(("error:", "unexpected error")):
+                last_error = line
+        stdout = self._proc.stdout.read()
+        rc = self._proc.wait()
+        lines = stdout.strip().splitlines()
+        try:
+            summary = json.loads(lines[-1]) if lines else {}
+        except json.JSONDecodeError:
+            summary = {}
+        if rc == 2:
+            raise AirflowFailException(f"step {self.step}: {summary.get('error') or last_error} (bad input: not retried)")
+        if rc != 0:
+            raise AirflowException(f"step {self.step} failed with exit code {rc}: {summary.get('error') or last_error}")
+        summary.pop("ok", None)
+        summary.pop("step", None)
+        return {**self.request.get("carry", {}), self.summary_key: summary}
+
+    def on_kill(self):
+        if self._proc and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGTERM)
