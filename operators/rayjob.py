@@ -72,22 +72,19 @@ def describe_failure(name: str, status: dict) -> str:
 
 
 def read_text(uri: str) -> str | None:
-    """Default reader for the metrics file and checkpoint marker: a local path, ``file://`` or any
-    fsspec URL whose filesystem is installed. ``None`` when it does not exist (yet)."""
-    if "://" not in uri or uri.startswith("file://"):
-        path = uri[len("file://"):] if uri.startswith("file://") else uri
+    """Default reader for the metrics file and checkpoint marker: a local path, or a store URI
+    (``file://``, ``oss://``, ``gs://``) read through :mod:`pipeline_steps.store` with the
+    credentials in the environment. ``None`` when it does not exist (yet)."""
+    if "://" not in uri:
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(uri, encoding="utf-8", errors="replace") as f:
                 return f.read()
         except FileNotFoundError:
             return None
-    import fsspec
+    from pipeline_steps.store import open_store
 
-    try:
-        with fsspec.open(uri, "r", encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+    data = open_store(uri).read_bytes(uri)
+    return None if data is None else data.decode("utf-8", errors="replace")
 
 
 def resolve_reader(dotted: str | None) -> Callable[[str], str | None]:
@@ -389,7 +386,7 @@ class RayJobOperator(BaseOperator):
     :param cluster_context: kube config context.
     :param poll_interval: seconds between status polls in the trigger.
     :param metrics_uri: where verl's file logger writes (read for progress and final metrics).
-    :param metrics_reader: ``module.function`` that reads ``metrics_uri`` (default: local path or fsspec URL).
+    :param metrics_reader: ``module.function`` that reads ``metrics_uri`` (default: local path or store URI).
     :param checkpoint_uri: the run's checkpoint directory (``trainer.default_local_dir`` as seen from here).
     :param resume_rayjob: body for attempts after a failed one; default: ``rayjob`` with ``resume_args``.
     :param resume_args: Hydra overrides appended to the entrypoint of later attempts when no

@@ -1,0 +1,174 @@
+"""GRPOTrainOperator, driven for real the way Airflow runs a deferrable task:
+``execute`` -> ``TaskDeferred`` -> the trigger's async generator -> ``execute_complete``.
+
+Local backend: nothing is mocked. A real local Ray cluster (``pipeline_steps.local_ray``,
+on private ports and temp dir) runs the real ``train-local`` step (CPU GRPO on the tiny
+model); the trigger polls it through Ray's ``JobSubmissionClient``. A failure is injected
+through verl's own ``reward.custom_reward_function`` seam after the first checkpoint;
+the retry must start a new attempt that resumes from that checkpoint.
+
+KubeRay backend: the Kubernetes API is the stand-in of ``tests/k8s_api_stand_in.py``
+(see its docstring for what it does not cover); the RayJob body is rendered by the real
+``pipeline_steps.render_rayjob.build_rayjob``. The operator is attached to a real ``DAG``
+object and gets a context holding ``run_id`` (no task instance: the XCom push of the
+dashboard link is not exercised here).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+from airflow.sdk import DAG
+from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+
+from operators.rayjob import JobFailed
+from operators.train import GRPOTrainOperator, normalize_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_ID = "manual__2026-01-01T00:00:00+00:00"
+
+REWARD = '''\
+from pathlib import Path
+
+FAIL, TRACKER = Path({fail!r}), Path({tracker!r})
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if FAIL.exists() and TRACKER.exists():  # fail the job once the first checkpoint is written
+        raise RuntimeError("injected failure after the first checkpoint")
+    return float(len(set(solution_str)) % 3)  # differs within a group: a learning signal
+'''
+
+
+def write_parquet(path: Path, n: int = 4) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "user", "content": f"What is {i} + {i + 1}? Answer after \"####\"."}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
+             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_trigger(trigger, timeout: float) -> dict:
+    async def first():
+        gen = trigger.run()
+        try:
+            return (await gen.__anext__()).payload
+        finally:
+            await gen.aclose()
+
+    return asyncio.run(asyncio.wait_for(first(), timeout))
+
+
+def deferred(op, context):
+    with pytest.raises(TaskDeferred) as exc:
+        op.execute(context)
+    path, kwargs = exc.value.trigger.serialize()  # rebuilt from serialize(), as the triggerer does
+    module, _, name = path.rpartition(".")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)(**kwargs)
+
+
+def test_normalize_overrides_accepts_form_shapes_and_rejects_others():
+    assert normalize_overrides("a.b=1\n  c.d='x; rm -rf /'\n") == ["a.b=1", "c.d='x; rm -rf /'"]
+    assert normalize_overrides('["a=1", "b=$(id)"]') == ["a=1", "b=$(id)"]
+    assert normalize_overrides(None) == [] and normalize_overrides(["x=1"]) == ["x=1"]
+    with pytest.raises(AirflowFailException, match="JSON list"):
+        normalize_overrides("[not json")
+    with pytest.raises(AirflowFailException, match="list of KEY=VALUE"):
+        normalize_overrides([1, 2])
+
+
+def test_bad_override_fails_in_preflight_without_retry(tmp_path, tiny_model):
+    train = write_parquet(tmp_path / "train.parquet")
+    with DAG("t_preflight", schedule=None):
+        op = GRPOTrainOperator(task_id="train", experiment="local_tiny", backend="local", train_files=[str(train)],
+                               model_path=str(tiny_model), run_dir=str(tmp_path / "run"),
+                               overrides=["actor_rollout_ref.actor.optim.lrr=1e-6"])
+    with pytest.raises(AirflowFailException, match=r"pre-flight: .*actor_rollout_ref\.actor\.optim\.lrr"):
+        op.execute({"run_id": RUN_ID})
+    assert not (tmp_path / "run").exists()  # nothing was submitted
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A private local Ray cluster (own ports, own temp dir), stopped at the end."""
+    from pipeline_steps import local_ray
+
+    temp = Path(f"/tmp/rb2-{uuid.uuid4().hex[:6]}")  # short: Ray puts Unix sockets below it
+    old = {k: os.environ.get(k) for k in ("RAY_ADDRESS",)}
+    os.environ.pop("RAY_ADDRESS", None)
+    address = local_ray.ensure_cluster(port=free_port(), dashboard_port=free_port(), num_cpus=2, temp_dir=temp, timeout=240)
+    yield address
+    local_ray.shutdown_cluster(temp_dir=temp)
+    for k, v in old.items():
+        if v is not None:
+            os.environ[k] = v
+
+
+@pytest.mark.slow
+def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path, tiny_model, ray_cluster, capsys):
+    from pipeline_steps import local_ray
+
+    train = write_parquet(tmp_path / "train.parquet")
+    run_dir = tmp_path / "run"
+    fail = tmp_path / "fail-now"
+    fail.touch()
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD.format(fail=str(fail), tracker=str(run_dir / "checkpoints" / "latest_checkpointed_iteration.txt")))
+    overrides = "\n".join([f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
+                           "trainer.total_training_steps=3", "actor_rollout_ref.rollout.n=2"])
+
+    def make_op():
+        with DAG("t_local", schedule=None):
+            return GRPOTrainOperator(task_id="train", experiment="local_tiny", backend="local", overrides=overrides,
+                                     train_files=[str(train)], model_path=str(tiny_model), run_dir=f"file://{run_dir}",
+                                     ray_address=ray_cluster, poll_interval=1.0)
+
+    first = make_op()
+    trigger = deferred(first, {"run_id": RUN_ID})
+    assert trigger.submission_id.endswith("-a0")
+    event = run_trigger(trigger, timeout=420)
+    assert event["status"] == "error" and "FAILED" in event["message"], event
+    with pytest.raises(JobFailed, match="ended FAILED"):
+        first.execute_complete({"run_id": RUN_ID}, event)
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+
+    fail.unlink()  # the cause goes away; Airflow retries the task
+    retry = make_op()
+    trigger = deferred(retry, {"run_id": RUN_ID})
+    assert trigger.submission_id.endswith("-a1")
+    info = local_ray.info(ray_cluster, trigger.submission_id)
+    argv = shlex.split(info["entrypoint"])
+    assert "--override=trainer.resume_mode=auto" in argv
+    assert argv[argv.index("--output-dir") + 1] == str(run_dir)  # same run dir, so the same checkpoint dir
+    event = run_trigger(trigger, timeout=420)
+    assert event["status"] == "success", event
+    out = retry.execute_complete({"run_id": RUN_ID}, event)
+    assert out["backend"] == "local" and out["last_step"] == 3 and out["checkpoint_step"] == 3
+    assert out["checkpoint_uri"] == f"file://{run_dir}/checkpoints"
+    assert {"critic/score/mean", "actor/entropy", "response_length/mean"} <= set(out["metrics"])
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] == 1 and summary["last_step"] == 3
+    assert "progress step 3:" in capsys.readouterr().out
+
+    # a worker restarted after success re-attaches to the finished attempt: nothing is submitted again
+    again = deferred(make_op(), {"run_id": RUN_ID})
+    assert again.submission_id == trigger.submission_id
+    assert run_trigger(again, timeout=60)["status"] == "success"
