@@ -1,0 +1,9 @@
+"""`make bench`: every benchmarks/bench_*.py, one after the other (or those named: python -m benchmarks preprocess upload)."""
+import importlib
+import sys
+from pathlib import Path
+
+names = sys.argv[1:] or sorted(p.stem[len("bench_"):] for p in Path(__file__).parent.glob("bench_*.py"))
+for name in names:
+    print(f"\n=== bench_{name} ===", flush=True)
+    importlib.import_module(f"benchmarks.bench_{name}").main()
