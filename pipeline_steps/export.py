@@ -29,7 +29,6 @@ import logging
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 from pipeline_steps import atomic
@@ -254,8 +253,10 @@ def run(args) -> dict:
     exported_at = (previous or {}).get("exported_at") or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
     latest = promotion.read_latest(store, exp_uri)
-    if latest and latest.get("version") == version:
-        decision = promotion.Decision(True, f"{version} is already the latest", "latest", latest.get("avg@k"))
+    if latest and latest.get("version") == version:  # a retry after promotion: keep the recorded decision
+        recorded = (previous or {}).get("promotion") or {}
+        decision = promotion.Decision(True, recorded.get("reason") or f"{version} is already the latest",
+                                      recorded.get("reference") or "latest", recorded.get("reference_score"))
     else:
         decision = promotion.decide(results, base, latest, args.margin)
     record = {
@@ -320,7 +321,3 @@ def push_to_hub(model_dir: Path, repo_id: str) -> dict:
         raise UserError(f"--hub-repo {repo_id}: the Hub refused the upload (HTTP {status}); check the token's write access") from None
     return {"repo": repo_id, "commit": getattr(info, "oid", None)}
 
-
-def _tempdir_near(path: Path) -> tempfile.TemporaryDirectory:
-    path.mkdir(parents=True, exist_ok=True)
-    return tempfile.TemporaryDirectory(prefix=".tmp-merge-", dir=path)

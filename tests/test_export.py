@@ -1,0 +1,163 @@
+"""Export: a REAL verl FSDP checkpoint (tests/fsdp_checkpoint.py: two gloo processes on CPU, verl's
+own FSDPCheckpointManager) merged by verl's merger, checked with transformers, carded, uploaded to
+the real file:// store and gated. Nothing is mocked; the Hugging Face Hub push is not exercised
+(no Hub access here).
+"""
+import json
+import shutil
+
+import pytest
+
+from pipeline_steps import cli, export
+from pipeline_steps.errors import UserError
+import fsdp_checkpoint  # tests/ is on sys.path (pytest rootdir-relative import)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("export")
+    checkpoints = fsdp_checkpoint.build(tiny_model, root / "run" / "checkpoints", steps=(1, 2))
+    return {"root": root, "model": tiny_model, "checkpoints": checkpoints}
+
+
+def copy_checkpoints(ckpt, tmp_path):
+    dst = tmp_path / "checkpoints"
+    shutil.copytree(ckpt["checkpoints"], dst)
+    return dst
+
+
+def run_cli(argv, capsys):
+    """In-process CLI run: (exit code, JSON summary, stderr). On failure stderr must end in exactly one error line."""
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    if code:
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and err.strip().splitlines()[-1] == errors[0], err[-2000:]
+    return code, json.loads(out.strip().splitlines()[-1]), err
+
+
+def test_merged_weights_equal_source_weights(ckpt, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    step, actor = export.resolve_checkpoint(ckpt["checkpoints"])
+    assert step == 2 and actor.name == "actor"
+    merged = export.merge_checkpoint(actor, tmp_path / "merged")
+    got = load_file(merged / "model.safetensors")
+    ref = torch.load(ckpt["checkpoints"] / "reference_state_dict.pt", weights_only=True)
+    base = AutoModelForCausalLM.from_pretrained(ckpt["model"]).state_dict()
+    assert set(got) <= set(ref) and set(ref) - set(got) <= {"lm_head.weight"}  # tied head is dropped by the merger
+    changed = 0
+    for key, tensor in got.items():
+        assert tensor.dtype == torch.bfloat16  # verl's merger writes bf16
+        assert torch.equal(tensor, ref[key].to(torch.bfloat16)), key
+        changed += not torch.equal(tensor, base[key].to(torch.bfloat16))
+    assert changed > len(got) // 2  # the optimizer step moved the weights: we did not merge the base model
+    info = export.check_model(merged)
+    assert info["generated_tokens"] >= 1 and info["parameters"] == sum(p.numel() for p in base.values()) - base["lm_head.weight"].numel()
+
+
+def test_missing_fsdp_config_says_how_to_fix(ckpt, tmp_path, capsys):
+    cks = copy_checkpoints(ckpt, tmp_path)
+    (cks / "global_step_2" / "actor" / "fsdp_config.json").unlink()
+    with pytest.raises(UserError, match=r'create it with the content \{"FSDP_version": 1, "world_size": 2\}'):
+        export.resolve_checkpoint(cks)
+    code, summary, err = run_cli(_export_args(cks, tmp_path, f"file://{tmp_path}/store", 0.9), capsys)
+    assert code == 2 and not summary["ok"] and "fsdp_config.json: missing" in summary["error"]
+    assert not (tmp_path / "store").exists()  # nothing uploaded, nothing promoted
+
+
+def test_bad_checkpoint_dirs_give_one_clear_line(ckpt, tmp_path):
+    cks = copy_checkpoints(ckpt, tmp_path)
+    (cks / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(UserError, match="no latest_checkpointed_iteration.txt.*pass --step N"):
+        export.resolve_checkpoint(cks)
+    assert export.resolve_checkpoint(cks, step=1)[0] == 1
+    (cks / "global_step_3" / "actor").mkdir(parents=True)
+    (cks / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(UserError, match="global_step_3: empty checkpoint"):
+        export.resolve_checkpoint(cks)
+    (cks / "global_step_1" / "actor" / "model_world_size_2_rank_1.pt").unlink()
+    with pytest.raises(UserError, match=r"ranks \[1\] of world size 2 are missing"):
+        export.resolve_checkpoint(cks, step=1)
+    with pytest.raises(UserError, match="available: .*global_step_2"):
+        export.resolve_checkpoint(cks, step=9)
+
+
+def _results(avg, eval_sha="e" * 64):
+    return {"overall": {"avg@k": avg, "k": 2, "problems": 2, "samples_scored": 4, "maj@k": avg, "pass@k": {"1": avg, "2": avg}},
+            "eval_set": {"sha256": eval_sha, "name": "aime2024", "rows": 2},
+            "sampling": {"k": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},
+            "model": {"content_sha256": "m" * 64}, "scorer": "verl.utils.reward_score.default_compute_score"}
+
+
+LINEAGE = {
+    "base_model": {"name": "local/tiny", "revision": "rev-0a1b2c"},
+    "datasets": [{"name": "gsm8k", "role": "train", "repo_id": "openai/gsm8k", "revision": "e53f048", "content_hash": "c0ffee" * 4},
+                 {"name": "aime2024", "role": "eval", "repo_id": "Maxwell-Jia/AIME_2024", "revision": "v1", "content_hash": "beef" * 6}],
+    "experiment": {"name": "local_tiny", "preset_sha256": "ab" * 32, "overrides": ["trainer.total_training_steps=3"], "overrides_sha256": "cd" * 32},
+    "verl_version": "0.9.1", "dag_id": "verl_grpo_pipeline", "run_id": "manual__2026-11-22T03:00:00+00:00",
+}
+
+
+def _write(tmp_path, name, obj):
+    p = tmp_path / name
+    p.write_text(json.dumps(obj))
+    return str(p)
+
+
+def _export_args(cks, tmp_path, store_root, avg, step=None, extra=()):
+    args = ["export", "--checkpoint-dir", str(cks), "--output", str(tmp_path / f"out{step}"), "--store-root", store_root,
+            "--experiment", "local_tiny", "--lineage", _write(tmp_path, "lineage.json", LINEAGE),
+            "--eval-results", _write(tmp_path, f"results{avg}.json", _results(avg)),
+            "--base-results", _write(tmp_path, "base.json", _results(0.25)), "--keep", "1", *extra]
+    return args + (["--step", str(step)] if step is not None else [])
+
+
+def test_export_end_to_end_card_upload_promotion_retry(ckpt, tmp_path, capsys):
+    from pipeline_steps.store import open_store
+
+    store_root = f"file://{tmp_path}/store"
+    store = open_store(store_root)
+    code, s, err = run_cli(_export_args(ckpt["checkpoints"], tmp_path, store_root, 0.5), capsys)
+    assert code == 0, err
+    assert s["promoted"] and "beats the base model" in s["reason"] and s["step"] == 2
+    assert s["uri"] == f"{store_root}/models/exported/local_tiny/{s['version']}" and s["version"].startswith("step2-")
+    manifest = store.read_manifest(s["uri"])
+    paths = {f["path"] for f in manifest["files"]}
+    assert {"README.md", "export.json", "config.json", "model.safetensors", "tokenizer.json"} <= paths
+    card = store.read_bytes(f"{s['uri']}/README.md").decode()
+    for needle in ["rev-0a1b2c", "c0ffee" * 4, "beef" * 6, "e53f048", "ab" * 32, "cd" * 32, "trainer.total_training_steps=3",
+                   "0.9.1", "verl_grpo_pipeline", "manual__2026-11-22T03:00:00+00:00", "| avg@2 | 50.0% | 25.0% | +25.0 pt |",
+                   "base_model: local/tiny", "promoted to latest"]:
+        assert needle in card, needle
+    latest = json.loads(store.read_bytes(f"{store_root}/models/exported/local_tiny/latest.json"))
+    assert latest["version"] == s["version"] and latest["avg@k"] == 0.5
+
+    # retry after success: same version, nothing re-sent, still latest
+    code, again, err = run_cli(_export_args(ckpt["checkpoints"], tmp_path, store_root, 0.5), capsys)
+    assert code == 0, err
+    assert again["version"] == s["version"] and again["uploaded"] == 0 and again["promoted"]
+
+    # an older step scoring worse stays a candidate; with --fail-on-no-promotion the task fails with one line
+    code, worse, err = run_cli(_export_args(ckpt["checkpoints"], tmp_path, store_root, 0.4, step=1), capsys)
+    assert code == 0 and not worse["promoted"] and "stays a candidate" in worse["reason"]
+    assert worse["deleted_versions"] == [] or s["version"] not in worse["deleted_versions"]
+    assert json.loads(store.read_bytes(f"{store_root}/models/exported/local_tiny/latest.json"))["version"] == s["version"]
+    code, failed, err = run_cli(_export_args(ckpt["checkpoints"], tmp_path, store_root, 0.4, step=1, extra=["--fail-on-no-promotion"]), capsys)
+    assert code == 2 and "not promoted" in failed["error"]
+    versions = [u.rsplit("/", 1)[-1] for u in store.list_versions(f"{store_root}/models/exported/local_tiny")]
+    assert s["version"] in versions and len(versions) <= 2  # keep=1 plus the protected latest
+
+
+def test_merged_model_that_fails_to_load_is_not_exported(ckpt, tmp_path, capsys):
+    cks = copy_checkpoints(ckpt, tmp_path)
+    cfg_path = cks / "global_step_2" / "actor" / "huggingface" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["vocab_size"] += 7  # merge still writes weights, loading hits a shape mismatch
+    cfg_path.write_text(json.dumps(cfg))
+    store_root = f"file://{tmp_path}/store"
+    code, s, err = run_cli(_export_args(cks, tmp_path, store_root, 0.9), capsys)
+    assert code == 2 and "fails to load or generate" in s["error"] and "nothing was exported or promoted" in s["error"]
+    assert not (tmp_path / "store" / "models").exists()
