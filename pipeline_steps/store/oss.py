@@ -84,9 +84,12 @@ class OssStore(Store):
             raise
         except Exception as exc:
             where = f"oss://{self.bucket}/{key}" if key else f"oss://{self.bucket}"
-            err = exc
-            while hasattr(err, "unwrap") and err.unwrap() is not None and err.unwrap() is not err:
-                err = err.unwrap()
+            chain = [exc]  # UploadError -> OperationError -> ServiceError/RequestError -> transport error
+            while hasattr(chain[-1], "unwrap") and chain[-1].unwrap() is not None and len(chain) < 8:
+                chain.append(chain[-1].unwrap())
+            service = [e for e in chain if isinstance(e, oss.exceptions.ServiceError)]
+            request = [e for e in chain if isinstance(e, oss.exceptions.RequestError)]
+            err = service[0] if service else request[0] if request else chain[-1]
             cid = conn_id()
             if isinstance(err, oss.exceptions.ServiceError):
                 code = err.code or f"HTTP {err.status_code}"

@@ -1,0 +1,62 @@
+"""stage-model: a local directory and the project's tiny model into a store, skipped on the second run.
+
+The Hugging Face Hub is unreachable here; the Hub path is checked only for its error (one line, exit 2) with the
+offline fixture cache, which holds datasets, not models.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from storage_servers import oss_server, run_step  # noqa: F401  (fixtures)
+
+
+def _summary(r):
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def env(tmp_path):
+    return {"PIPELINE_CACHE_DIR": str(tmp_path / "cache")}
+
+
+def test_stage_local_dir_to_file_store(tmp_path, env):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"a": 1}')
+    (model / "model.safetensors").write_bytes(b"\0" * 5000)
+    root = f"file://{tmp_path}/store"
+    first = _summary(run_step(["stage-model", "--model", str(model), "--dest", root], env))
+    rev = first["revision"]
+    assert len(rev) == 12 and first["skipped"] is False and first["uploaded"] == 2
+    assert first["uri"] == f"{root}/models/local/my-model/{rev}"
+    assert (tmp_path / "store" / "models/local/my-model" / rev / "model.safetensors").read_bytes() == b"\0" * 5000
+    second = _summary(run_step(["stage-model", "--model", str(model), "--dest", root], env))
+    assert (second["skipped"], second["uri"], second["bytes_uploaded"]) == (True, first["uri"], 0)
+    # changed weights -> a different content revision, staged beside the first
+    (model / "model.safetensors").write_bytes(b"\1" * 5000)
+    third = _summary(run_step(["stage-model", "--model", str(model), "--dest", root], env))
+    assert third["revision"] != rev and third["skipped"] is False
+    # a damaged staged copy is not "already staged": it is re-staged
+    (tmp_path / "store" / "models/local/my-model" / rev / "config.json").write_text('{"a": 2}')
+    (model / "model.safetensors").write_bytes(b"\0" * 5000)
+    fourth = _summary(run_step(["stage-model", "--model", str(model), "--dest", root], env))
+    assert (fourth["revision"], fourth["skipped"], fourth["uploaded"]) == (rev, False, 1)
+
+
+def test_stage_tiny_to_oss_then_skip(oss_server, tmp_path, env):
+    env = {**env, **oss_server.env()}
+    first = _summary(run_step(["stage-model", "--model", "tiny", "--dest", "oss://test-bucket/stage"], env, timeout=300))
+    assert first["uri"] == f"oss://test-bucket/stage/models/local/tiny/{first['revision']}" and first["skipped"] is False
+    assert first["files"] >= 4  # config, weights, tokenizer files
+    second = _summary(run_step(["stage-model", "--model", "tiny", "--dest", "oss://test-bucket/stage"], env, timeout=300))
+    assert (second["skipped"], second["revision"], second["bytes_uploaded"]) == (True, first["revision"], 0)
+
+
+def test_stage_hub_model_unreachable_is_one_line(tmp_path, env):
+    env = {**env, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")}
+    r = run_step(["stage-model", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "main", "--dest", f"file://{tmp_path}/s"], env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Qwen/Qwen2.5-0.5B-Instruct" in r.stderr
+    r = run_step(["stage-model", "--model", "not a repo", "--dest", f"file://{tmp_path}/s"], env)
+    assert r.returncode == 2 and "org/name" in r.stderr
