@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -54,9 +56,46 @@ def hydra_value(v) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ",".join(hydra_value(x) for x in v) + "]"
     if isinstance(v, dict):
-        return "{" + ",".join(f"{k}:{hydra_value(x)}" for k, x in v.items()) + "}"
-    s = str(v)
-    return "'" + s.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return "{" + ",".join(f"{_dict_key(k)}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    return quote_string(str(v))
+
+
+def quote_string(s: str) -> str:
+    """A string as a Hydra quoted literal that composes back to exactly ``s``.
+
+    Hydra's own ``QuotedString`` escapes quotes and the backslashes before them;
+    on top of that OmegaConf would resolve ``${...}`` inside the string (for
+    example ``${oc.env:AWS_SECRET_ACCESS_KEY}``), so ``${`` is escaped as ``\\${``
+    (doubling any backslashes right before it, which OmegaConf would unescape).
+    """
+    from hydra.core.override_parser.types import Quote, QuotedString
+
+    s = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", s)
+    return QuotedString(text=s, quote=Quote.single).with_quotes()
+
+
+def _dict_key(k) -> str:
+    k = str(k)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", k):
+        raise UserError(f"mapping key {k!r} in an override value: use letters, digits, '_', '-' or '.' only")
+    return k
+
+
+def cluster_keys(spec: dict) -> dict:
+    """verl keys that follow from the preset's ``cluster`` section (one place for the shape).
+
+    A CPU-only preset (``gpus_per_node: 0``, the local backend) leaves
+    ``trainer.n_gpus_per_node`` to its ``verl`` map: the CPU trainer is one process.
+    """
+    cluster = spec.get("cluster") or {}
+    if not isinstance(cluster, dict):
+        raise UserError("experiment: 'cluster' must be a mapping (nnodes, gpus_per_node, image, ...)")
+    out = {}
+    if "nnodes" in cluster:
+        out["trainer.nnodes"] = cluster["nnodes"]
+    if cluster.get("gpus_per_node"):
+        out["trainer.n_gpus_per_node"] = cluster["gpus_per_node"]
+    return out
 
 
 def parse_override(text: str) -> tuple[str, object]:
@@ -105,13 +144,45 @@ def load(name_or_file: str, overrides: list[str] | None = None, derived: dict | 
     for key in verl:
         if not KEY_RE.match(str(key)):
             raise UserError(f"experiment {path}: verl key {key!r} is not a dotted config key")
-    verl.update(derived or {})
+    for k, v in {**cluster_keys(spec), **(derived or {})}.items():
+        verl.pop(k, None)  # later sources win and are applied later
+        verl[k] = v
     for text in overrides or []:
         k, v = parse_override(text)
         verl.pop(k, None)  # re-insert so the user's value is applied last
         verl[k] = v
     spec.setdefault("name", path.stem)
     return Experiment(name=str(spec["name"]), spec=copy.deepcopy(spec), verl=verl)
+
+
+@functools.lru_cache(maxsize=1)
+def verl_defaults() -> dict:
+    """verl's flattened default trainer config (``_generated_ppo_trainer.yaml``, kept in sync by verl's CI).
+
+    Read as plain YAML: locating the package does not import verl (which takes seconds).
+    """
+    spec = importlib.util.find_spec("verl")
+    path = Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(path, encoding="utf-8") as f:
+        return yaml.load(f, Loader=loader) or {}
+
+
+def suggest_key(key: str) -> str | None:
+    """The closest existing verl key to a misspelt one (same parent section first)."""
+    import difflib
+
+    node, parts = verl_defaults(), key.lstrip("+").split(".")
+    prefix = []
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            break
+        node, prefix = node[part], prefix + [part]
+    if not isinstance(node, dict):
+        return None
+    rest = ".".join(parts[len(prefix):])
+    match = difflib.get_close_matches(rest, [str(k) for k in node], n=1, cutoff=0.6)
+    return ".".join(prefix + [match[0]]) if match else None
 
 
 def compose(exp: Experiment):
@@ -133,6 +204,10 @@ def compose(exp: Experiment):
         msg = " ".join(str(cause).split())
         m = re.search(r"Could not override '([^']+)'", str(exc))
         key = m.group(1) if m else None
+        if key and "not in struct" in msg:
+            hint = suggest_key(key)
+            hint = f" (did you mean {hint}?)" if hint else ""
+            raise UserError(f"verl override {key!r}: no such key in verl's ppo_trainer config{hint}; fix its spelling or prefix it with '+' to add a new key") from None
         if key:
             raise UserError(f"verl override {key!r} rejected: {msg[:300]}; check the key's spelling against verl's ppo_trainer config") from None
         raise UserError(f"verl config does not compose: {msg[:300]}") from None
