@@ -1,0 +1,132 @@
+"""Upload one large file through each store backend and the naive way, side by side.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_upload.py        # BENCH_UPLOAD_MB=1024 by default
+
+Servers are the test ones, started here and stopped at the end: the OSS-dialect layer over moto
+(tests/oss_test_server.py) and fake-gcs-server; ``file://`` is a local directory. Every case runs in its own
+child process, which reports its own wall time and peak RSS (``getrusage(RUSAGE_SELF).ru_maxrss``), so
+figures are per case. Cases:
+
+- ``naive``: the seeds' way: read the whole file into memory, one ``put_object`` / ``upload_from_string``;
+- ``store``: ``open_store(uri).upload_dir`` (checksums, parallel multipart / chunked resumable, manifest);
+- ``re-upload``: the same directory again (unchanged): time and bytes sent.
+
+Targets (issue 3): store peak RSS <= parts in flight x part size + 100 MB; store throughput >= naive;
+re-upload < 5% of the first upload's time with zero bytes sent. Both servers are local and single-process,
+so absolute MB/s measure the emulators as much as the client; the ratios are the point.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _child(case: str, backend: str, src: str, uri: str) -> None:
+    sys.path.insert(0, str(ROOT))
+    t0 = time.perf_counter()
+    sent = None
+    if case == "naive":
+        path = next(Path(src).iterdir())
+        data = path.read_bytes()  # the whole file in memory
+        if backend == "oss":
+            import alibabacloud_oss_v2 as oss
+
+            cfg = oss.config.load_default()
+            cfg.credentials_provider = oss.credentials.EnvironmentVariableCredentialsProvider()
+            cfg.region, cfg.endpoint, cfg.use_path_style = os.environ["OSS_REGION"], os.environ["OSS_ENDPOINT"], True
+            cfg.readwrite_timeout = 600
+            bucket, _, key = uri[len("oss://"):].partition("/")
+            oss.Client(cfg).put_object(oss.PutObjectRequest(bucket=bucket, key=f"{key}/{path.name}", body=data))
+        elif backend == "gs":
+            from google.auth.credentials import AnonymousCredentials
+            from google.cloud import storage
+
+            bucket, _, key = uri[len("gs://"):].partition("/")
+            b = storage.Client(project="bench", credentials=AnonymousCredentials()).bucket(bucket)
+            b.blob(f"{key}/{path.name}").upload_from_string(data, timeout=600)
+        else:
+            out = Path(uri[len("file://"):]) / path.name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(data)
+        sent = len(data)
+    else:
+        from pipeline_steps.store import open_store
+
+        sent = open_store(uri).upload_dir(src, uri)["bytes_uploaded"]
+    elapsed = time.perf_counter() - t0
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    print(json.dumps({"seconds": elapsed, "rss_mb": rss_mb, "sent": sent}))
+
+
+def _run(case: str, backend: str, src: Path, uri: str, env: dict) -> dict:
+    r = subprocess.run([sys.executable, __file__, "--child", case, backend, str(src), uri], cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True, timeout=3600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{case}/{backend} failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    size_mb = int(os.environ.get("BENCH_UPLOAD_MB", "1024"))
+    part_mb = float(os.environ.get("PIPELINE_STORE_PART_MB", "16"))
+    parallel = int(os.environ.get("PIPELINE_STORE_PARALLEL", "4"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from storage_servers import GcsServer, OssServer
+
+    with tempfile.TemporaryDirectory(prefix="bench-upload-") as tmp:
+        tmp = Path(tmp)
+        src = tmp / "src"
+        src.mkdir()
+        with open(src / "blob.bin", "wb") as f:  # incompressible data, written in chunks
+            for _ in range(size_mb):
+                f.write(os.urandom(1 << 20))
+        common = {"PIPELINE_CACHE_DIR": str(tmp / "cache"), "PIPELINE_STORE_PART_MB": str(part_mb),
+                  "PIPELINE_STORE_PARALLEL": str(parallel)}
+        oss_srv = OssServer(tmp, buckets=("bench",))
+        gcs_srv = GcsServer(tmp)
+        rows = []
+        try:
+            gcs_srv.create_bucket("bench")
+            backends = [
+                ("file", f"file://{tmp}/store", {}),
+                ("oss", "oss://bench", oss_srv.env()),
+                ("gs", "gs://bench", gcs_srv.env()),
+            ]
+            for name, root, env in backends:
+                env = {**common, **env}
+                naive = _run("naive", name, src, f"{root}/naive", env)
+                first = _run("store", name, src, f"{root}/store/v1", env)
+                again = _run("store", name, src, f"{root}/store/v1", env)
+                rows.append((name, naive, first, again))
+        finally:
+            oss_srv.stop()
+            gcs_srv.stop()
+
+    budget = parallel * part_mb + 100
+    print(f"\nupload of one {size_mb} MiB file; part {part_mb:g} MiB x {parallel} in flight -> RSS budget {budget:.0f} MB"
+          " (multipart backends)")
+    hdr = f"{'backend':8s} {'naive s':>8s} {'naive MB/s':>10s} {'naive RSS':>9s} | {'store s':>8s} {'store MB/s':>10s} {'store RSS':>9s}" \
+          f" {'speed x':>7s} {'RSS x':>6s} | {'re-up s':>7s} {'re-up %':>7s} {'re-up sent':>10s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for name, naive, first, again in rows:
+        n_tp, s_tp = size_mb / naive["seconds"], size_mb / first["seconds"]
+        print(f"{name:8s} {naive['seconds']:8.2f} {n_tp:10.1f} {naive['rss_mb']:8.0f}M | {first['seconds']:8.2f} {s_tp:10.1f}"
+              f" {first['rss_mb']:8.0f}M {s_tp / n_tp:7.2f} {first['rss_mb'] / naive['rss_mb']:6.2f} |"
+              f" {again['seconds']:7.2f} {100 * again['seconds'] / first['seconds']:6.1f}% {again['sent']:10d}")
+    print("\nspeed x = store throughput / naive throughput; RSS x = store peak RSS / naive peak RSS (child processes)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(*sys.argv[2:6])
+    else:
+        main()
