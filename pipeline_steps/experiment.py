@@ -71,7 +71,7 @@ def quote_string(s: str) -> str:
     from hydra.core.override_parser.types import Quote, QuotedString
 
     s = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", s)
-    return QuotedString(text=s, quote=Quote.single).with_quotes()
+    return QuotedString(text=s, quote=Quote.double).with_quotes()  # double: reads cleanly once shell-quoted
 
 
 def _dict_key(k) -> str:

@@ -9,7 +9,9 @@ from config (a preset's ``cluster.mounts``) or from ``$PIPELINE_MOUNTS`` (JSON):
     [{"uri": "gs://my-bucket", "claim": "verl-store", "path": "/mnt/store"}]
     {"gs://my-bucket": {"claim": "verl-store", "path": "/mnt/store", "readOnly": false}}
 
-Optional per entry: ``readOnly`` (bool), ``subPath`` (folder of the volume to mount).
+Optional per entry: ``readOnly`` (bool), ``subPath`` (folder of the volume to mount),
+``podAnnotations`` (what the CSI driver needs on the pods, e.g. GCS Fuse's
+``{"gke-gcsfuse/volumes": "true"}``).
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class Mount:
     path: str  # mount path inside the pods
     read_only: bool = False
     sub_path: str | None = None
+    pod_annotations: tuple[tuple[str, str], ...] = ()
 
     @property
     def volume(self) -> str:
@@ -155,13 +158,20 @@ class MountMap:
             mounts.append(vm)
         return sorted(volumes.values(), key=lambda v: v["name"]), mounts
 
+    def pod_annotations(self) -> dict[str, str]:
+        """Annotations the mounts' CSI drivers need on every pod that mounts them."""
+        out: dict[str, str] = {}
+        for m in self.mounts:
+            out.update(dict(m.pod_annotations))
+        return dict(sorted(out.items()))
+
 
 def _parse_entry(entry, source: str) -> Mount:
     if not isinstance(entry, dict):
         raise UserError(f"{source}: every entry must be a mapping with uri, claim and path; got {type(entry).__name__}")
-    unknown = set(entry) - {"uri", "claim", "path", "readOnly", "subPath"}
+    unknown = set(entry) - {"uri", "claim", "path", "readOnly", "subPath", "podAnnotations"}
     if unknown:
-        raise UserError(f"{source}: unknown keys {sorted(unknown)} in entry {entry.get('uri')!r}; allowed: uri, claim, path, readOnly, subPath")
+        raise UserError(f"{source}: unknown keys {sorted(unknown)} in entry {entry.get('uri')!r}; allowed: uri, claim, path, readOnly, subPath, podAnnotations")
     uri, claim, path = (str(entry.get(k) or "") for k in ("uri", "claim", "path"))
     parts = split_uri(uri)
     if parts is None or not parts[1].strip("/"):
@@ -178,4 +188,8 @@ def _parse_entry(entry, source: str) -> Mount:
     sub_path = entry.get("subPath")
     if sub_path is not None:
         sub_path = _clean_rel(str(sub_path), f"{source}: subPath for {uri!r}") or None
-    return Mount(uri=uri.rstrip("/"), claim=claim, path=path.rstrip("/"), read_only=read_only, sub_path=sub_path)
+    ann = entry.get("podAnnotations") or {}
+    if not isinstance(ann, dict) or not all(re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,62}", str(k)) for k in ann):
+        raise UserError(f"{source}: podAnnotations for {uri!r} must map annotation names to string values")
+    return Mount(uri=uri.rstrip("/"), claim=claim, path=path.rstrip("/"), read_only=read_only, sub_path=sub_path,
+                 pod_annotations=tuple(sorted((str(k), str(v)) for k, v in ann.items())))
