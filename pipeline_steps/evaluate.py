@@ -134,7 +134,7 @@ def generate_hf(model_dir: Path, prompts: list[list[dict]], s: dict, batch_size:
         texts: list[str] = []
         set_seed(s["seed"] * 1_000_003 + i)
         while len(texts) < k:
-            n = min(bs, k - len(texts))
+            n = min(bs, k - len(texts)) if sample else 1  # greedy: one decode, the k samples are copies
             kwargs = dict(max_new_tokens=s["max_new_tokens"], num_return_sequences=n, pad_token_id=tok.pad_token_id)
             if sample:
                 kwargs.update(do_sample=True, temperature=s["temperature"], top_p=s["top_p"], top_k=0)
@@ -143,7 +143,9 @@ def generate_hf(model_dir: Path, prompts: list[list[dict]], s: dict, batch_size:
             with torch.no_grad():
                 gen = model.generate(**ids, **kwargs)
             texts += tok.batch_decode(gen[:, n_prompt:], skip_special_tokens=True)
-        out.append(texts)
+            if not sample:
+                texts = texts * k
+        out.append(texts[:k])
         log.info("problem %d/%d: %d samples", i + 1, len(prompts), len(texts))
     return out
 

@@ -9,7 +9,8 @@ file ``latest_checkpointed_iteration.txt`` is written the way verl's trainer wri
 Rank 0 also saves the full fp32 state dict after the step (``reference_state_dict.pt``,
 next to the checkpoints, outside verl's layout) so tests can compare merged weights with it.
 
-Usage from tests: ``build(model_dir, out_dir, steps=(1, 2))`` -> ``out_dir`` (a ``checkpoints`` dir).
+Usage from tests: ``build(model_dir, out_dir, steps=(1, 2))`` -> ``out_dir`` (a ``checkpoints`` dir), or
+``cached_build(tmp_path_factory.getbasetemp(), model_dir)`` to build once per session.
 Run alone: ``python tests/fsdp_checkpoint.py --model DIR --output DIR``.
 """
 from __future__ import annotations
@@ -87,6 +88,19 @@ def build(model_dir: str | Path, out_dir: str | Path, steps=(1,), world_size: in
         if any(p.returncode for p in procs):
             raise RuntimeError("FSDP checkpoint builder failed:\n" + "\n".join(o[-3000:] for o in outs))
     return out_dir
+
+
+def cached_build(base_dir: str | Path, model_dir: str | Path, steps=(1, 2)) -> Path:
+    """``build`` once per test session: test modules pass ``tmp_path_factory.getbasetemp()``."""
+    final = Path(base_dir) / ("fsdp-checkpoints-" + "-".join(map(str, steps))) / "checkpoints"
+    if (final.parent / "complete").is_file():
+        return final
+    import shutil
+
+    shutil.rmtree(final.parent, ignore_errors=True)
+    build(model_dir, final, steps)
+    (final.parent / "complete").write_text("ok")  # written last: a crashed build is rebuilt
+    return final
 
 
 def main() -> None:

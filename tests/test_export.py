@@ -15,9 +15,8 @@ import fsdp_checkpoint  # tests/ is on sys.path (pytest rootdir-relative import)
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, tiny_model):
-    root = tmp_path_factory.mktemp("export")
-    checkpoints = fsdp_checkpoint.build(tiny_model, root / "run" / "checkpoints", steps=(1, 2))
-    return {"root": root, "model": tiny_model, "checkpoints": checkpoints}
+    checkpoints = fsdp_checkpoint.cached_build(tmp_path_factory.getbasetemp(), tiny_model, steps=(1, 2))
+    return {"model": tiny_model, "checkpoints": checkpoints}
 
 
 def copy_checkpoints(ckpt, tmp_path):
