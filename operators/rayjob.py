@@ -472,6 +472,9 @@ class RayJobOperator(BaseOperator):
     def _push_dashboard(self, context, obj: dict) -> None:
         status = obj.get("status") or {}
         if status.get("dashboardURL") and context.get("ti") is not None:
+            if status["dashboardURL"].startswith(("http://", "https://")):  # the local backend gives a full URL
+                context["ti"].xcom_push(key=DASHBOARD_XCOM_KEY, value=status["dashboardURL"])
+                return
             url = self.dashboard_url_template.format(dashboard_url=status["dashboardURL"],
                                                      namespace=obj["metadata"].get("namespace", ""),
                                                      name=obj["metadata"]["name"],
@@ -485,7 +488,7 @@ class RayJobOperator(BaseOperator):
         for line in event.get("log_tail") or []:
             self.log.info("job log | %s", line)
         if event.get("dashboard_url"):
-            self._push_dashboard(context, {"metadata": {"name": event["name"], "namespace": event["namespace"]},
+            self._push_dashboard(context, {"metadata": {"name": event.get("name"), "namespace": event.get("namespace") or ""},
                                            "status": {"dashboardURL": event["dashboard_url"]}})
         if event.get("status") != "success":
             message = event.get("message") or f"job {event.get('name')} failed"
