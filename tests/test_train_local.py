@@ -50,11 +50,9 @@ def write_gsm8k_parquet(path: Path, n: int = 8) -> Path:
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    from pipeline_steps import tiny_model
-
+def assets(tmp_path_factory, tiny_model):  # tiny_model: the session fixture in conftest.py
     d = tmp_path_factory.mktemp("assets")
-    model = tiny_model.build(d / "tiny")
+    model = tiny_model
     train = write_gsm8k_parquet(d / "train.parquet")
     varied = d / "varied_reward.py"
     varied.write_text(VARIED_REWARD)
@@ -159,6 +157,7 @@ def _comparable(lines):
     return [(x["step"], {k: v for k, v in x["data"].items() if not k.startswith(("timing", "perf/"))}) for x in lines]
 
 
+@pytest.mark.slow
 def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_path):
     import torch
 
