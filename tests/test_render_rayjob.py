@@ -1,0 +1,305 @@
+"""RayJob rendering: every render validates against the KubeRay v1.7.0 CRD schema (../shared/kuberay, real
+jsonschema), keeps k8s/templates/rayjob.yaml's structure, and quotes every entrypoint argument so that a real
+/bin/sh (what Ray's job supervisor runs the entrypoint with) hands verl exactly the argv we meant.
+No Kubernetes API server runs here: the CRD's openAPIV3Schema is the stand-in for its validation.
+Set REGEN_EXAMPLES=1 to rewrite k8s/examples/ after an intended change."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from pipeline_steps import experiment, render_rayjob
+from pipeline_steps.errors import UserError
+from pipeline_steps.mounts import MountMap
+from pipeline_steps.render_rayjob import build_rayjob, label_value, rayjob_name
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
+ACK = MountMap.from_config(json.loads((ROOT / "k8s/overlays/ack/mounts.json").read_text()))
+GKE = MountMap.from_config(json.loads((ROOT / "k8s/overlays/gke/mounts.json").read_text()))
+RUN = "manual__2026-01-01T00:00:00+00:00"
+NASTY = [
+    "it's",
+    'say "hi"',
+    "a; rm -rf / ; b",
+    "$(touch /tmp/pwned)",
+    "`id`",
+    "${oc.env:HOME}",
+    "line1\nline2",
+    "back\\slash\\",
+    "tab\there & | > < * ?",
+    "",
+]
+# (preset, mounts, bucket) for the committed examples in k8s/examples/
+EXAMPLES = [
+    ("gsm8k_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k"),
+    ("dapo_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
+    ("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k"),
+    ("gspo", GKE, "gs://verl-store", "gsm8k"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for var in (render_rayjob.IMAGE_ENV, render_rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="module")
+def crd_schema():
+    if not CRD.is_file():
+        pytest.skip(f"{CRD} is absent (reference material beside the repository); cannot validate against the CRD")
+    doc = yaml.safe_load(CRD.read_text())
+    version = next(v for v in doc["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def derived(bucket: str, preset: str, dataset: str) -> dict:
+    exp = experiment.load(preset)
+    model = exp.spec["model"]["source"]
+    return {
+        "data.train_files": [f"{bucket}/datasets/{dataset}/rev1/0123abcd/train.parquet"],
+        "data.val_files": [f"{bucket}/datasets/{dataset}/rev1/0123abcd/test.parquet"],
+        "actor_rollout_ref.model.path": f"{bucket}/models/{model}/main",
+        "trainer.default_local_dir": render_rayjob.checkpoint_uri(f"{bucket}/runs", preset, RUN),
+    }
+
+
+def render(preset="gsm8k_qwen2_5_3b", mounts=ACK, bucket="oss://verl-store", dataset="gsm8k", overrides=(), **kw):
+    exp = experiment.load(preset, overrides=list(overrides), derived=derived(bucket, preset, dataset))
+    args = dict(dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", namespace="verl-pipeline", mounts=mounts)
+    args.update(kw)
+    return exp, build_rayjob(exp, **args)
+
+
+def validate(job, schema):
+    jsonschema.Draft7Validator(schema).validate(job)  # raises with the failing path
+
+
+def shape(obj):
+    """Key structure: dicts by key, lists by their first element."""
+    if isinstance(obj, dict):
+        return {k: shape(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [shape(obj[0])] if obj else []
+    return type(obj).__name__ if not isinstance(obj, (int, float)) or isinstance(obj, bool) else "number"
+
+
+@pytest.mark.parametrize("preset,mounts,bucket,dataset", EXAMPLES)
+def test_every_preset_renders_a_valid_rayjob(preset, mounts, bucket, dataset, crd_schema):
+    exp, job = render(preset, mounts, bucket, dataset)
+    validate(job, crd_schema)
+    group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    cluster = exp.spec["cluster"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == cluster["nnodes"]
+    worker = group["template"]["spec"]
+    assert worker["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == cluster["gpus_per_node"]
+    assert worker["tolerations"] == cluster["tolerations"]
+    assert worker["nodeSelector"] == cluster["node_selector"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in worker["containers"][0]["volumeMounts"]
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert "nvidia.com/gpu" not in json.dumps(head)
+    assert job["spec"]["activeDeadlineSeconds"] == cluster["active_deadline_seconds"]
+    assert job["spec"]["shutdownAfterJobFinishes"] is True
+    assert job["spec"]["ttlSecondsAfterFinished"] == cluster["ttl_seconds_after_finished"]
+    assert "deletionStrategy" not in job["spec"]  # cannot be combined with shutdownAfterJobFinishes
+
+
+@pytest.mark.parametrize("preset,mounts,bucket,dataset", EXAMPLES)
+def test_committed_examples_equal_fresh_renders(preset, mounts, bucket, dataset):
+    path = ROOT / "k8s" / "examples" / f"rayjob-{preset}.yaml"
+    _, job = render(preset, mounts, bucket, dataset)
+    text = render_rayjob.to_yaml(job)
+    if os.environ.get("REGEN_EXAMPLES"):
+        path.write_text(text)
+    assert path.read_text() == text, f"{path} drifted from the renderer; run REGEN_EXAMPLES=1 pytest {__file__}"
+
+
+def test_render_keeps_the_template_structure():
+    template = render_rayjob.load_template()
+    _, job = render(mounts=GKE, bucket="gs://verl-store")
+    want, got = shape(template), shape(job)
+    # filled lists that are empty in the template gain their element structure; everything else is equal
+    for path in (("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0, "env"),
+                 ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0, "volumeMounts"),
+                 ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "volumes"),
+                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "containers", 0, "env"),
+                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "tolerations"),
+                 ("spec", "rayClusterSpec", "headGroupSpec", "template", "metadata", "annotations"),
+                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "metadata", "annotations"),
+                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "nodeSelector"),
+                 ("metadata", "annotations")):
+        a, b = want, got
+        for p in path[:-1]:
+            a, b = a[p], b[p]
+        a[path[-1]] = b[path[-1]] = None
+    assert got == want
+    # and the fixed parts of the template come through unchanged
+    assert job["spec"]["submissionMode"] == template["spec"]["submissionMode"] == "HTTPMode"
+    assert job["spec"]["backoffLimit"] == template["spec"]["backoffLimit"]
+    tmpl_ports = template["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"]
+    assert job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"] == tmpl_ports
+
+
+def _fake_python(tmp_path: Path) -> dict:
+    """A `python3` on PATH that prints its argv as JSON: stands in for the interpreter, not for the shell."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    fake.chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_untrusted_values_cannot_leave_their_argument(tmp_path, crd_schema):
+    overrides = [f"trainer.experiment_name={NASTY[0]}"] + [f"+extra.k{i}={v}" for i, v in enumerate(NASTY)]
+    exp, job = render(overrides=overrides)
+    validate(job, crd_schema)
+    entry = job["spec"]["entrypoint"]
+    argv = shlex.split(entry)
+    expected = render_rayjob.entrypoint_argv(
+        exp, ACK, {"trainer.default_local_dir": ACK.to_pod_path(exp.verl["trainer.default_local_dir"]), "trainer.resume_mode": "auto"}
+    )
+    assert argv == expected
+    # the real shell Ray's job supervisor uses (subprocess(..., shell=True) -> /bin/sh -c) gives the same argv
+    env = _fake_python(tmp_path)
+    out = subprocess.run(["/bin/sh", "-c", entry], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == expected[1:]
+    assert not Path("/tmp/pwned").exists()
+    # ... and every value arrives as one Hydra override whose value is the user's string
+    for i, v in enumerate(NASTY):
+        arg = next(a for a in argv if a.startswith(f"+extra.k{i}="))
+        assert arg == f"+extra.k{i}=" + experiment.hydra_value(v)
+
+
+def test_store_uris_map_to_the_mount_and_resume_is_forced():
+    exp, job = render(overrides=["trainer.resume_mode=disable", "trainer.default_local_dir=oss://verl-store/elsewhere/ckpt"])
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    kv = dict(a.split("=", 1) for a in argv[3:])
+    assert kv["trainer.resume_mode"] == '"auto"'  # a retry always resumes from the last checkpoint
+    assert kv["trainer.default_local_dir"] == '"/mnt/store/elsewhere/ckpt"'
+    assert argv[-2:] == ['trainer.default_local_dir="/mnt/store/elsewhere/ckpt"', 'trainer.resume_mode="auto"']
+    assert kv["data.train_files"] == '["/mnt/store/datasets/gsm8k/rev1/0123abcd/train.parquet"]'
+    assert kv["actor_rollout_ref.model.path"] == '"/mnt/store/models/Qwen/Qwen2.5-3B-Instruct/main"'
+    env_vars = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert env_vars["VERL_FILE_LOGGER_PATH"] == "/mnt/store/elsewhere/metrics.jsonl"
+    pod = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert {"name": "verl-store", "persistentVolumeClaim": {"claimName": "verl-store", "readOnly": False}} in pod["volumes"]
+    assert {"name": "verl-store", "mountPath": "/mnt/store", "readOnly": False} in pod["containers"][0]["volumeMounts"]
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    assert head["volumes"] == [v for v in pod["volumes"] if v["name"] != "dshm"]
+
+
+def test_gcs_fuse_mount_annotates_the_pods():
+    _, job = render(mounts=GKE, bucket="gs://verl-store")
+    for tpl in (job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"],
+                job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]):
+        assert tpl["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
+        assert tpl["spec"]["serviceAccountName"] == "verl-ray"
+
+
+def test_name_job_id_and_labels_are_deterministic_and_valid(crd_schema):
+    _, a = render()
+    _, b = render()
+    assert a == b
+    name = a["metadata"]["name"]
+    assert a["spec"]["jobId"] == name == rayjob_name("verl_grpo_pipeline", RUN, "train", "train")
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 47
+    labels = a["metadata"]["labels"]
+    assert labels["dag_id"] == "verl_grpo_pipeline" and labels["task_id"] == "train"
+    assert labels["run_id"] == label_value(RUN) != RUN  # ':' and '+' are not allowed in label values
+    assert a["metadata"]["annotations"]["verl-grpo-pipeline/run-id"] == RUN
+    assert "kueue.x-k8s.io/queue-name" not in labels
+    _, other_run = render(run_id=RUN + "x")
+    _, other_task = render(task_id="train_2")
+    _, evaluate = render(job_kind="evaluate", entrypoint=["python3", "-m", "pipeline_steps", "evaluate"])
+    names = {name, other_run["metadata"]["name"], other_task["metadata"]["name"], evaluate["metadata"]["name"]}
+    assert len(names) == 4
+
+
+@pytest.mark.parametrize("ids", [
+    ("d" * 250, "r" * 250, "t" * 250, "train"),
+    ("__", "::", "..", "9-evaluate"),
+    ("DAG With Spaces", "scheduled__2026-01-01T00:00:00+00:00", "group.task", "EVAL"),
+])
+def test_names_and_labels_for_awkward_ids(ids):
+    name = rayjob_name(*ids)
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 47
+    for value in ids:
+        lv = label_value(value)
+        assert len(lv) <= 63 and re.fullmatch(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", lv)
+        assert lv, value
+
+
+def test_kueue_queue_label_and_evaluate_entrypoint(crd_schema):
+    exp = experiment.load("gspo", derived=derived("gs://verl-store", "gspo", "gsm8k"))
+    exp.spec["cluster"]["kueue_queue"] = "verl-gpu"
+    argv = ["python3", "-m", "pipeline_steps", "evaluate", "--model", "/mnt/store/x y", "--note", "$(id);`id`"]
+    job = build_rayjob(exp, dag_id="d", run_id="r", task_id="evaluate", mounts=GKE, entrypoint=argv, job_kind="evaluate")
+    validate(job, crd_schema)
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "verl-gpu"
+    assert job["metadata"]["labels"]["app.kubernetes.io/component"] == "evaluate"
+    assert shlex.split(job["spec"]["entrypoint"]) == argv
+    assert "VERL_FILE_LOGGER_PATH" not in job["spec"]["runtimeEnvYAML"]
+
+
+def test_secrets_only_by_reference():
+    exp = experiment.load("gsm8k_qwen2_5_3b", derived=derived("oss://verl-store", "gsm8k_qwen2_5_3b", "gsm8k"))
+    exp.spec["cluster"]["secrets"].append({"env": "OSS_ACCESS_KEY_SECRET", "secret": "oss-credentials", "key": "akSecret"})
+    job = build_rayjob(exp, dag_id="d", run_id="r", task_id="t", mounts=ACK)
+    for group in (job["spec"]["rayClusterSpec"]["headGroupSpec"], job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]):
+        env = group["template"]["spec"]["containers"][0]["env"]
+        assert [e["name"] for e in env] == ["HF_TOKEN", "OSS_ACCESS_KEY_SECRET"]
+        assert all(set(e) == {"name", "valueFrom"} and "secretKeyRef" in e["valueFrom"] for e in env)
+    exp.spec["cluster"]["secrets"] = [{"env": "HF_TOKEN", "value": "hf_abc"}]
+    with pytest.raises(UserError, match=r"cluster.secrets\[0\]"):
+        build_rayjob(exp, dag_id="d", run_id="r", task_id="t", mounts=ACK)
+    exp.spec["cluster"]["secrets"] = []
+    exp.spec["cluster"]["env"] = {"WANDB_API_KEY": "abc"}
+    with pytest.raises(UserError, match="cluster.env.WANDB_API_KEY: looks like a secret"):
+        build_rayjob(exp, dag_id="d", run_id="r", task_id="t", mounts=ACK)
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"mounts": MountMap()}, r"outside every mounted bucket"),
+    ({"bucket": "gs://other-bucket"}, r"gs://other-bucket.*outside every mounted bucket"),
+    ({"overrides": ["trainer.default_local_dir=/local/ckpt"]}, r"trainer.default_local_dir='/local/ckpt'"),
+    ({"overrides": ["trainer.nnodes=two"]}, r"trainer.nnodes='two': must be an integer"),
+    ({"overrides": ["data.val_files=oss://verl-store/../../etc/passwd"]}, r"climbs out of its mount"),
+    ({"namespace": "Bad_NS"}, r"--namespace 'Bad_NS'"),
+])
+def test_bad_input_is_one_line_naming_it(change, match):
+    with pytest.raises(UserError, match=match) as err:
+        render(**change)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_writes_the_rayjob_and_rejects_bad_input(tmp_path, crd_schema):
+    out = tmp_path / "rayjob.yaml"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PIPELINE_MOUNTS=(ROOT / "k8s/overlays/ack/mounts.json").read_text())
+    base = [sys.executable, "-m", "pipeline_steps", "render-rayjob", "--experiment", "gsm8k_qwen2_5_3b",
+            "--output", str(out), "--checkpoint-uri", "oss://verl-store/runs/x/checkpoints", "--namespace", "verl-pipeline"]
+    p = subprocess.run(base + ["--override", "trainer.experiment_name=a'b$(id)"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads(p.stdout.strip().splitlines()[-1])
+    job = yaml.safe_load(out.read_text())
+    validate(job, crd_schema)
+    assert summary["name"] == job["metadata"]["name"] and summary["replicas"] == 1
+    assert 'trainer.experiment_name="a\'b$(id)"' in shlex.split(job["spec"]["entrypoint"])
+    out.unlink()
+    p = subprocess.run(base + ["--override", "data.train_files=gs://not-mounted/x.parquet"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.count("\n") == 1 and "data.train_files" in p.stderr and "gs://not-mounted" in p.stderr
+    assert not out.exists()  # no partial output that looks complete
