@@ -106,7 +106,8 @@ def load_eval_set(path: str, max_problems: int = 0) -> tuple[list[dict], dict]:
         prompt = r.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
             raise UserError(f"--data {p}: row {i} prompt is not a list of chat messages (role, content)")
-    info = {"path": str(p.resolve()), "sha256": file_sha256(p), "rows": len(rows), "name": p.stem}
+    sources = sorted({str(r["data_source"]) for r in rows})
+    info = {"path": str(p.resolve()), "sha256": file_sha256(p), "rows": len(rows), "name": "+".join(sources), "file": p.name}
     if max_problems:
         rows = rows[:max_problems]
     return rows, info

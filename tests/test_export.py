@@ -160,3 +160,14 @@ def test_merged_model_that_fails_to_load_is_not_exported(ckpt, tmp_path, capsys)
     code, s, err = run_cli(_export_args(cks, tmp_path, store_root, 0.9), capsys)
     assert code == 2 and "fails to load or generate" in s["error"] and "nothing was exported or promoted" in s["error"]
     assert not (tmp_path / "store" / "models").exists()
+
+
+def test_model_card_with_sparse_lineage_says_not_recorded():
+    from pipeline_steps import model_card
+
+    res = _results(0.5)
+    res["overall"]["k"] = 1
+    res["overall"]["pass@k"] = {"1": 0.5}
+    card = model_card.render({"version": "step1-x", "experiment": "e", "lineage": {}}, res, None)
+    assert card.count("not recorded") >= 5 and "| avg@1 | 50.0% | — | — |" in card
+    assert card.count("| pass@1 |") == 1  # k = 1: pass@1 and pass@k are one row
