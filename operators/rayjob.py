@@ -87,6 +87,14 @@ def read_text(uri: str) -> str | None:
     return None if data is None else data.decode("utf-8", errors="replace")
 
 
+def read_mounted(uri: str) -> str | None:
+    """Reader for workers that mount the buckets like the Ray pods do (``$PIPELINE_MOUNTS``):
+    a store URI is read at its mount path."""
+    from pipeline_steps.mounts import MountMap
+
+    return read_text(MountMap.from_env().to_pod_path(uri) if "://" in uri else uri)
+
+
 def resolve_reader(dotted: str | None) -> Callable[[str], str | None]:
     """The reader named by ``module.function`` (kept as a string so triggers serialize)."""
     if not dotted:
@@ -262,14 +270,16 @@ class RayJobTrigger(BaseTrigger):
     :param log_tail_lines: how many lines of the submitter pod's log to show.
     :param last_step: metric steps up to this one were already reported.
     :param max_api_errors: consecutive API errors (other than 404) tolerated before failing.
+    :param submission_mode: the RayJob's ``spec.submissionMode``: where its log tail is read from.
     """
 
     def __init__(self, name: str, namespace: str, kubernetes_conn_id: str | None = "kubernetes_default",
                  cluster_context: str | None = None, poll_interval: float = 30.0, metrics_uri: str | None = None,
                  metrics_reader: str | None = None, log_tail_lines: int = 20, last_step: int = 0,
-                 max_api_errors: int = 10):
+                 max_api_errors: int = 10, submission_mode: str = "K8sJobMode"):
         super().__init__()
-        self.name, self.namespace = name, namespace
+        self.name, self.namespace, self.submission_mode = name, namespace, submission_mode
+        self._dashboard_misses = 0
         self.kubernetes_conn_id, self.cluster_context = kubernetes_conn_id, cluster_context
         self.poll_interval, self.metrics_uri, self.metrics_reader = poll_interval, metrics_uri, metrics_reader
         self.log_tail_lines, self.last_step, self.max_api_errors = log_tail_lines, last_step, max_api_errors
@@ -280,6 +290,7 @@ class RayJobTrigger(BaseTrigger):
             "cluster_context": self.cluster_context, "poll_interval": self.poll_interval,
             "metrics_uri": self.metrics_uri, "metrics_reader": self.metrics_reader,
             "log_tail_lines": self.log_tail_lines, "last_step": self.last_step, "max_api_errors": self.max_api_errors,
+            "submission_mode": self.submission_mode,
         })
 
     @cached_property
@@ -293,22 +304,40 @@ class RayJobTrigger(BaseTrigger):
             return await CustomObjectsApi(api_client).get_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, self.name)
 
-    async def _log_tail(self) -> list[str]:
-        """The submitter pod's log (K8sJobMode: it follows the Ray job's log); empty when unavailable."""
+    async def _log_tail(self, status: dict) -> list[str]:
+        """The job's log tail: the submitter pod's log in K8sJobMode (it follows the Ray job), else the
+        Ray dashboard's Jobs API (reachable when Airflow runs inside the cluster). Empty when unavailable."""
+        try:
+            if self.submission_mode == "K8sJobMode":
+                return await self._submitter_log()
+            if status.get("dashboardURL") and status.get("jobId") and self._dashboard_misses < 3:
+                return await self._dashboard_log(status["dashboardURL"], status["jobId"])
+        except Exception as exc:  # logs are best effort
+            self._dashboard_misses += self.submission_mode != "K8sJobMode"
+            self.log.debug("no log tail for RayJob %s: %s", self.name, exc)
+        return []
+
+    async def _submitter_log(self) -> list[str]:
         from kubernetes_asyncio.client import CoreV1Api
 
-        try:
-            async with self.hook.get_conn() as api_client:
-                core = CoreV1Api(api_client)
-                pods = await core.list_namespaced_pod(self.namespace, label_selector=f"batch.kubernetes.io/job-name={self.name}")
-                if not pods.items:
-                    return []
-                pod = max(pods.items, key=lambda p: str(p.metadata.creation_timestamp or ""))
-                text = await core.read_namespaced_pod_log(pod.metadata.name, self.namespace, tail_lines=self.log_tail_lines)
-                return str(text).splitlines()
-        except Exception as exc:  # logs are best effort
-            self.log.debug("no log tail for RayJob %s: %s", self.name, exc)
-            return []
+        async with self.hook.get_conn() as api_client:
+            core = CoreV1Api(api_client)
+            pods = await core.list_namespaced_pod(self.namespace, label_selector=f"batch.kubernetes.io/job-name={self.name}")
+            if not pods.items:
+                return []
+            pod = max(pods.items, key=lambda p: str(p.metadata.creation_timestamp or ""))
+            text = await core.read_namespaced_pod_log(pod.metadata.name, self.namespace, tail_lines=self.log_tail_lines)
+            return str(text).splitlines()
+
+    async def _dashboard_log(self, dashboard: str, job_id: str) -> list[str]:
+        import aiohttp
+
+        base = dashboard if dashboard.startswith(("http://", "https://")) else f"http://{dashboard}"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            async with session.get(f"{base}/api/jobs/{job_id}/logs") as resp:
+                resp.raise_for_status()
+                logs = (await resp.json()).get("logs") or ""
+        return logs.splitlines()[-self.log_tail_lines:]
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from kubernetes_asyncio.client.exceptions import ApiException
@@ -339,7 +368,7 @@ class RayJobTrigger(BaseTrigger):
                 self.log.info("RayJob %s: jobDeploymentStatus=%s jobStatus=%s", self.name, now[0] or "-", now[1] or "-")
                 seen = now
             await progress.poll(self.log)
-            tail = await self._log_tail() if status.get("jobStatus") else []
+            tail = await self._log_tail(status) if status.get("jobStatus") else []
             for line in new_log_lines(shown, tail):
                 self.log.info("job log | %s", line)
             shown = tail or shown
@@ -446,7 +475,8 @@ class RayJobOperator(BaseOperator):
                 body = resume_body or with_resume_args(body, self.resume_args)
             obj = self._create(attempt_body(body, base, attempt), namespace)
         self._push_dashboard(context, obj)
-        self.defer(trigger=self._trigger(obj["metadata"]["name"], namespace), method_name="execute_complete")
+        mode = (obj.get("spec") or {}).get("submissionMode") or (body.get("spec") or {}).get("submissionMode") or "K8sJobMode"
+        self.defer(trigger=self._trigger(obj["metadata"]["name"], namespace, mode), method_name="execute_complete")
 
     def _create(self, body: dict, namespace: str) -> dict:
         from kubernetes.client.exceptions import ApiException
@@ -463,8 +493,9 @@ class RayJobOperator(BaseOperator):
         self.log.info("RayJob %s/%s already exists: re-attaching", namespace, name)
         return self.hook.get_rayjob(name, namespace) or body
 
-    def _trigger(self, name: str, namespace: str) -> RayJobTrigger:
-        return RayJobTrigger(name=name, namespace=namespace, kubernetes_conn_id=self.kubernetes_conn_id,
+    def _trigger(self, name: str, namespace: str, submission_mode: str) -> RayJobTrigger:
+        return RayJobTrigger(name=name, namespace=namespace, submission_mode=submission_mode,
+                             kubernetes_conn_id=self.kubernetes_conn_id,
                              cluster_context=self.cluster_context, poll_interval=self.poll_interval,
                              metrics_uri=self.metrics_uri, metrics_reader=self.metrics_reader,
                              log_tail_lines=self.log_tail_lines)

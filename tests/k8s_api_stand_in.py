@@ -14,6 +14,8 @@ API server, so the clients' own error handling runs):
 - ``/apis/ray.io/v1/namespaces/{ns}/rayjobs/{name}``: GET, DELETE (404 ``NotFound``).
 - ``/api/v1/namespaces/{ns}/pods?labelSelector=`` and ``.../pods/{name}/log?tailLines=``:
   the KubeRay submitter pod (``K8sJobMode``), whose log is the Ray job's log.
+- ``/api/jobs/{job_id}/logs``: the Ray dashboard's Jobs REST API (``HTTPMode`` has no submitter
+  pod); ``status.dashboardURL`` points at this server.
 
 A scripted controller plays KubeRay: each RayJob gets a list of status steps
 (``jobDeploymentStatus`` Initializing -> Running -> Complete/Failed/ValidationFailed,
@@ -45,6 +47,7 @@ from urllib.parse import parse_qs, urlparse
 
 RAYJOBS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayjobs(?:/([^/]+))?$")
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
+RAY_JOB_LOGS = re.compile(r"^/api/jobs/([^/]+)/logs$")  # the Ray dashboard's Jobs REST API
 
 # KubeRay-like scripts: each dict is one observed status (plus optional side effects).
 SUCCESS = [
@@ -100,12 +103,13 @@ class StandIn:
         self.objects: dict[tuple[str, str], dict] = {}
         self.scripts: dict[str, list[dict]] = {}
         self.default_script: list[dict] = SUCCESS
-        self.pod_logs: dict[tuple[str, str], list[str]] = {}
+        self.job_logs: dict[tuple[str, str], list[str]] = {}  # (namespace, RayJob name) -> the Ray job's log
         self.metrics_files: dict[str, Path] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request
         self.creates: list[dict] = []  # every body that was created (not the 409s)
         self.deletes: list[str] = []
         self.open_gates: set[str] = set()
+        self.dashboard_host: str | None = None  # set by start(): this server also answers /api/jobs/<id>/logs
         self.lock = threading.RLock()
         self._validator = _validator(str(crd_file)) if crd_file else None
         self._server: ThreadingHTTPServer | None = None
@@ -169,6 +173,7 @@ class StandIn:
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="k8s-stand-in", daemon=True)
         self._thread.start()
+        self.dashboard_host = f"127.0.0.1:{self._server.server_address[1]}"
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     def stop(self) -> None:
@@ -215,17 +220,29 @@ class StandIn:
         if m and method == "GET":
             ns, pod, log = m.groups()
             if pod and log:
-                lines = self.pod_logs.get((ns, pod))
+                lines = self.job_logs.get((ns, pod.rsplit("-", 1)[0])) if pod in self._pods(ns) else None
                 if lines is None:
                     return 404, _status_body(404, "NotFound", f'pods "{pod}" not found', pod), "application/json"
                 tail = int(query.get("tailLines", 0) or 0)
                 return 200, "".join(line + "\n" for line in (lines[-tail:] if tail else lines)), "text/plain"
             if not pod:
                 selector = query.get("labelSelector", "")
-                items = [self._pod(ns, p) for (n, p) in self.pod_logs if n == ns]
+                items = [self._pod(ns, p) for p in self._pods(ns)]
                 items = [i for i in items if _match(i["metadata"]["labels"], selector)]
                 return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}, "application/json"
+        m = RAY_JOB_LOGS.match(path)
+        if m and method == "GET":  # HTTPMode: the job's log comes from the head's dashboard
+            for (ns, name), obj in self.objects.items():
+                if (obj.get("status") or {}).get("jobId") == m.group(1) and (ns, name) in self.job_logs:
+                    return 200, {"logs": "".join(line + "\n" for line in self.job_logs[(ns, name)])}, "application/json"
+            return 404, f"Job {m.group(1)} does not exist", "text/plain"
         return 404, _status_body(404, "NotFound", f"the server could not find the requested resource ({path})"), "application/json"
+
+    def _pods(self, ns: str) -> list[str]:
+        """KubeRay's submitter pods: only K8sJobMode RayJobs have one (HTTPMode submits over HTTP)."""
+        return [f"{name}-sbmt" for (n, name), obj in self.objects.items()
+                if n == ns and (ns, name) in self.job_logs
+                and (obj.get("spec") or {}).get("submissionMode", "K8sJobMode") == "K8sJobMode"]
 
     def _pod(self, ns: str, pod: str) -> dict:
         job = pod.rsplit("-", 1)[0]
@@ -278,16 +295,16 @@ class StandIn:
         step = script.pop(0)
         name = obj["metadata"]["name"]
         status = obj.setdefault("status", {})
-        pod = f"{name}-sbmt"
         if step.get("jobDeploymentStatus") in ("Initializing", "Running") and "rayClusterName" not in status:
             status["rayClusterName"] = f"{name}-raycluster"
-            status["dashboardURL"] = f"{name}-raycluster-head-svc.{ns}.svc.cluster.local:8265"
+            # a real one is the head service's in-cluster address; here this server answers the dashboard API too
+            status["dashboardURL"] = self.dashboard_host or f"{name}-raycluster-head-svc.{ns}.svc.cluster.local:8265"
             status["jobId"] = obj.get("spec", {}).get("jobId") or name
             status["startTime"] = _now()
         if status.get("jobStatus") or step.get("jobStatus"):
-            self.pod_logs.setdefault((ns, pod), [])
+            self.job_logs.setdefault((ns, name), [])
         for line in step.pop("log", []):
-            self.pod_logs.setdefault((ns, pod), []).append(line)
+            self.job_logs.setdefault((ns, name), []).append(line)
         metrics = step.pop("metrics", [])
         if metrics and obj["_metrics"]:
             obj["_metrics"].parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +338,7 @@ class StandIn:
         if obj is None:
             return 404, _status_body(404, "NotFound", f'rayjobs.ray.io "{name}" not found', name), "application/json"
         self.deletes.append(name)
-        self.pod_logs.pop((ns, f"{name}-sbmt"), None)  # the cluster and submitter go with it
+        self.job_logs.pop((ns, name), None)  # the cluster and submitter go with it
         return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                      "details": {"name": name, "group": "ray.io", "kind": "rayjobs", "uid": obj["metadata"]["uid"]}}, "application/json"
 
