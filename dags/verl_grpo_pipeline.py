@@ -13,6 +13,7 @@ import pendulum
 from airflow.sdk import Param, dag, task
 
 from operators.step import PipelineStepOperator
+from operators.train import GRPOTrainOperator
 from pipeline_steps import plan as planning
 
 PRESETS = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("*.yaml"))
@@ -21,6 +22,8 @@ GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")
 GPU_SLOTS = int(os.environ.get("VERL_PIPELINE_GPU_SLOTS", "8"))
 RUN = "{{ ti.xcom_pull(task_ids='plan', key='run')"  # the run-level plan, rendered as a native object
 STORE = RUN + "['store'] }}"
+INPUTS = "{{ ti.xcom_pull(task_ids='collect_inputs')"
+PULL = "ti.xcom_pull(task_ids='collect_inputs'), ti.xcom_pull(task_ids='train'), ti.xcom_pull(task_ids='plan', key='run')"
 
 
 def retrying(timeout: timedelta, retries: int = 2) -> dict:
@@ -74,6 +77,7 @@ PARAMS = {
     default_args=retrying(timedelta(hours=1)),
     doc_md=__doc__,
     render_template_as_native_obj=True,
+    user_defined_macros={"planning": planning},
 )
 def verl_grpo_pipeline():
     @task(task_id="plan", **retrying(timedelta(minutes=5)))
@@ -107,11 +111,43 @@ def verl_grpo_pipeline():
         task_id="stage_model", step="stage-model", request=RUN + "['model'] }}", store_uri=STORE, **retrying(timedelta(hours=3)),
     )
     datasets >> stage_model
-    train = PipelineStepOperator(task_id="train", step="train", pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=48)))
-    evaluate = PipelineStepOperator(task_id="evaluate", step="evaluate", pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=6)))
-    export = PipelineStepOperator(task_id="export", step="export", **retrying(timedelta(hours=3)))
 
-    [upload_dataset, stage_model] >> train >> evaluate >> export
+    @task(task_id="collect_inputs", **retrying(timedelta(minutes=10)))
+    def collect_inputs(uploaded, staged, params=None, ti=None) -> dict:
+        """Training and evaluation inputs, and the run's lineage (stored with the run for the model card)."""
+        import json
+
+        from airflow.sdk.exceptions import AirflowFailException
+
+        from pipeline_steps.errors import UserError
+        from pipeline_steps.store import open_store
+
+        run = ti.xcom_pull(task_ids="plan", key="run")
+        try:
+            inputs = planning.collect(list(uploaded), staged, dict(params), run)
+        except UserError as exc:
+            raise AirflowFailException(str(exc)) from None
+        lineage_uri = f"{run['run_dir']}/lineage.json"
+        open_store(run["store"]).write_bytes(lineage_uri, json.dumps(inputs["lineage"], indent=2, sort_keys=True).encode())
+        return {**inputs, "lineage_uri": lineage_uri}
+
+    inputs = collect_inputs(upload_dataset.output, stage_model.output)
+    train = GRPOTrainOperator(
+        task_id="train", experiment="{{ params.experiment }}", backend="{{ params.backend }}", overrides=INPUTS + "['overrides'] }}",
+        train_files=INPUTS + "['train_files'] }}", val_files=INPUTS + "['val_files'] }}", model_path=INPUTS + "['model_uri'] }}",
+        run_dir=RUN + "['run_dir'] }}", pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=48)),
+    )
+    evaluate = PipelineStepOperator(
+        task_id="evaluate", step="evaluate", request="{{ planning.evaluate_request(" + PULL + ") }}",
+        pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=6)),
+    )
+    export = PipelineStepOperator(
+        task_id="export", step="export", store_uri=STORE,
+        request="{{ planning.export_request(" + PULL + ", ti.xcom_pull(task_ids='evaluate'), "
+                "planning.local_path(ti.xcom_pull(task_ids='collect_inputs')['lineage_uri'])) }}",
+        **retrying(timedelta(hours=3)),
+    )
+    inputs >> train >> evaluate >> export
 
 
-verl_grpo_pipeline()
+dag = verl_grpo_pipeline()

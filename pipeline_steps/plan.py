@@ -101,3 +101,92 @@ def upload_request(done: dict) -> dict:
     pp = done["preprocess"]
     dest = f"{done['store']}/datasets/{done['dataset']}/{done['download']['commit']}/{pp['content_hash'][:16]}"
     return {"args": ["--src", pp["output"], "--dest", dest], "carry": done}
+
+
+# -- after the data is in the store ------------------------------------------------------------------------
+HYPERPARAMETERS = {  # trigger-form field -> verl key
+    "learning_rate": "actor_rollout_ref.actor.optim.lr",
+    "rollout_n": "actor_rollout_ref.rollout.n",
+    "train_batch_size": "data.train_batch_size",
+    "total_training_steps": "trainer.total_training_steps",
+    "nnodes": "trainer.nnodes",
+    "gpus_per_node": "trainer.n_gpus_per_node",
+}
+
+
+def overrides(params: dict) -> list[str]:
+    """The form's hyperparameters as verl overrides, then the free-form ones (applied last, so they win)."""
+    out = [f"{key}={params[field]}" for field, key in HYPERPARAMETERS.items() if params.get(field) is not None]
+    if params.get("kl_coef") is not None:
+        use = float(params["kl_coef"]) > 0
+        out += [f"actor_rollout_ref.actor.use_kl_loss={'true' if use else 'false'}", f"actor_rollout_ref.actor.kl_loss_coef={params['kl_coef']}"]
+    if params.get("smoke"):
+        out += ["trainer.total_training_steps=1", "trainer.save_freq=1"]
+    return out + list(params.get("verl_overrides") or [])
+
+
+def _split_uri(done: dict, *preferred: str) -> str | None:
+    splits = done["preprocess"]["splits"]
+    for split in preferred:
+        if split in splits:
+            return f"{done['upload']['uri'].rstrip('/')}/{split}.parquet"
+    return None
+
+
+def local_path(uri: str) -> str:
+    return uri[len("file://"):] if uri.startswith("file://") else uri
+
+
+def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict:
+    """Training and evaluation inputs (store URIs) and the run's lineage, from what the upstream tasks produced."""
+    exp = experiment.load(run["experiment"])
+    val_names = set((exp.spec.get("datasets") or {}).get("val") or [])
+    train = [d for d in uploaded if d["role"] == "train"]
+    train_files = [u for d in train if (u := _split_uri(d, "train"))]
+    val_files = [u for d in uploaded if d["dataset"] in val_names and (u := _split_uri(d, "test", "validation", "train"))]
+    evals = [d for d in uploaded if d["dataset"] == (params.get("eval_dataset") or (exp.spec.get("evaluation") or {}).get("dataset"))]
+    eval_file = _split_uri(evals[0], "test", "validation", "train") if evals else None
+    if not train_files:
+        raise UserError("no training split among the processed datasets; add a dataset with a train split")
+    model = staged["stage_model"]
+    lineage = {
+        "base_model": {"name": staged["model"], "revision": model.get("revision"), "uri": model.get("uri")},
+        "datasets": [{"name": d["dataset"], "role": d["role"], "repo_id": d["download"].get("repo_id"),
+                      "revision": d["download"]["commit"], "content_hash": d["preprocess"]["content_hash"],
+                      "uri": d["upload"]["uri"], "resolved": d.get("resolved")} for d in uploaded],
+        "experiment": {"name": exp.name, "preset_sha256": exp.digest(), "overrides": overrides(params)},
+        "dag_id": run["dag_id"],
+        "run_id": run["run_id"],
+        "run_uri": run["run_dir"],
+    }
+    evaluation = dict(exp.spec.get("evaluation") or {})
+    return {
+        "train_files": train_files,
+        "val_files": val_files,
+        "eval_file": eval_file,
+        "model_uri": model["uri"],
+        "overrides": overrides(params),
+        "evaluation": evaluation,
+        "lineage": lineage,
+    }
+
+
+def evaluate_request(inputs: dict, trained: dict, run: dict) -> dict:  # noqa: D103 (argv for the evaluate step)
+    ev = inputs["evaluation"]
+    if not inputs.get("eval_file"):
+        raise UserError("no evaluation set was processed; set eval_dataset or the preset's evaluation.dataset")
+    args = ["--model", local_path(trained["checkpoint_uri"]), "--data", local_path(inputs["eval_file"]),
+            "--output", local_path(f"{run['run_dir']}/eval"), "--base-model", local_path(inputs["model_uri"]),
+            "--baseline-cache", f"{run['work']}/baseline-cache",
+            "--k", str(ev.get("k", 4)), "--temperature", str(ev.get("temperature", 1.0)), "--top-p", str(ev.get("top_p", 1.0)),
+            "--max-new-tokens", str(ev.get("max_new_tokens", 512))]
+    if run.get("smoke"):
+        args += ["--max-problems", "4"]
+    return {"args": args, "carry": {}}
+
+
+def export_request(inputs: dict, trained: dict, run: dict, evaluated: dict, lineage_file: str) -> dict:
+    args = ["--checkpoint-dir", local_path(trained["checkpoint_uri"]), "--output", f"{run['work']}/export/{run['run_key']}",
+            "--store-root", run["store"], "--experiment", run["experiment"], "--lineage", lineage_file,
+            "--eval-results", evaluated["evaluate"]["results"], "--base-results", evaluated["evaluate"]["base_results"]]
+    return {"args": args, "carry": {}}
