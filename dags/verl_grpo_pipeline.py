@@ -20,6 +20,8 @@ PRESETS = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("*
 SCHEDULE = os.environ.get("VERL_PIPELINE_SCHEDULE", "@weekly")
 GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")
 GPU_SLOTS = int(os.environ.get("VERL_PIPELINE_GPU_SLOTS", "8"))
+DATASET_ASSETS = "verl-processed-datasets"  # AssetAlias: one Asset per processed dataset version
+MODEL_ASSETS = "verl-exported-models"  # AssetAlias: one Asset per exported model version (verl_evaluate_model listens)
 RUN = "{{ ti.xcom_pull(task_ids='plan', key='run')"  # the run-level plan, rendered as a native object
 STORE = RUN + "['store'] }}"
 INPUTS = "{{ ti.xcom_pull(task_ids='collect_inputs')"
@@ -41,6 +43,9 @@ PARAMS = {
                    description=f"Train one step on the first {planning.SMOKE_ROWS} rows of each dataset before a long run."),
     "datasets": Param([], type="array", items={"type": "string", "pattern": "^[a-z0-9][a-z0-9_.-]{0,63}$"}, uniqueItems=True,
                       title="Training datasets", section="Data", description="Registry names; empty = the preset's."),
+    "prepare_datasets": Param([], type="array", items={"type": "string", "pattern": "^[a-z0-9][a-z0-9_.-]{0,63}$"}, uniqueItems=True,
+                              title="Also prepare", section="Data",
+                              description="Datasets to download, preprocess and upload (a new version) without training on them."),
     "eval_dataset": Param("", type="string", pattern="^([a-z0-9][a-z0-9_.-]{0,63})?$", title="Evaluation set", section="Data",
                           description="Empty = the preset's (aime2024)."),
     "dataset_revisions": Param({}, type="object", additionalProperties={"type": "string", "pattern": "^[A-Za-z0-9._/-]{1,128}$"},
@@ -105,7 +110,7 @@ def verl_grpo_pipeline():
         task_id="preprocess", step="preprocess", **retrying(timedelta(hours=2)),
     ).expand(request=download.output.map(planning.preprocess_request))
     upload_dataset = PipelineStepOperator.partial(
-        task_id="upload_dataset", step="upload", store_uri=STORE, **retrying(timedelta(hours=2)),
+        task_id="upload_dataset", step="upload", store_uri=STORE, asset_alias=DATASET_ASSETS, **retrying(timedelta(hours=2)),
     ).expand(request=preprocess.output.map(planning.upload_request))
     stage_model = PipelineStepOperator(
         task_id="stage_model", step="stage-model", request=RUN + "['model'] }}", store_uri=STORE, **retrying(timedelta(hours=3)),
@@ -127,8 +132,11 @@ def verl_grpo_pipeline():
             inputs = planning.collect(list(uploaded), staged, dict(params), run)
         except UserError as exc:
             raise AirflowFailException(str(exc)) from None
+        store = open_store(run["store"])
         lineage_uri = f"{run['run_dir']}/lineage.json"
-        open_store(run["store"]).write_bytes(lineage_uri, json.dumps(inputs["lineage"], indent=2, sort_keys=True).encode())
+        store.write_bytes(lineage_uri, json.dumps(inputs["lineage"], indent=2, sort_keys=True).encode())
+        for d in inputs["lineage"]["datasets"]:  # what verl_evaluate_model reads when no eval data is given
+            store.write_bytes(f"{run['store']}/datasets/{d['name']}/last_processed.json", json.dumps(d, sort_keys=True).encode())
         return {**inputs, "lineage_uri": lineage_uri}
 
     inputs = collect_inputs(upload_dataset.output, stage_model.output)
@@ -142,7 +150,7 @@ def verl_grpo_pipeline():
         pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=6)),
     )
     export = PipelineStepOperator(
-        task_id="export", step="export", store_uri=STORE,
+        task_id="export", step="export", store_uri=STORE, asset_alias=MODEL_ASSETS,
         request="{{ planning.export_request(" + PULL + ", ti.xcom_pull(task_ids='evaluate'), "
                 "planning.local_path(ti.xcom_pull(task_ids='collect_inputs')['lineage_uri'])) }}",
         **retrying(timedelta(hours=3)),

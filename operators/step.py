@@ -45,6 +45,8 @@ class PipelineStepOperator(BaseOperator):
     :param store_conn_id: Airflow connection for object storage (OSS or GCS credentials).
     :param hf_conn_id: Airflow connection holding a Hugging Face token.
     :param summary_key: key under which the step summary is added to ``carry`` (default: the step name).
+    :param asset_alias: emit the step's output (its summary's ``uri``) as an Airflow Asset through this
+        AssetAlias (dataset versions and exported models have run-time URIs, so they are emitted dynamically).
 
     Exit code 2 (bad input) fails the task without retries: retrying the same input cannot help.
     Any other failure raises normally so the task's retries apply.
@@ -54,8 +56,14 @@ class PipelineStepOperator(BaseOperator):
     ui_color = "#e8f0fe"
 
     def __init__(self, *, step: str, request: dict | None = None, store_uri: str = "", store_conn_id: str | None = "pipeline_store",
-                 hf_conn_id: str | None = "huggingface_default", summary_key: str | None = None, **kwargs):
+                 hf_conn_id: str | None = "huggingface_default", summary_key: str | None = None,
+                 asset_alias: str | None = None, **kwargs):
+        if asset_alias:
+            from airflow.sdk import AssetAlias
+
+            kwargs["outlets"] = [*kwargs.get("outlets", []), AssetAlias(asset_alias)]
         super().__init__(**kwargs)
+        self.asset_alias = asset_alias
         self.step = step
         self.request = request or {}
         self.store_uri = store_uri
@@ -99,7 +107,18 @@ class PipelineStepOperator(BaseOperator):
             raise AirflowException(f"step {self.step} failed with exit code {rc}: {summary.get('error') or last_error}")
         summary.pop("ok", None)
         summary.pop("step", None)
-        return {**self.request.get("carry", {}), self.summary_key: summary}
+        carry = self.request.get("carry", {})
+        if self.asset_alias and summary.get("uri"):
+            self.emit_asset(context, summary["uri"], {**{k: carry[k] for k in ("dataset", "revision") if k in carry}, **summary})
+        return {**carry, self.summary_key: summary}
+
+    def emit_asset(self, context, uri: str, summary: dict) -> None:
+        from airflow.sdk import Asset, AssetAlias
+
+        extra = {k: v for k, v in summary.items() if isinstance(v, (str, int, float, bool)) and k != "uri"}
+        name = uri.split("://", 1)[-1].strip("/").replace("/", ".")
+        context["outlet_events"][AssetAlias(self.asset_alias)].add(Asset(uri=uri, name=name), extra=extra)
+        self.log.info("emitted asset %s via alias %s", uri, self.asset_alias)
 
     def on_kill(self):
         if self._proc and self._proc.poll() is None:

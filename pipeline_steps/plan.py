@@ -46,7 +46,8 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     pins = dict(params.get("dataset_revisions") or {})
     known = registry.load()
     items = []
-    for name in dict.fromkeys(train_sets + ([eval_set] if eval_set else [])):
+    extra_sets = list(params.get("prepare_datasets") or [])
+    for name in dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets):
         if name not in known or not known[name].repo_id:
             raise UserError(f"dataset {name!r} is not a downloadable registry entry; choose from {sorted(k for k, v in known.items() if v.repo_id)}")
         if name in pins:
@@ -58,7 +59,7 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
             revision, resolved = "main", {"source": "branch"}
         items.append({
             "dataset": name,
-            "role": "eval" if name == eval_set and name not in train_sets else "train",
+            "role": "train" if name in train_sets else "eval" if name == eval_set else "prepare",
             "revision": revision,
             "resolved": resolved,
             "variant": params.get("variant") or "default",

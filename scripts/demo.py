@@ -46,7 +46,7 @@ def main() -> int:
     home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     env = prepare(home, airflow_home)
-    conf = {"experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k", "dapo_math", "geometry3k"]}
+    conf = {"experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k"], "prepare_datasets": ["dapo_math", "geometry3k"]}
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     airflow = str(Path(sys.executable).with_name("airflow"))
     print(f"running verl_grpo_pipeline on the local profile (AIRFLOW_HOME={airflow_home}) ...", flush=True)
