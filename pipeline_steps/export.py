@@ -240,15 +240,23 @@ def run(args) -> dict:
     out = Path(args.output)
     model_dir = out / "model"
     merge_checkpoint(actor, model_dir)
+    merged_sha = dir_sha256(model_dir)  # what evaluate hashed when it merged the same checkpoint
+    scored_sha = (results.get("model") or {}).get("content_sha256")
+    if scored_sha and scored_sha != merged_sha:
+        raise UserError(
+            f"--eval-results {args.eval_results}: scored a different model (content sha256 {scored_sha[:12]}) than "
+            f"global_step_{step} ({merged_sha[:12]}); run evaluate on the same checkpoint and step, nothing was exported"
+        )
     check = check_model(model_dir)
-    version = f"step{step}-{weights_sha256(model_dir)[:12]}"
+    weights = weights_sha256(model_dir)
+    version = f"step{step}-{weights[:12]}"
 
     store = open_store(args.store_root)
     exp_uri = promotion.experiment_uri(args.store_root, args.experiment)
     version_uri = f"{exp_uri}/{version}"
-    previous = None
-    with contextlib.suppress(Exception):  # first export of this version: nothing to re-use
-        if store.read_manifest(version_uri) is not None:
+    previous = None  # the record of an earlier, complete export of this very version (a retry)
+    if store.read_manifest(version_uri) is not None:
+        with contextlib.suppress(TypeError, ValueError):
             previous = json.loads(store.read_bytes(f"{version_uri}/export.json"))
     exported_at = (previous or {}).get("exported_at") or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -264,7 +272,7 @@ def run(args) -> dict:
         "experiment": args.experiment,
         "exported_at": exported_at,
         "checkpoint": {"dir": str(Path(args.checkpoint_dir).resolve()), "step": step},
-        "weights_sha256": weights_sha256(model_dir),
+        "weights_sha256": weights,
         "check": check,
         "eval": promotion.summary_of(results),
         "base_eval": promotion.summary_of(base),

@@ -88,7 +88,7 @@ def _results(avg, eval_sha="e" * 64):
     return {"overall": {"avg@k": avg, "k": 2, "problems": 2, "samples_scored": 4, "maj@k": avg, "pass@k": {"1": avg, "2": avg}},
             "eval_set": {"sha256": eval_sha, "name": "aime2024", "rows": 2},
             "sampling": {"k": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},
-            "model": {"content_sha256": "m" * 64}, "scorer": "verl.utils.reward_score.default_compute_score"}
+            "model": {}, "scorer": "verl.utils.reward_score.default_compute_score"}
 
 
 LINEAGE = {
@@ -171,3 +171,19 @@ def test_model_card_with_sparse_lineage_says_not_recorded():
     card = model_card.render({"version": "step1-x", "experiment": "e", "lineage": {}}, res, None)
     assert card.count("not recorded") >= 5 and "| avg@1 | 50.0% | — | — |" in card
     assert card.count("| pass@1 |") == 1  # k = 1: pass@1 and pass@k are one row
+
+
+def test_eval_results_of_another_model_are_rejected(ckpt, tmp_path, capsys):
+    store_root = f"file://{tmp_path}/store"
+    argv = _export_args(ckpt["checkpoints"], tmp_path, store_root, 0.9)
+    res = _results(0.9)
+    res["model"] = {"content_sha256": export.dir_sha256(ckpt["model"]), "source": "hf_model"}  # the base model's hash
+    argv[argv.index("--eval-results") + 1] = _write(tmp_path, "other.json", res)
+    code, s, _ = run_cli(argv, capsys)
+    assert code == 2 and "scored a different model" in s["error"] and not (tmp_path / "store").exists()
+    # the hash evaluate records for this checkpoint is accepted
+    step, actor = export.resolve_checkpoint(ckpt["checkpoints"])
+    res["model"] = {"content_sha256": export.dir_sha256(export.merge_checkpoint(actor, tmp_path / "m")), "source": "checkpoint"}
+    argv[argv.index("--eval-results") + 1] = _write(tmp_path, "same.json", res)
+    code, s, err = run_cli(argv, capsys)
+    assert code == 0 and s["promoted"], err
