@@ -1,8 +1,9 @@
 """``file:///abs/path``: the embedded default store, a directory tree on local disk.
 
 Objects are files written atomically (temp sibling + rename); the native checksum
-is sha256, recomputed from the stored file when checking, so a corrupted file is
-detected and repaired by the next upload.
+is sha256 of the stored file (cached by path, size, mtime and inode, so any write to
+it is seen), so a modified file is detected and repaired by the next upload;
+downloads always re-read and verify every byte.
 """
 from __future__ import annotations
 
@@ -10,18 +11,22 @@ import os
 from pathlib import Path
 
 from pipeline_steps import atomic
-from pipeline_steps.store.base import ObjectInfo, Store, copy_file, file_checksums
+from pipeline_steps.store.base import ObjectInfo, Store, _ChecksumCache, copy_file, file_checksums
 
 
 class LocalStore(Store):
     scheme = "file"
     native = "sha256"
+    _cache = None
 
     def _head(self, key: str) -> ObjectInfo | None:
         p = Path(key)
         if not p.is_file():
             return None
-        return ObjectInfo(size=p.stat().st_size, checksum=file_checksums(p, None)["sha256"])
+        # the stat-keyed checksum cache spares re-reading unchanged stored files (any write changes the key)
+        if self._cache is None:
+            self._cache = _ChecksumCache()
+        return ObjectInfo(size=p.stat().st_size, checksum=file_checksums(p, None, self._cache)["sha256"])
 
     def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> None:
         copy_file(path, Path(key))
