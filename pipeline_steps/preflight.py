@@ -307,6 +307,7 @@ def check_batch_sizes(cfg) -> dict:
 
 def run_verl_validate(cfg, ppo_utils) -> None:
     """verl's own ``validate_config``; its prints go to stderr (stdout ends with the JSON summary)."""
+    from hydra.errors import InstantiationException  # verl builds its dataclasses through hydra.instantiate
     from verl.utils.config import validate_config
 
     try:
@@ -317,7 +318,7 @@ def run_verl_validate(cfg, ppo_utils) -> None:
                 use_reference_policy=ppo_utils.need_reference_policy(cfg),
                 use_critic=ppo_utils.need_critic(cfg),
             )
-    except (AssertionError, ValueError, TypeError, KeyError, AttributeError, RuntimeError) as exc:
+    except (AssertionError, ValueError, TypeError, KeyError, AttributeError, RuntimeError, InstantiationException) as exc:
         msg = " ".join(str(exc).split()) or exc.__class__.__name__
         raise UserError(f"verl's validate_config rejected the config: {msg[:400]}") from None
 
