@@ -53,13 +53,22 @@ def normalize_overrides(value) -> list[str]:
 
 
 def as_list(value) -> list[str]:
+    """A list of URIs from a list, or from a rendered template (JSON or a Python list literal)."""
     if value is None or value == "":
         return []
     if isinstance(value, str):
         text = value.strip()
-        if text.startswith("["):
-            return [str(v) for v in json.loads(text)]
-        return [text]
+        if not text.startswith("["):
+            return [text]
+        try:
+            value = json.loads(text)
+        except ValueError:
+            import ast
+
+            try:
+                value = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                raise AirflowFailException(f"file list {text[:80]!r}: not a list literal; pass a list of URIs") from None
     return [str(v) for v in value]
 
 
@@ -139,7 +148,7 @@ class GRPOTrainOperator(RayJobOperator):
         return exp
 
     def _backend(self) -> str:
-        if self.backend:
+        if self.backend and str(self.backend).lower() not in ("none", "auto", "preset"):
             if self.backend not in ("local", "kuberay"):
                 raise AirflowFailException(f"backend {self.backend!r}: choose 'local' or 'kuberay'")
             return self.backend
