@@ -303,3 +303,53 @@ def test_cli_writes_the_rayjob_and_rejects_bad_input(tmp_path, crd_schema):
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "data.train_files" in p.stderr and "gs://not-mounted" in p.stderr
     assert not out.exists()  # no partial output that looks complete
+
+
+# -- MountMap -------------------------------------------------------------------------------------------
+
+
+def test_mountmap_longest_prefix_and_forms(monkeypatch):
+    mm = MountMap.from_config({
+        "gs://bucket": {"claim": "store", "path": "/mnt/store"},
+        "gs://bucket/models": {"claim": "models", "path": "/mnt/models", "readOnly": True},
+    })
+    assert mm.to_pod_path("gs://bucket/datasets/x/train.parquet") == "/mnt/store/datasets/x/train.parquet"
+    assert mm.to_pod_path("gs://bucket/models/qwen/main") == "/mnt/models/qwen/main"
+    assert mm.to_pod_path("gs://bucket/modelsX/a") == "/mnt/store/modelsX/a"  # a prefix ends at a '/'
+    assert mm.to_pod_path("gs://bucket") == "/mnt/store"
+    assert mm.to_pod_path("/mnt/store/already/a/path") == "/mnt/store/already/a/path"
+    volumes, mounts = mm.volumes()
+    assert volumes == [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+                       {"name": "store", "persistentVolumeClaim": {"claimName": "store", "readOnly": False}}]
+    assert [m["mountPath"] for m in mounts] == ["/mnt/models", "/mnt/store"]
+    monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "oss://b", "claim": "c", "path": "/m", "subPath": "runs"}]))
+    env = MountMap.from_env()
+    assert env.to_pod_path("oss://b/x") == "/m/x"
+    assert env.volumes()[1][0]["subPath"] == "runs"
+    assert len(MountMap.from_config(None)) == 0
+
+
+@pytest.mark.parametrize("config,match", [
+    ([{"uri": "bucket", "claim": "c", "path": "/m"}], r"must look like scheme://bucket"),
+    ([{"uri": "gs://b", "claim": "Bad_Claim", "path": "/m"}], r"not a valid PersistentVolumeClaim name"),
+    ([{"uri": "gs://b", "claim": "c", "path": "relative"}], r"normalised absolute directory"),
+    ([{"uri": "gs://b", "claim": "c", "path": "/dev/shm"}], r"reserved"),
+    ([{"uri": "gs://b", "claim": "c", "path": "/m", "token": "x"}], r"unknown keys \['token'\]"),
+    ([{"uri": "gs://b", "claim": "c", "path": "/m"}, {"uri": "gs://b/", "claim": "d", "path": "/n"}], r"listed twice"),
+    ([{"uri": "gs://b", "claim": "c", "path": "/m"}, {"uri": "gs://a", "claim": "d", "path": "/m"}], r"same path"),
+    ("gs://b", r"expected a list"),
+])
+def test_mountmap_rejects_bad_config(config, match):
+    with pytest.raises(UserError, match=match):
+        MountMap.from_config(config)
+
+
+def test_mountmap_bad_env_and_uris(monkeypatch):
+    monkeypatch.setenv("PIPELINE_MOUNTS", "{not json")
+    with pytest.raises(UserError, match=r"\$PIPELINE_MOUNTS: not valid JSON"):
+        MountMap.from_env()
+    mm = MountMap.from_config([{"uri": "gs://b/p", "claim": "c", "path": "/m"}])
+    for bad, match in [("gs://b/other/x", "outside every mounted bucket"), ("gs://b/p/../../etc", "climbs out"),
+                       ("/etc/passwd", "not a store URI on a mount"), ("gs://b/pp", "outside every mounted bucket")]:
+        with pytest.raises(UserError, match=match):
+            mm.to_pod_path(bad)
