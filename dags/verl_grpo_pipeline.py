@@ -150,7 +150,7 @@ def verl_grpo_pipeline():
         pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=6)),
     )
     export = PipelineStepOperator(
-        task_id="export", step="export", store_uri=STORE, asset_alias=MODEL_ASSETS,
+        task_id="export", step="export", store_uri=STORE, asset_alias=MODEL_ASSETS, skip_unless="promoted",
         request="{{ planning.export_request(" + PULL + ", ti.xcom_pull(task_ids='evaluate'), "
                 "planning.local_path(ti.xcom_pull(task_ids='collect_inputs')['lineage_uri'])) }}",
         **retrying(timedelta(hours=3)),

@@ -45,6 +45,8 @@ class PipelineStepOperator(BaseOperator):
     :param store_conn_id: Airflow connection for object storage (OSS or GCS credentials).
     :param hf_conn_id: Airflow connection holding a Hugging Face token.
     :param summary_key: key under which the step summary is added to ``carry`` (default: the step name).
+    :param skip_unless: summary key; when the step succeeds with that key false, the summary is still pushed and
+        the task is marked skipped with the summary's ``reason`` (export: "not promoted" is not a failure).
     :param asset_alias: emit the step's output (its summary's ``uri``) as an Airflow Asset through this
         AssetAlias (dataset versions and exported models have run-time URIs, so they are emitted dynamically).
 
@@ -57,13 +59,14 @@ class PipelineStepOperator(BaseOperator):
 
     def __init__(self, *, step: str, request: dict | None = None, store_uri: str = "", store_conn_id: str | None = "pipeline_store",
                  hf_conn_id: str | None = "huggingface_default", summary_key: str | None = None,
-                 asset_alias: str | None = None, **kwargs):
+                 asset_alias: str | None = None, skip_unless: str | None = None, **kwargs):
         if asset_alias:
             from airflow.sdk import AssetAlias
 
             kwargs["outlets"] = [*kwargs.get("outlets", []), AssetAlias(asset_alias)]
         super().__init__(**kwargs)
         self.asset_alias = asset_alias
+        self.skip_unless = skip_unless
         self.step = step
         self.request = request or {}
         self.store_uri = store_uri
@@ -110,7 +113,13 @@ class PipelineStepOperator(BaseOperator):
         carry = self.request.get("carry", {})
         if self.asset_alias and summary.get("uri"):
             self.emit_asset(context, summary["uri"], {**{k: carry[k] for k in ("dataset", "revision") if k in carry}, **summary})
-        return {**carry, self.summary_key: summary}
+        result = {**carry, self.summary_key: summary}
+        if self.skip_unless and not summary.get(self.skip_unless):
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            context["ti"].xcom_push(key="return_value", value=result)
+            raise AirflowSkipException(f"step {self.step}: {summary.get('reason') or self.skip_unless + ' is false'}")
+        return result
 
     def emit_asset(self, context, uri: str, summary: dict) -> None:
         from airflow.sdk import Asset, AssetAlias
