@@ -519,7 +519,6 @@ class GRPOTrainer:
     def train_step(self, step: int) -> dict:
         """One GRPO step; returns verl-named metrics."""
         import torch
-        from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughout_metrics, compute_timing_metrics
 
         t_step = time.perf_counter()
         batch, timing, epoch = self.generate_and_score(step)

@@ -174,7 +174,7 @@ def _status_str(info) -> str:
 
 
 def submit_or_attach(address: str, submission_id: str, entrypoint_argv: list[str], env: dict | None = None,
-                     working_dir: str | None = None) -> str:
+                     working_dir: str | None = None, agent_timeout: float = 120) -> str:
     """Submit ``entrypoint_argv`` as job ``submission_id``, or attach to the live/succeeded job of that id.
 
     :param address: dashboard address from :func:`ensure_cluster`.
@@ -182,6 +182,7 @@ def submit_or_attach(address: str, submission_id: str, entrypoint_argv: list[str
     :param entrypoint_argv: the command as an argument list; every item is shell-quoted.
     :param env: environment variables for the job (visible in the dashboard: no secrets).
     :param working_dir: optional runtime_env working_dir (uploaded by Ray).
+    :param agent_timeout: seconds to retry while a new head's job agent is not ready yet.
     :raises JobAlreadyFinishedError: the id names a FAILED or STOPPED job (a retry needs a new id).
     """
     client = _client(address)
@@ -193,13 +194,20 @@ def submit_or_attach(address: str, submission_id: str, entrypoint_argv: list[str
         if working_dir:
             runtime_env["working_dir"] = str(working_dir)
         entrypoint = shlex.join(str(a) for a in entrypoint_argv)
-        try:
-            client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env or None)
-            log.info("submitted Ray job %s", submission_id)
-            return submission_id
-        except RuntimeError:
-            info = _info(client, submission_id)  # another submitter won the race
-            if info is None:
+        deadline = time.monotonic() + agent_timeout
+        while True:
+            try:
+                client.submit_job(entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env or None)
+                log.info("submitted Ray job %s", submission_id)
+                return submission_id
+            except RuntimeError as exc:
+                info = _info(client, submission_id)  # another submitter won the race
+                if info is not None:
+                    break
+                # a freshly started head answers before its dashboard agent can take jobs
+                if "try again later" in str(exc) and time.monotonic() < deadline:
+                    time.sleep(2)
+                    continue
                 raise
     status = _status_str(info)
     if status in LIVE or status == "SUCCEEDED":
