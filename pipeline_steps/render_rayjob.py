@@ -344,7 +344,13 @@ def to_yaml(job: dict) -> str:
 
 def _mounts_arg(value: str | None, exp: Experiment) -> MountMap:
     if value:
-        text = Path(value[1:]).read_text(encoding="utf-8") if value.startswith("@") else value
+        if value.startswith("@"):
+            path = Path(value[1:])
+            if not path.is_file():
+                raise UserError(f"--mounts {value!r}: file not found; pass JSON or @an-existing-file.json")
+            text = path.read_text(encoding="utf-8")
+        else:
+            text = value
         try:
             return MountMap.from_config(json.loads(text), source="--mounts")
         except json.JSONDecodeError as exc:

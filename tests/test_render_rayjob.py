@@ -303,6 +303,8 @@ def test_cli_writes_the_rayjob_and_rejects_bad_input(tmp_path, crd_schema):
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "data.train_files" in p.stderr and "gs://not-mounted" in p.stderr
     assert not out.exists()  # no partial output that looks complete
+    p = subprocess.run(base + ["--mounts", "@/nonexistent/mounts.json"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "--mounts '@/nonexistent/mounts.json': file not found" in p.stderr
 
 
 # -- MountMap -------------------------------------------------------------------------------------------
