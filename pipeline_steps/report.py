@@ -115,6 +115,8 @@ def read_json(path: Path, need: tuple[str, ...] = ()) -> tuple[dict | None, str]
         return None, NP
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        return None, f"unreadable: {exc.__class__.__name__}"
     except (ValueError, UnicodeDecodeError) as exc:
         return None, f"unreadable: not JSON ({exc.__class__.__name__}: {str(exc).splitlines()[0]})"
     if not isinstance(obj, dict):
@@ -216,7 +218,11 @@ def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
     if not path.is_file():
         state["inputs"]["metrics.jsonl"] = NP
         return lines + [f"`metrics.jsonl`: {NP}. No curves.", ""]
-    m = read_metrics(path)
+    try:
+        m = read_metrics(path)
+    except OSError as exc:
+        state["inputs"]["metrics.jsonl"] = f"unreadable: {exc.__class__.__name__}"
+        return lines + [f"`metrics.jsonl`: unreadable ({exc.__class__.__name__}). No curves.", ""]
     steps = m["steps"]
     state["inputs"]["metrics.jsonl"] = "ok"
     state["metrics_steps"] = len(steps)
@@ -336,8 +342,12 @@ def lineage_section(run_dir: Path, state: dict) -> list[str]:
         return lines + [f"`lineage.json`: {status}.", ""]
     exp = lin.get("experiment") if isinstance(lin.get("experiment"), dict) else {}
     overrides = exp.get("overrides") if isinstance(exp.get("overrides"), list) else []
-    ov_hash = exp.get("overrides_sha256") or (hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()
-                                             if overrides else NR)
+    if exp.get("overrides_sha256"):
+        ov_hash = exp["overrides_sha256"]
+    elif overrides:  # the same digest model_card prints, so the report and the card agree
+        ov_hash = hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()
+    else:
+        ov_hash = "none (no overrides)" if "overrides" in exp else NR
     lines += [
         "| | |", "| --- | --- |",
         f"| base model | {code(_get(lin, 'base_model', 'name'))} at revision {code(_get(lin, 'base_model', 'revision'))} |",
