@@ -187,6 +187,7 @@ def test_failing_webhook_is_logged_never_raised(hook, monkeypatch, caplog, mode)
     assert SECRET not in caplog.text
 
 
+@pytest.mark.slow
 def test_real_task_runner_calls_it_with_xcom_and_posts(hook, tmp_path):
     """``airflow dags test`` of a probe DAG: a mapped step that fails on bad input and a train task that pushed its job."""
     dags, home = tmp_path / "dags", tmp_path / "home"
