@@ -177,6 +177,16 @@ def shown(url: str) -> str:
     return f"{parts.scheme}://{host}" + (f":{parts.port}" if parts.port else "")
 
 
+def _redact(text: str) -> str:
+    """Airflow's secrets masker over the text (connection passwords, masked variables, ``mask_secret`` values)."""
+    try:
+        from airflow.sdk.log import redact
+    except ImportError:  # the masker moved: the task log still masks, the webhook text goes as built
+        return text
+    out = redact(text)
+    return out if isinstance(out, str) else text
+
+
 class FailureNotifier(BaseNotifier):
     """Log one paragraph about a failed task or DAG run and post it to a webhook connection when one exists.
 
@@ -194,6 +204,7 @@ class FailureNotifier(BaseNotifier):
             text = paragraph(context)
         except Exception as exc:  # a callback must not fail the run's bookkeeping
             text = f"A pipeline task failed; the failure notice could not be built ({type(exc).__name__})."
+        text = _redact(text)  # the log masks registered secrets; the webhook body must too
         log.error("%s", text)
         self.post(text)
 

@@ -149,6 +149,18 @@ def test_webhook_from_env_connection_receives_the_paragraph(hook, monkeypatch, c
     assert SECRET not in caplog.text and "/hooks" not in caplog.text
 
 
+def test_registered_secrets_are_masked_in_log_and_webhook(hook, monkeypatch, caplog):
+    from airflow.sdk.log import mask_secret
+
+    monkeypatch.setenv("AIRFLOW_CONN_PIPELINE_WEBHOOK", f"http://127.0.0.1:{hook.port}/x")
+    mask_secret("oss-key-ABCDEF123456")  # as Airflow does for every connection password it hands out
+    ctx = step_context(task_id="upload_dataset", error=RuntimeError("403 for access key oss-key-ABCDEF123456 on bucket b"))
+    with caplog.at_level(logging.INFO, logger="operators.notify"):
+        notify.notify_failure(ctx)
+    (text,) = hook.texts()
+    assert "403 for access key *** on bucket b" in text and "ABCDEF123456" not in caplog.text
+
+
 def test_webhook_url_in_extra_and_another_conn_id(hook, monkeypatch):
     monkeypatch.setenv("AIRFLOW_CONN_TEAM_HOOK", json.dumps({"conn_type": "http", "extra": {"url": f"http://127.0.0.1:{hook.port}/in"}}))
     notify.FailureNotifier(conn_id="team_hook")(step_context(task_id="train", error=RuntimeError("RayJob r-1 failed")))
