@@ -36,6 +36,7 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
     from pipeline_steps import local_hub
 
     env = dict(os.environ, **local_profile_env(home), AIRFLOW_HOME=str(airflow_home))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # airflow standalone spawns `airflow ...`
     local_hub.build_cache(ROOT / "tests" / "fixtures" / "hub", home / "hf-cache")
     airflow = str(Path(sys.executable).with_name("airflow"))
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)

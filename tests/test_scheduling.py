@@ -45,6 +45,9 @@ def airflow(tmp_path_factory):
         "PIPELINE_RAY_TEMP_DIR": str(tmp / "ray"),
         "PIPELINE_RAY_DASHBOARD_PORT": str(free_port()),
         "PIPELINE_RAY_PORT": str(free_port()),
+        # Sundays 1-18 October: the backfill's three dates, and the newest one (which unpausing with catchup off would
+        # schedule) is the backfill's own last date, so no extra scheduled run competes with the backfill
+        "VERL_PIPELINE_SCHEDULE": "0 0 1-18 10 0",
     })
     env = prepare(tmp / "pipeline", tmp / "airflow-home")
     airflow_bin = str(Path(sys.executable).with_name("airflow"))
@@ -72,6 +75,15 @@ def airflow(tmp_path_factory):
         local_ray.shutdown_cluster(tmp / "ray")
 
 
+def cli_json(stdout: str) -> list:
+    """The JSON document in an airflow CLI's stdout (warnings may be printed before it)."""
+    lines = stdout.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(("[{", "[]")):
+            return json.loads("\n".join(lines[i:]))
+    return []
+
+
 def xcoms(db: Path, run_id: str, task_id: str) -> list:
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT value FROM xcom WHERE run_id=? AND task_id=? AND key='return_value' ORDER BY map_index",
@@ -88,15 +100,18 @@ def test_backfill_trains_on_the_dataset_versions_of_each_date(airflow):
     conf = {"smoke": True, "experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k"]}
     subprocess.run([airflow_bin, "backfill", "create", "--dag-id", "verl_grpo_pipeline", "--from-date", DATES[0], "--to-date", DATES[-1],
                     "--dag-run-conf", json.dumps(conf), "--max-active-runs", "1"], env=env, check=True, capture_output=True, text=True)
+    subprocess.run([airflow_bin, "dags", "unpause", "verl_grpo_pipeline"], env=env, check=True, capture_output=True, text=True)
     deadline = time.time() + 45 * 60
     runs = []
     while time.time() < deadline:
         out = subprocess.run([airflow_bin, "dags", "list-runs", "verl_grpo_pipeline", "-o", "json"], env=env, capture_output=True, text=True)
-        runs = [r for r in json.loads(out.stdout or "[]") if r.get("run_type") == "backfill"] if out.returncode == 0 else []
+        runs = [r for r in cli_json(out.stdout) if r.get("run_type") == "backfill"] if out.returncode == 0 else []
         if len(runs) == 3 and all(r["state"] in ("success", "failed") for r in runs):
             break
         time.sleep(15)
     assert len(runs) == 3, runs
+    others = [r for r in cli_json(out.stdout) if r.get("run_type") != "backfill"]
+    assert not others, f"unexpected non-backfill runs: {others}"
     assert all(r["state"] == "success" for r in runs), (runs, (airflow["home"] / "standalone.log").read_text()[-4000:])
     runs.sort(key=lambda r: r["logical_date"])
     index = json.loads((airflow["home"] / "pipeline" / "hf-cache" / "revision-index" / "openai--gsm8k.json").read_text())
