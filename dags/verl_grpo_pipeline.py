@@ -10,7 +10,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import pendulum
-from airflow.sdk import Param, dag, task
+from airflow.sdk import Param, TriggerRule, dag, task
+
+from operators.notify import notify_failure
 
 from operators.step import PipelineStepOperator
 from operators.train import GRPOTrainOperator
@@ -18,6 +20,7 @@ from pipeline_steps import plan as planning
 
 PRESETS = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("*.yaml"))
 SCHEDULE = os.environ.get("VERL_PIPELINE_SCHEDULE", "@weekly")
+END_DATE = os.environ.get("VERL_PIPELINE_END_DATE")  # ISO date: no scheduled runs after it (optional)
 GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")
 GPU_SLOTS = int(os.environ.get("VERL_PIPELINE_GPU_SLOTS", "8"))
 DATASET_ASSETS = "verl-processed-datasets"  # AssetAlias: one Asset per processed dataset version
@@ -31,7 +34,7 @@ PULL = "ti.xcom_pull(task_ids='collect_inputs'), ti.xcom_pull(task_ids='train'),
 def retrying(timeout: timedelta, retries: int = 2) -> dict:
     """Retries with exponential back-off and a hard execution timeout, for every task."""
     return {"retries": retries, "retry_delay": timedelta(seconds=20), "retry_exponential_backoff": True,
-            "max_retry_delay": timedelta(minutes=10), "execution_timeout": timeout}
+            "max_retry_delay": timedelta(minutes=10), "execution_timeout": timeout, "on_failure_callback": notify_failure}
 
 
 PARAMS = {
@@ -75,6 +78,7 @@ PARAMS = {
     dag_id="verl_grpo_pipeline",
     schedule=None if SCHEDULE.lower() in ("", "none", "off") else SCHEDULE,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    end_date=pendulum.parse(END_DATE) if END_DATE else None,
     catchup=False,
     max_active_runs=int(os.environ.get("VERL_PIPELINE_MAX_ACTIVE_RUNS", "1")),
     params=PARAMS,
@@ -155,7 +159,13 @@ def verl_grpo_pipeline():
                 "planning.local_path(ti.xcom_pull(task_ids='collect_inputs')['lineage_uri'])) }}",
         **retrying(timedelta(hours=3)),
     )
-    inputs >> train >> evaluate >> export
+    report = PipelineStepOperator(
+        task_id="report", step="report", trigger_rule=TriggerRule.ALL_DONE,
+        request="{{ planning.report_request(ti.xcom_pull(task_ids='plan', key='run'), ti.xcom_pull(task_ids='train'), "
+                "ti.xcom_pull(task_ids='export'), ti.xcom_pull(task_ids='train', key='ray_dashboard_url')) }}",
+        **retrying(timedelta(minutes=20)),
+    )
+    inputs >> train >> evaluate >> export >> report
 
 
 dag = verl_grpo_pipeline()

@@ -191,3 +191,13 @@ def export_request(inputs: dict, trained: dict, run: dict, evaluated: dict, line
             "--store-root", run["store"], "--experiment", run["experiment"], "--lineage", lineage_file,
             "--eval-results", evaluated["evaluate"]["results"], "--base-results", evaluated["evaluate"]["base_results"]]
     return {"args": args, "carry": {}}
+
+
+def report_request(run: dict, trained: dict | None, exported: dict | None, dashboard_url: str | None) -> dict:
+    """argv for the report step; upstream results may be missing (the report shows what exists)."""
+    args = ["--run-dir", local_path(run["run_dir"])]
+    if dashboard_url:
+        args += ["--dashboard-url", str(dashboard_url)]
+    if exported and exported.get("export", {}).get("uri"):
+        args += ["--exported-uri", exported["export"]["uri"]]
+    return {"args": args, "carry": {}}

@@ -45,9 +45,10 @@ def airflow(tmp_path_factory):
         "PIPELINE_RAY_TEMP_DIR": str(tmp / "ray"),
         "PIPELINE_RAY_DASHBOARD_PORT": str(free_port()),
         "PIPELINE_RAY_PORT": str(free_port()),
-        # Sundays 1-18 October: the backfill's three dates, and the newest one (which unpausing with catchup off would
-        # schedule) is the backfill's own last date, so no extra scheduled run competes with the backfill
-        "VERL_PIPELINE_SCHEDULE": "0 0 1-18 10 0",
+        # weekly, ending on the backfill's last date: the run that unpausing with catchup off would schedule is the
+        # backfill's own last date, so no extra scheduled run competes with the backfill
+        "VERL_PIPELINE_SCHEDULE": "@weekly",
+        "VERL_PIPELINE_END_DATE": DATES[-1],
     })
     env = prepare(tmp / "pipeline", tmp / "airflow-home")
     airflow_bin = str(Path(sys.executable).with_name("airflow"))
