@@ -1,0 +1,320 @@
+"""``PipelineStepJobOperator``: a pipeline step in the worker (local backend) or as a KubeRay RayJob.
+
+* ``local``: exactly :class:`operators.step.PipelineStepOperator` (child process, same ``request``, XCom and
+  exit-code semantics).
+* ``kuberay``: the step runs in a RayJob rendered by :func:`pipeline_steps.render_rayjob.build_rayjob` whose
+  entrypoint is ``python3 -m pipeline_steps.cluster_entry --summary-file P -- <step> <args>`` (every argv item
+  shell-quoted by the renderer). Store URIs in the flags named by ``uri_args`` become paths on the pods'
+  bucket mounts. Creation, re-attach after a worker restart, retries and deferral are
+  :class:`operators.rayjob.RayJobOperator`'s. The step's JSON summary comes back through the store: the job
+  writes it to ``<summary_dir>/<RayJob attempt name>.json`` on the shared mount (one file per attempt, so a
+  stale summary of an earlier attempt is never read), ``execute_complete`` reads it with
+  :func:`pipeline_steps.store.open_store`, turns pod paths in it back into store URIs, and returns the same
+  XCom as the local path. A step exit code 2 (bad input) fails the task without retries on both backends.
+
+GPU: an ``evaluate`` job gets one worker with the preset's ``cluster.gpus_per_node`` GPUs and reserves them for
+the entrypoint (``spec.entrypointNumGpus``), so Ray runs the step on that GPU worker; an ``export`` job is
+CPU-only: a head-only Ray cluster (no worker group) whose head runs the step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+from collections.abc import Sequence
+
+from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+from operators.rayjob import JobFailed, RayJobOperator
+from operators.step import PipelineStepOperator
+
+ENTRY = ["python3", "-m", "pipeline_steps.cluster_entry"]
+GPU_KINDS = ("evaluate",)
+
+
+# -- pure helpers (unit-tested) ----------------------------------------------------------------------------
+def to_pod_arg(value: str, flag: str, mounts) -> str:
+    """A store URI (or a ``file://`` store path given as a plain absolute path) -> its path in the pods.
+
+    :raises AirflowFailException: the value is not on any bucket mount (one line: which flag, what to do).
+    """
+    from pipeline_steps.errors import UserError
+
+    try:
+        if "://" not in value and value.startswith("/") and mounts.find(f"file://{value}"):
+            value = f"file://{value}"  # planning.local_path strips file:// for the local backend
+        return mounts.to_pod_path(value)
+    except UserError as exc:
+        raise AirflowFailException(f"{flag} {value!r}: {exc}") from None
+
+
+def map_uri_args(args: Sequence[str], uri_flags: Sequence[str], mounts) -> list[str]:
+    """``args`` with every value of a flag in ``uri_flags`` (``--flag V [V ...]`` or ``--flag=V``) mapped to pod paths."""
+    flags = set(uri_flags)
+    out, current = [], None
+    for a in map(str, args):
+        if a.startswith("--"):
+            flag, eq, value = a.partition("=")
+            if eq and flag in flags:
+                out.append(f"{flag}={to_pod_arg(value, flag, mounts)}")
+                current = None
+            else:
+                out.append(a)
+                current = flag if flag in flags and not eq else None
+        elif current:
+            out.append(to_pod_arg(a, current, mounts))  # nargs="+" flags: every value up to the next flag
+        else:
+            out.append(a)
+    return out
+
+
+def pod_paths_to_uris(value, mounts):
+    """Pod paths in a step summary (strings, nested) -> the store URIs they are mounted from; others unchanged."""
+    if isinstance(value, dict):
+        return {k: pod_paths_to_uris(v, mounts) for k, v in value.items()}
+    if isinstance(value, list):
+        return [pod_paths_to_uris(v, mounts) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        norm = posixpath.normpath(value)
+        for m in sorted(mounts.mounts, key=lambda m: len(m.path), reverse=True):
+            if norm == m.path or norm.startswith(m.path + "/"):
+                return m.uri + norm[len(m.path):]
+    return value
+
+
+def cpu_only(body: dict, head: dict | None = None) -> dict:
+    """The RayJob as a head-only Ray cluster (no GPU worker group); the entrypoint runs on the head.
+
+    :param head: optional ``{"cpu": ..., "memory": ...}`` for the head container (it does the work).
+    """
+    spec = body["spec"]
+    spec["rayClusterSpec"].pop("workerGroupSpecs", None)
+    spec.pop("entrypointNumGpus", None)
+    if head:
+        res = {k: str(head[k]) for k in ("cpu", "memory") if head.get(k)}
+        container = spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        container["resources"] = {"requests": dict(res), "limits": dict(res)}
+    return body
+
+
+def single_gpu_worker(body: dict) -> dict:
+    """One GPU worker whose GPUs are reserved for the entrypoint, so Ray runs the step on it (the head has none)."""
+    group = body["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
+    group["replicas"] = group["minReplicas"] = group["maxReplicas"] = 1
+    gpus = group["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu", 0)
+    body["spec"]["entrypointNumGpus"] = gpus
+    return body
+
+
+@contextlib.contextmanager
+def store_environment(conn_id: str | None, uri: str):
+    """The store connection's credentials in ``os.environ`` only while the summary is read (never logged)."""
+    from operators.storage import store_env
+
+    env = store_env(conn_id, uri)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# -- operator ----------------------------------------------------------------------------------------------
+class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
+    """Run one pipeline step in the worker (``local``) or as a KubeRay RayJob (``kuberay``).
+
+    :param step: step name, as in ``python -m pipeline_steps --help``.
+    :param request: ``{"args": [...], "carry": {...}}`` as for :class:`operators.step.PipelineStepOperator`.
+    :param backend: ``"local"`` or ``"kuberay"``; ``None``/``"auto"``: the preset's (``backend: local`` or not).
+    :param experiment: preset name or file: the cluster shape, image, secrets and mounts of the RayJob.
+    :param overrides: verl overrides (list, JSON list or one per line) applied to the preset, e.g. the form's
+        ``trainer.n_gpus_per_node``; only the cluster shape is read from them.
+    :param uri_args: flags whose values are store URIs to turn into pod paths (kuberay), e.g.
+        ``("--model", "--data", "--output")``; every other argument is passed as is (shell-quoted).
+    :param job_kind: RayJob kind (name and label); default: the step name.
+    :param gpu: run on a GPU worker (default: ``job_kind == "evaluate"``); otherwise a head-only CPU cluster.
+    :param cpu_head_resources: ``{"cpu", "memory"}`` for the head of a CPU-only job (default: the preset's
+        ``cluster.head``).
+    :param summary_dir: store URI (on a bucket mount) where the job writes its summary; default
+        ``<store_uri>/tmp/step-summaries``.
+    :param store_uri: store root (as for PipelineStepOperator); also the default ``summary_dir``'s root.
+    :param kwargs: :class:`operators.step.PipelineStepOperator` options (``store_conn_id``, ``hf_conn_id``,
+        ``summary_key``, ``skip_unless``, ``asset_alias``), :class:`operators.rayjob.RayJobOperator` options
+        (``namespace``, ``kubernetes_conn_id``, ``poll_interval``, ...) and ``BaseOperator``'s.
+    """
+
+    template_fields: Sequence[str] = ("request", "store_uri", "backend", "experiment", "overrides", "namespace",
+                                      "summary_dir")
+    template_fields_renderers = {"request": "json"}
+    ui_color = "#e3f2e8"
+
+    def __init__(self, *, step: str, backend: str | None = "local", experiment: str | None = None, overrides=(),
+                 uri_args: Sequence[str] = (), job_kind: str | None = None, gpu: bool | None = None,
+                 cpu_head_resources: dict | None = None, summary_dir: str | None = None, resume_args: Sequence[str] = (),
+                 **kwargs):
+        super().__init__(step=step, resume_args=resume_args, **kwargs)
+        self.backend, self.experiment, self.overrides = backend, experiment, overrides
+        self.uri_args, self.job_kind = tuple(uri_args), job_kind or step
+        self.gpu = self.job_kind in GPU_KINDS if gpu is None else gpu
+        self.cpu_head_resources, self.summary_dir = cpu_head_resources, summary_dir
+        self._entry: dict | None = None
+
+    # -- dispatch ---------------------------------------------------------------------------------------
+    def _backend(self) -> str:
+        value = str(self.backend or "").strip().lower()
+        if value in ("local", "kuberay"):
+            return value
+        if value not in ("", "none", "auto", "preset"):
+            raise AirflowFailException(f"backend {self.backend!r}: choose 'local' or 'kuberay'")
+        if not self.experiment:
+            return "local"
+        return "local" if self._experiment().spec.get("backend") == "local" else "kuberay"
+
+    def execute(self, context):
+        if self._backend() == "local":
+            return PipelineStepOperator.execute(self, context)
+        return self._execute_kuberay(context)
+
+    # -- kuberay ----------------------------------------------------------------------------------------
+    def _experiment(self):
+        from pipeline_steps import experiment
+        from pipeline_steps.errors import UserError
+
+        from operators.train import normalize_overrides
+
+        if not self.experiment:
+            raise AirflowFailException(f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)")
+        try:
+            return experiment.load(self.experiment, normalize_overrides(self.overrides))
+        except UserError as exc:
+            raise AirflowFailException(str(exc)) from None
+
+    def _summary_dir(self) -> str:
+        root = self.summary_dir or (f"{str(self.store_uri).rstrip('/')}/tmp/step-summaries" if self.store_uri else "")
+        if "://" not in root:
+            raise AirflowFailException(f"step {self.step}: the kuberay backend needs summary_dir= or store_uri= "
+                                       "(a store URI on a bucket mount, where the job leaves its summary)")
+        return root.rstrip("/")
+
+    def summary_uri(self, attempt_name: str) -> str:
+        """Where the RayJob attempt ``attempt_name`` writes the step's summary."""
+        return f"{self._summary_dir()}/{attempt_name}.json"
+
+    def _entrypoint(self, attempt_name: str) -> list[str]:
+        pod_summary = to_pod_arg(self.summary_uri(attempt_name), "summary_dir", self._entry["mounts"])
+        return [*ENTRY, "--summary-file", pod_summary, "--", self.step, *self._entry["args"]]
+
+    def _execute_kuberay(self, context):
+        from pipeline_steps.errors import UserError
+        from pipeline_steps.render_rayjob import build_rayjob, rayjob_name
+
+        exp = self._experiment()
+        dag_id = self.dag_id if self.has_dag() else "adhoc"
+        ids = {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
+        mounts = self._mounts(exp)
+        try:
+            args = map_uri_args([str(a) for a in self.request.get("args", [])], self.uri_args, mounts)
+            self._entry = {"mounts": mounts, "args": args}
+            base = rayjob_name(ids["dag_id"], ids["run_id"], ids["task_id"], self.job_kind)
+            body = build_rayjob(exp, namespace=self.namespace or "default", mounts=mounts,
+                                entrypoint=self._entrypoint(base), job_kind=self.job_kind, **ids)
+        except UserError as exc:
+            raise AirflowFailException(f"step {self.step}: render RayJob: {exc}") from None
+        body = single_gpu_worker(body) if self.gpu else cpu_only(body, self.cpu_head_resources)
+        self.rayjob = body
+        self.log.info("step %s as RayJob %s: %s", self.step, base, body["spec"]["entrypoint"])
+        return self.submit_rayjob(context, body, body)  # a retry re-runs the same step (no resume arguments)
+
+    def _create(self, body: dict, namespace: str) -> dict:
+        """Each attempt writes its own summary file: the entrypoint names the attempt's summary path."""
+        from pipeline_steps.render_rayjob import join_argv
+
+        body["spec"]["entrypoint"] = join_argv(self._entrypoint(body["metadata"]["name"]))
+        return super()._create(body, namespace)
+
+    def read_summary(self, attempt_name: str) -> dict | None:
+        """``{"exit_code": N, "summary": {...}}`` written by the attempt, or None when it wrote none."""
+        uri = self.summary_uri(attempt_name)
+        from pipeline_steps.store import open_store
+
+        with store_environment(self.store_conn_id, uri):
+            data = open_store(uri).read_bytes(uri)
+        if data is None:
+            return None
+        try:
+            record = json.loads(data)
+        except ValueError:
+            raise AirflowException(f"step {self.step}: summary {uri} is not JSON; the job's write was interrupted") from None
+        return record if isinstance(record, dict) else None
+
+    def result(self, event: dict) -> dict:  # RayJobOperator's training XCom does not apply to a step
+        return {}
+
+    def execute_complete(self, context, event: dict) -> dict:
+        """Resumed from the trigger: fail with KubeRay's reason (and the step's error), or return the step's XCom."""
+        name = event.get("name") or ""
+        try:
+            RayJobOperator.execute_complete(self, context, event)
+        except (JobFailed, AirflowFailException) as exc:
+            record = self._try_read(name)
+            summary = (record or {}).get("summary") or {}
+            error = f"; step {self.step}: {summary['error']}" if summary.get("error") else ""
+            if (record or {}).get("exit_code") == 2:  # bad input: retrying the same input cannot help
+                raise AirflowFailException(f"{exc}{error} (bad input: not retried)") from None
+            raise type(exc)(f"{exc}{error}") from None
+        record = self.read_summary(name)
+        if record is None:
+            raise AirflowException(f"step {self.step}: RayJob {name} succeeded but left no summary at "
+                                   f"{self.summary_uri(name)}; check that summary_dir is on a writable bucket mount")
+        if record.get("exit_code") != 0:
+            raise AirflowException(f"step {self.step}: RayJob {name} succeeded but the step exited {record.get('exit_code')}")
+        return self._finish(context, dict(record.get("summary") or {}))
+
+    def _try_read(self, name: str) -> dict | None:
+        try:
+            return self.read_summary(name) if name else None
+        except Exception as exc:  # the failure itself is what the user needs; the summary only adds detail
+            self.log.warning("cannot read the step summary of %s: %s", name, exc)
+            return None
+
+    def _finish(self, context, summary: dict) -> dict:
+        """What PipelineStepOperator.execute does with a successful summary (carry, asset, skip), on pod-path-free values."""
+        summary.pop("ok", None)
+        summary.pop("step", None)
+        summary = pod_paths_to_uris(summary, self._mounts())
+        carry = self.request.get("carry", {})
+        if self.asset_alias and summary.get("uri"):
+            self.emit_asset(context, summary["uri"], {**{k: carry[k] for k in ("dataset", "revision") if k in carry}, **summary})
+        result = {**carry, self.summary_key: summary}
+        if self.skip_unless and not summary.get(self.skip_unless):
+            from airflow.sdk.exceptions import AirflowSkipException
+
+            context["ti"].xcom_push(key="return_value", value=result)
+            raise AirflowSkipException(f"step {self.step}: {summary.get('reason') or self.skip_unless + ' is false'}")
+        return result
+
+    def _mounts(self, exp=None):
+        """Bucket mounts of the pods: ``$PIPELINE_MOUNTS``, else the preset's ``cluster.mounts`` (as render-rayjob)."""
+        from pipeline_steps.errors import UserError
+        from pipeline_steps.mounts import MountMap
+
+        try:
+            mounts = MountMap.from_env()
+            if not len(mounts):
+                exp = exp or self._experiment()
+                mounts = MountMap.from_config((exp.spec.get("cluster") or {}).get("mounts"), source="cluster.mounts")
+            return mounts
+        except UserError as exc:
+            raise AirflowFailException(f"step {self.step}: {exc}") from None
+
+    def on_kill(self) -> None:
+        if self.rayjob:
+            RayJobOperator.on_kill(self)
+        else:
+            PipelineStepOperator.on_kill(self)
