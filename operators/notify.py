@@ -135,9 +135,10 @@ def paragraph(context) -> str:
     where = f"step {task_id}" if task_id else "an unknown step"
     about = [x for x in (mapped_item(context), job_name(context)) if x]
     try_number, max_tries = getattr(ti, "try_number", None), getattr(ti, "max_tries", None)
-    tries = f", try {try_number} of {max_tries + 1}" if isinstance(try_number, int) and isinstance(max_tries, int) else ""
+    tries = f"try {try_number} of {max_tries + 1}" if isinstance(try_number, int) and isinstance(max_tries, int) else ""
     if is_task:
-        head = f"Airflow DAG {dag_id}, run {run_id}: {where} failed" + (f" ({'; '.join(about)}{tries})" if about or tries else "")
+        detail = ", ".join(x for x in ("; ".join(about), tries) if x)
+        head = f"Airflow DAG {dag_id}, run {run_id}: {where} failed" + (f" ({detail})" if detail else "")
     else:
         head = f"Airflow DAG {dag_id}, run {run_id} failed" + (f"; last step {task_id}" if task_id else "") + (
             f" ({'; '.join(about)})" if about else "")

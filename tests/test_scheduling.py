@@ -11,6 +11,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def airflow(tmp_path_factory):
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "1200",
-        "PIPELINE_RAY_TEMP_DIR": str(tmp / "ray"),
+        "PIPELINE_RAY_TEMP_DIR": tempfile.mkdtemp(prefix="ray-", dir="/tmp"),  # Ray's socket paths must stay < 108 bytes
         "PIPELINE_RAY_DASHBOARD_PORT": str(free_port()),
         "PIPELINE_RAY_PORT": str(free_port()),
         # weekly, ending on the backfill's last date: the run that unpausing with catchup off would schedule is the
@@ -73,7 +74,7 @@ def airflow(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
         from pipeline_steps import local_ray
 
-        local_ray.shutdown_cluster(tmp / "ray")
+        local_ray.shutdown_cluster(os.environ["PIPELINE_RAY_TEMP_DIR"])
 
 
 def cli_json(stdout: str) -> list:
