@@ -222,7 +222,8 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
             args = map_uri_args([str(a) for a in self.request.get("args", [])], self.uri_args, mounts)
             self._entry = {"mounts": mounts, "args": args}
             base = rayjob_name(ids["dag_id"], ids["run_id"], ids["task_id"], self.job_kind)
-            body = build_rayjob(exp, namespace=self.namespace or "default", mounts=mounts,
+            namespace = self.namespace or self.hook.get_namespace() or "default"  # as RayJobOperator resolves it
+            body = build_rayjob(exp, namespace=namespace, mounts=mounts,
                                 entrypoint=self._entrypoint(base), job_kind=self.job_kind, **ids)
         except UserError as exc:
             raise AirflowFailException(f"step {self.step}: render RayJob: {exc}") from None

@@ -109,7 +109,7 @@ def cluster(tmp_path, monkeypatch):
     api.start()
     kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
-                       json.dumps({"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config)}}))
+                       json.dumps({"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config), "namespace": NS}}))
     store, mnt = tmp_path / "store", tmp_path / "mnt" / "store"
     store.mkdir()
     mnt.parent.mkdir()
@@ -123,9 +123,9 @@ def cluster(tmp_path, monkeypatch):
 
 
 def make_op(dag_id: str, task_id: str, **kw) -> PipelineStepJobOperator:
+    kw.setdefault("namespace", NS)
     with DAG(dag_id, schedule=None):
-        return PipelineStepJobOperator(task_id=task_id, namespace=NS, kubernetes_conn_id=CONN, poll_interval=0.01,
-                                       experiment=PRESET, **kw)
+        return PipelineStepJobOperator(task_id=task_id, kubernetes_conn_id=CONN, poll_interval=0.01, experiment=PRESET, **kw)
 
 
 # -- pure helpers ------------------------------------------------------------------------------------------
@@ -312,9 +312,10 @@ def test_kuberay_step_bad_input_fails_with_kuberay_reason_and_step_error_without
     args = ["--checkpoint-dir", f"file://{store}/runs/r/checkpoints", "--output", "/tmp/export-work",
             "--store-root", f"file://{store}", "--experiment", PRESET, "--lineage", f"file://{store}/runs/r/lineage.json",
             "--eval-results", f"file://{store}/runs/r/eval/results.json", "--base-results", f"file://{store}/runs/r/eval/base_results.json"]
-    op = make_op("t_badexport", "export", step="export", backend="kuberay", store_uri=f"file://{store}",
+    op = make_op("t_badexport", "export", step="export", backend="kuberay", store_uri=f"file://{store}", namespace=None,
                  uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"), request={"args": args})
     trigger = deferred(op, context())
+    assert api.creates[0]["metadata"]["namespace"] == NS  # no namespace= given: the connection's
     job = run_entrypoint(api.creates[0]["spec"]["entrypoint"])  # the real export step: its lineage file is missing
     assert job.returncode == 2, job.stderr[-2000:]
     event = run_trigger(trigger)
