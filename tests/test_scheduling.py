@@ -107,12 +107,12 @@ def test_backfill_trains_on_the_dataset_versions_of_each_date(airflow):
     runs = []
     while time.time() < deadline:
         out = subprocess.run([airflow_bin, "dags", "list-runs", "verl_grpo_pipeline", "-o", "json"], env=env, capture_output=True, text=True)
-        runs = [r for r in cli_json(out.stdout) if r.get("run_type") == "backfill"] if out.returncode == 0 else []
+        runs = [r for r in cli_json(out.stdout) if r["run_id"].startswith("backfill__")] if out.returncode == 0 else []
         if len(runs) == 3 and all(r["state"] in ("success", "failed") for r in runs):
             break
         time.sleep(15)
     assert len(runs) == 3, runs
-    others = [r for r in cli_json(out.stdout) if r.get("run_type") != "backfill"]
+    others = [r for r in cli_json(out.stdout) if not r["run_id"].startswith("backfill__")]
     assert not others, f"unexpected non-backfill runs: {others}"
     assert all(r["state"] == "success" for r in runs), (runs, (airflow["home"] / "standalone.log").read_text()[-4000:])
     runs.sort(key=lambda r: r["logical_date"])
