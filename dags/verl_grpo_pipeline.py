@@ -14,6 +14,7 @@ from airflow.sdk import Param, TriggerRule, dag, task
 
 from operators.notify import notify_failure
 
+from operators.cluster_step import PipelineStepJobOperator
 from operators.step import PipelineStepOperator
 from operators.train import GRPOTrainOperator
 from pipeline_steps import plan as planning
@@ -149,12 +150,17 @@ def verl_grpo_pipeline():
         train_files=INPUTS + "['train_files'] }}", val_files=INPUTS + "['val_files'] }}", model_path=INPUTS + "['model_uri'] }}",
         run_dir=RUN + "['run_dir'] }}", pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=48)),
     )
-    evaluate = PipelineStepOperator(
-        task_id="evaluate", step="evaluate", request="{{ planning.evaluate_request(" + PULL + ") }}",
+    # local backend: in the worker; kuberay: as a RayJob next to the checkpoint (GPU for evaluate)
+    on_backend = {"backend": "{{ params.backend }}", "experiment": "{{ params.experiment }}",
+                  "overrides": INPUTS + "['overrides'] }}", "store_uri": STORE}
+    evaluate = PipelineStepJobOperator(
+        task_id="evaluate", step="evaluate", request="{{ planning.evaluate_request(" + PULL + ", params.backend) }}",
+        uri_args=("--model", "--data", "--output", "--base-model", "--baseline-cache"), **on_backend,
         pool=GPU_POOL, pool_slots=GPU_SLOTS, **retrying(timedelta(hours=6)),
     )
-    export = PipelineStepOperator(
-        task_id="export", step="export", store_uri=STORE, asset_alias=MODEL_ASSETS, skip_unless="promoted",
+    export = PipelineStepJobOperator(
+        task_id="export", step="export", asset_alias=MODEL_ASSETS, skip_unless="promoted",
+        uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"), **on_backend,
         request="{{ planning.export_request(" + PULL + ", ti.xcom_pull(task_ids='evaluate'), "
                 "planning.local_path(ti.xcom_pull(task_ids='collect_inputs')['lineage_uri'])) }}",
         **retrying(timedelta(hours=3)),

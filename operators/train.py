@@ -198,8 +198,9 @@ class GRPOTrainOperator(RayJobOperator):
         ids = self._ids(context)
         try:
             mounts = MountMap.from_env()
-            body = build_rayjob(exp, namespace=self.namespace, mounts=mounts, **ids)
-            resume = build_rayjob(self._load("kuberay", [RESUME]), namespace=self.namespace, mounts=mounts, **ids)
+            namespace = self.namespace or self.hook.get_namespace() or "default"  # the DAG may leave it to the connection
+            body = build_rayjob(exp, namespace=namespace, mounts=mounts, **ids)
+            resume = build_rayjob(self._load("kuberay", [RESUME]), namespace=namespace, mounts=mounts, **ids)
         except UserError as exc:
             raise AirflowFailException(f"render RayJob: {exc}") from None
         self.rayjob = body

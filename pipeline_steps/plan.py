@@ -172,17 +172,20 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
     }
 
 
-def evaluate_request(inputs: dict, trained: dict, run: dict) -> dict:  # noqa: D103 (argv for the evaluate step)
+def evaluate_request(inputs: dict, trained: dict, run: dict, backend: str = "local") -> dict:
+    """argv for the evaluate step; on the cluster it generates with vLLM on GPU."""
     ev = inputs["evaluation"]
     if not inputs.get("eval_file"):
         raise UserError("no evaluation set was processed; set eval_dataset or the preset's evaluation.dataset")
     args = ["--model", local_path(trained["checkpoint_uri"]), "--data", local_path(inputs["eval_file"]),
             "--output", local_path(f"{run['run_dir']}/eval"), "--base-model", local_path(inputs["model_uri"]),
-            "--baseline-cache", f"{run['work']}/baseline-cache",
+            "--baseline-cache", local_path(f"{run['store']}/cache/baseline"),  # shared by runs, and reachable from pods
             "--k", str(ev.get("k", 4)), "--temperature", str(ev.get("temperature", 1.0)), "--top-p", str(ev.get("top_p", 1.0)),
             "--max-new-tokens", str(ev.get("max_new_tokens", 512))]
     if run.get("smoke"):
         args += ["--max-problems", "4"]
+    if backend == "kuberay":
+        args += ["--generator", "vllm"]
     return {"args": args, "carry": {}}
 
 
