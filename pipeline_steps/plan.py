@@ -8,6 +8,8 @@ Cheap to import: the DAG file uses these at parse time.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from datetime import datetime
@@ -155,7 +157,8 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
         "datasets": [{"name": d["dataset"], "role": d["role"], "repo_id": d["download"].get("repo_id"),
                       "revision": d["download"]["commit"], "content_hash": d["preprocess"]["content_hash"],
                       "uri": d["upload"]["uri"], "resolved": d.get("resolved")} for d in uploaded],
-        "experiment": {"name": exp.name, "preset_sha256": exp.digest(), "overrides": overrides(params)},
+        "experiment": {"name": exp.name, "preset_sha256": exp.digest(), "overrides": overrides(params),
+                       "overrides_sha256": hashlib.sha256(json.dumps(overrides(params)).encode()).hexdigest()},
         "dag_id": run["dag_id"],
         "run_id": run["run_id"],
         "run_uri": run["run_dir"],
