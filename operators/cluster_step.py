@@ -285,20 +285,10 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
             return None
 
     def _finish(self, context, summary: dict) -> dict:
-        """What PipelineStepOperator.execute does with a successful summary (carry, asset, skip), on pod-path-free values."""
+        """PipelineStepOperator.finish on the summary with pod paths turned back into store URIs."""
         summary.pop("ok", None)
         summary.pop("step", None)
-        summary = pod_paths_to_uris(summary, self._mounts())
-        carry = self.request.get("carry", {})
-        if self.asset_alias and summary.get("uri"):
-            self.emit_asset(context, summary["uri"], {**{k: carry[k] for k in ("dataset", "revision") if k in carry}, **summary})
-        result = {**carry, self.summary_key: summary}
-        if self.skip_unless and not summary.get(self.skip_unless):
-            from airflow.sdk.exceptions import AirflowSkipException
-
-            context["ti"].xcom_push(key="return_value", value=result)
-            raise AirflowSkipException(f"step {self.step}: {summary.get('reason') or self.skip_unless + ' is false'}")
-        return result
+        return self.finish(context, pod_paths_to_uris(summary, self._mounts()))
 
     def _mounts(self, exp=None):
         """Bucket mounts of the pods: ``$PIPELINE_MOUNTS``, else the preset's ``cluster.mounts`` (as render-rayjob)."""

@@ -502,6 +502,8 @@ class RayJobOperator(BaseOperator):
 
     def _push_dashboard(self, context, obj: dict) -> None:
         status = obj.get("status") or {}
+        if context.get("ti") is not None:  # the failure notice names the job even when the task fails
+            context["ti"].xcom_push(key="job", value=obj["metadata"]["name"])
         if status.get("dashboardURL") and context.get("ti") is not None:
             if status["dashboardURL"].startswith(("http://", "https://")):  # the local backend gives a full URL
                 context["ti"].xcom_push(key=DASHBOARD_XCOM_KEY, value=status["dashboardURL"])

@@ -108,6 +108,10 @@ class PipelineStepOperator(BaseOperator):
             raise AirflowFailException(f"step {self.step}: {summary.get('error') or last_error} (bad input: not retried)")
         if rc != 0:
             raise AirflowException(f"step {self.step} failed with exit code {rc}: {summary.get('error') or last_error}")
+        return self.finish(context, summary)
+
+    def finish(self, context, summary: dict) -> dict:
+        """A successful step's summary -> the task's result: carry merged in, asset emitted, skip when asked."""
         summary.pop("ok", None)
         summary.pop("step", None)
         carry = self.request.get("carry", {})

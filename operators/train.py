@@ -255,6 +255,7 @@ class GRPOTrainOperator(RayJobOperator):
             from operators.rayjob import DASHBOARD_XCOM_KEY
 
             ti.xcom_push(key=DASHBOARD_XCOM_KEY, value=address)
+            ti.xcom_push(key="job", value=sid)  # the failure notice names the job even when the task fails
         self.defer(trigger=LocalRayJobTrigger(address=address, submission_id=sid, poll_interval=self.poll_interval,
                                               metrics_uri=self.metrics_uri, metrics_reader=self.metrics_reader,
                                               log_tail_lines=self.log_tail_lines),
