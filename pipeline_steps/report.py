@@ -30,11 +30,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pipeline_steps import atomic
 from pipeline_steps.errors import UserError
+from pipeline_steps.model_card import NR, _get  # one lineage lookup for the card and the report
 
 log = logging.getLogger(__name__)
 
 NP = "not produced"
-NR = "not recorded"
 
 # (file name, metric key, title, y label); the order is the order on the page
 CURVES = (
@@ -171,14 +171,6 @@ def link(url: str) -> str:
     if url.startswith(("http://", "https://")) and not re.search(r"[\s<>`]", url):
         return f"<{url}>"
     return code(url, table=False)
-
-
-def _get(d, *path, default=NR):
-    for p in path:
-        if not isinstance(d, dict) or d.get(p) in (None, ""):
-            return default
-        d = d[p]
-    return d
 
 
 # ---------------------------------------------------------------------------------------------
