@@ -22,6 +22,11 @@ object, ranged GET, ListObjectsV2 with prefix/delimiter/continuation,
 DeleteMultipleObjects, multipart initiate/upload-part/complete/abort/list-parts/
 list-multipart-uploads, NoSuchBucket/NoSuchKey errors.
 
+Objects live in moto by default. For throughput figures (benchmarks/bench_upload.py) the same
+layer can forward to a real S3 server instead (``s3_url``, SeaweedFS without authentication):
+moto assembles multipart uploads in Python, several copies of the object, which would make the
+emulator, not the client, the thing measured.
+
 Not covered: virtual-hosted addressing (clients must use path style), STS tokens
 and presigned URLs (query-string auth), ACLs, versioning, OSS-only APIs (append,
 symlink, restore, tagging differences), server-side encryption, request time skew
@@ -33,6 +38,7 @@ import base64
 import hashlib
 import os
 import hmac
+import http.client
 import re
 import threading
 import time
@@ -50,7 +56,6 @@ os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", str(100 * 1024))
 _NS_RE = re.compile(rb'\sxmlns="[^"]*"')
 _AUTH_RE = re.compile(r"OSS4-HMAC-SHA256 Credential=([^/]+)/(\d{8})/([^/]+)/([^/]+)/aliyun_v4_request"
                       r"(?:,\s*AdditionalHeaders=([^,]*))?,\s*Signature=([0-9a-f]+)")
-_CRC_COMBINE = None
 
 
 def crc64(data: bytes, crc: int = 0) -> int:
@@ -70,6 +75,107 @@ def _signature(secret: str, date: str, region: str, product: str, string_to_sign
     return hmac.new(key, string_to_sign.encode(), hashlib.sha256).hexdigest()
 
 
+class MotoS3:
+    """moto's S3 Flask app, called in process through werkzeug's test client (no second server)."""
+
+    def __init__(self):
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.moto_server.werkzeug_app import create_backend_app
+        from moto.s3.models import s3_backends
+        from werkzeug.test import Client
+
+        self._app = Client(create_backend_app("s3"))
+        self._backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
+        self._lock = threading.Lock()  # moto's backend is not meant for concurrent mutation
+
+    def forward(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes):
+        # authenticated by the OSS layer; moto only needs to see a signed request (else it applies anonymous ACLs)
+        headers = {**headers, "Authorization": "AWS4-HMAC-SHA256 Credential=test/20000101/us-east-1/s3/aws4_request, "
+                                                "SignedHeaders=host, Signature=0"}
+        with self._lock:
+            resp = self._app.open(method=method, path=path, query_string=query, headers=headers, data=body)
+            return resp.status_code, list(resp.headers.items()), resp.get_data() if method != "HEAD" else b""
+
+    def create_bucket(self, name: str) -> None:
+        with self._lock:
+            self._backend.create_bucket(name, "us-east-1")
+
+    def bucket_exists(self, bucket: str) -> bool:
+        try:
+            with self._lock:
+                self._backend.get_bucket(bucket)
+            return True
+        except Exception:
+            return False
+
+    def etag(self, bucket: str, key: str) -> str | None:
+        try:
+            with self._lock:
+                return self._backend.get_object(bucket, key).etag
+        except Exception:
+            return None
+
+    def chunks(self, bucket: str, key: str):
+        with self._lock:
+            obj = self._backend.get_object(bucket, key)
+        with obj.lock:  # stream the stored buffer; objects may be large (benchmarks)
+            obj._value_buffer.seek(0)
+            while chunk := obj._value_buffer.read(8 << 20):
+                yield chunk
+
+    def reset(self) -> None:
+        self.s3.reset()
+
+
+class HttpS3:
+    """A real S3 server reached over HTTP without authentication (the benchmarks' SeaweedFS), so
+    throughput figures measure the client and this layer, not moto's in-Python object assembly."""
+
+    def __init__(self, url: str):
+        self.host = urlsplit(url).netloc
+        self._local = threading.local()  # one keep-alive connection per handler thread
+
+    def _conn(self) -> http.client.HTTPConnection:
+        if getattr(self._local, "conn", None) is None:
+            self._local.conn = http.client.HTTPConnection(self.host, timeout=600)
+        return self._local.conn
+
+    def forward(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes):
+        target = f"{quote(unquote(path))}?{query}" if query else quote(unquote(path))
+        for attempt in (0, 1):  # a keep-alive connection the server closed is reopened once
+            conn = self._conn()
+            try:
+                conn.request(method, target, body=body or None, headers={**headers, "Host": self.host})
+                resp = conn.getresponse()
+                data = resp.read()
+                return resp.status, resp.getheaders(), data
+            except (http.client.HTTPException, ConnectionError):
+                conn.close()
+                self._local.conn = None
+                if attempt:
+                    raise
+
+    def create_bucket(self, name: str) -> None:
+        status, _, body = self.forward("PUT", f"/{name}", "", {}, b"")
+        if status >= 300 and b"BucketAlreadyOwnedByYou" not in body:
+            raise RuntimeError(f"create bucket {name}: HTTP {status}")
+
+    def bucket_exists(self, bucket: str) -> bool:
+        return self.forward("HEAD", f"/{bucket}", "", {}, b"")[0] < 300
+
+    def etag(self, bucket: str, key: str) -> str | None:
+        status, headers, _ = self.forward("HEAD", f"/{bucket}/{key}", "", {}, b"")
+        return dict((k.lower(), v) for k, v in headers).get("etag") if status < 300 else None
+
+    def chunks(self, bucket: str, key: str):
+        status, _, data = self.forward("GET", f"/{bucket}/{key}", "", {}, b"")
+        if status < 300:
+            yield data
+
+    def reset(self) -> None:
+        pass
+
+
 class OssTestServer:
     """``with OssTestServer(key_id, secret) as srv: srv.endpoint`` -> ``http://127.0.0.1:<port>``.
 
@@ -79,18 +185,12 @@ class OssTestServer:
     :param port: 0 picks a free port on 127.0.0.1
     """
 
-    def __init__(self, access_key_id: str, access_key_secret: str, region: str = "cn-test", port: int = 0):
-        from moto.core import DEFAULT_ACCOUNT_ID
-        from moto.moto_server.werkzeug_app import create_backend_app
-        from moto.s3.models import s3_backends
-        from werkzeug.test import Client
-
+    def __init__(self, access_key_id: str, access_key_secret: str, region: str = "cn-test", port: int = 0,
+                 s3_url: str | None = None):
+        self.s3 = HttpS3(s3_url) if s3_url else MotoS3()
         self.credentials = {access_key_id: access_key_secret}
         self.region = region
         self.part_delay = float(os.environ.get("OSS_TEST_SERVER_PART_DELAY", "0"))
-        self._app = Client(create_backend_app("s3"))
-        self._backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
-        self._lock = threading.Lock()  # moto's backend is not meant for concurrent mutation
         self._crc_cache: dict[tuple[str, str, str], int] = {}
         self._part_crc: dict[tuple[str, int], tuple[int, int]] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path?query) for assertions
@@ -117,7 +217,7 @@ class OssTestServer:
         self._httpd.server_close()
         if self._thread:
             self._thread.join(timeout=5)
-        self._backend.reset()
+        self.s3.reset()
 
     def __enter__(self):
         return self.start()
@@ -125,38 +225,19 @@ class OssTestServer:
     def __exit__(self, *exc):
         self.stop()
 
-    # -- helpers for tests (direct backend access, as an operator with console access would have) ----
     def create_bucket(self, name: str) -> None:
-        with self._lock:
-            self._backend.create_bucket(name, "us-east-1")
-
-    def object_bytes(self, bucket: str, key: str) -> bytes:
-        with self._lock:
-            return self._backend.get_object(bucket, key).value
-
-    def keys(self, bucket: str) -> list[str]:
-        with self._lock:
-            return sorted(self._backend.get_bucket(bucket).keys.keys())
-
-    def open_multipart_uploads(self, bucket: str) -> list[str]:
-        with self._lock:
-            return sorted(mp.key_name for mp in self._backend.get_bucket(bucket).multiparts.values())
+        self.s3.create_bucket(name)
 
     # -- translation ---------------------------------------------------------------------------------
     def _object_crc(self, bucket: str, key: str) -> int | None:
-        try:
-            obj = self._backend.get_object(bucket, key)
-        except Exception:
+        etag = self.s3.etag(bucket, key)
+        if etag is None:
             return None
-        if obj is None:
-            return None
-        ck = (bucket, key, obj.etag)
+        ck = (bucket, key, etag)
         if ck not in self._crc_cache:
             c = Crc64(0)
-            with obj.lock:  # stream the stored buffer; objects may be large (benchmarks)
-                obj._value_buffer.seek(0)
-                while chunk := obj._value_buffer.read(8 << 20):
-                    c.update(chunk)
+            for chunk in self.s3.chunks(bucket, key):
+                c.update(chunk)
             self._crc_cache[ck] = c.sum64()
         return self._crc_cache[ck]
 
@@ -213,56 +294,59 @@ class OssTestServer:
                 continue
             fwd["x-amz-" + k[6:] if k.startswith("x-oss-") else k] = v
         fwd["Host"] = f"127.0.0.1:{self.port}"
-        # authenticated above; moto only needs to see that the request is signed (else it applies anonymous ACLs)
-        fwd["Authorization"] = "AWS4-HMAC-SHA256 Credential=test/20000101/us-east-1/s3/aws4_request, SignedHeaders=host, Signature=0"
-        with self._lock:
-            resp = self._app.open(method=method, path=raw_path, query_string=raw_query, headers=fwd, data=body)
-            out_body = resp.get_data() if method != "HEAD" else b""
-            out_headers: dict[str, str] = {}
-            for k, v in resp.headers.items():
-                lk = k.lower()
-                if lk in ("content-length", "transfer-encoding", "server", "date", "connection"):
-                    continue
-                out_headers["x-oss-" + lk[6:] if lk.startswith("x-amz-") else k] = v
-            status = resp.status_code
-            if method == "HEAD" and "Content-Length" in resp.headers:
-                out_headers["Content-Length"] = resp.headers["Content-Length"]
-            is_object_data = bool(key) and method in ("GET", "HEAD") and status < 300 and not (
-                {"uploadId", "uploads", "acl", "tagging"} & set(query)
-            )
-            crc = None
-            if status < 300 and key:
-                if method == "PUT" and "partNumber" in query and "uploadId" in query:
-                    if self.part_delay:
-                        time.sleep(self.part_delay)  # lets tests interrupt a multipart upload midway
-                    crc = crc64(body)
-                    self._part_crc[(query["uploadId"], int(query["partNumber"]))] = (crc, len(body))
-                elif method == "PUT" and "x-oss-copy-source" not in headers and not query:
-                    crc = crc64(body)
-                    self._crc_cache[(bucket, key, resp.headers.get("ETag", ""))] = crc
-                elif method == "POST" and "uploadId" in query:
-                    crc = self._object_crc(bucket, key)
-                elif is_object_data:
-                    crc = self._object_crc(bucket, key)
-            if crc is not None:
-                out_headers["x-oss-hash-crc64ecma"] = str(crc)
-            if not is_object_data and out_body.lstrip().startswith(b"<"):
-                out_body = _NS_RE.sub(b"", out_body, count=1)
-                if method == "GET" and "uploadId" in query and status < 300:
-                    out_body = self._add_part_crcs(query["uploadId"], out_body)
-                out_headers["Content-Type"] = "application/xml"
+        status, resp_headers, out_body = self.s3.forward(method, raw_path, raw_query, fwd, body)
+        out_headers: dict[str, str] = {}
+        for k, v in resp_headers:
+            lk = k.lower()
+            if lk in ("content-length", "transfer-encoding", "server", "date", "connection"):
+                if method == "HEAD" and lk == "content-length":
+                    out_headers["Content-Length"] = v
+                continue
+            out_headers["x-oss-" + lk[6:] if lk.startswith("x-amz-") else k] = v
+        is_object_data = bool(key) and method in ("GET", "HEAD") and status < 300 and not (
+            {"uploadId", "uploads", "acl", "tagging"} & set(query)
+        )
+        crc = None
+        if status < 300 and key:
+            if method == "PUT" and "partNumber" in query and "uploadId" in query:
+                if self.part_delay:
+                    time.sleep(self.part_delay)  # lets tests interrupt a multipart upload midway
+                crc = crc64(body)
+                self._part_crc[(query["uploadId"], int(query["partNumber"]))] = (crc, len(body))
+            elif method == "PUT" and "x-oss-copy-source" not in headers and not query:
+                crc = crc64(body)
+                self._crc_cache[(bucket, key, dict((k.lower(), v) for k, v in resp_headers).get("etag", ""))] = crc
+            elif method == "POST" and "uploadId" in query:
+                crc = self._completed_crc(bucket, key, query["uploadId"], body)
+            elif is_object_data:
+                crc = self._object_crc(bucket, key)
+        if crc is not None:
+            out_headers["x-oss-hash-crc64ecma"] = str(crc)
+        if not is_object_data and out_body.lstrip().startswith(b"<"):
+            out_body = _NS_RE.sub(b"", out_body, count=1)
+            if method == "GET" and "uploadId" in query and status < 300:
+                out_body = self._add_part_crcs(query["uploadId"], out_body)
+            out_headers["Content-Type"] = "application/xml"
         out_headers["x-oss-request-id"] = request_id
         if status == 404 and method == "HEAD" and not out_body:  # moto answers HEAD 404s without a document
-            try:
-                self._backend.get_bucket(bucket)
-                code = "NoSuchKey"
-            except Exception:
-                code = "NoSuchBucket"
+            code = "NoSuchKey" if self.s3.bucket_exists(bucket) else "NoSuchBucket"
             out_body = self._error_xml(code, "The specified resource does not exist.", request_id)
         if status >= 300 and method == "HEAD":  # OSS puts a HEAD's error document in a header
             out_headers["x-oss-err"] = base64.b64encode(out_body).decode()
             out_body = b""
         return status, out_headers, out_body
+
+    def _completed_crc(self, bucket: str, key: str, upload_id: str, body: bytes) -> int | None:
+        """The object's CRC64 combined from its parts' (as OSS does), without re-reading the object."""
+        numbers = [int(n.text) for n in ET.fromstring(_NS_RE.sub(b"", body, count=1)).iter("PartNumber")]
+        parts = [self._part_crc.get((upload_id, n)) for n in numbers]
+        if not parts or None in parts:  # parts from before a restart: read the object instead
+            return self._object_crc(bucket, key)
+        crc = 0
+        for part_crc, size in parts:
+            crc = _combine(crc, part_crc, size)
+        self._crc_cache[(bucket, key, self.s3.etag(bucket, key))] = crc
+        return crc
 
     def _add_part_crcs(self, upload_id: str, xml: bytes) -> bytes:
         root = ET.fromstring(xml)
@@ -325,12 +409,14 @@ class OssTestServer:
         return Handler
 
 
-def main() -> None:  # run standalone: python tests/oss_test_server.py KEY SECRET [PORT] [BUCKET...]
+def main() -> None:
+    """Run standalone: ``python tests/oss_test_server.py KEY SECRET [PORT] [BUCKET...]``; with
+    ``OSS_TEST_SERVER_S3_URL`` set, objects live in that S3 server instead of moto."""
     import sys
 
     key, secret = sys.argv[1], sys.argv[2]
     port = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    srv = OssTestServer(key, secret, port=port).start()
+    srv = OssTestServer(key, secret, port=port, s3_url=os.environ.get("OSS_TEST_SERVER_S3_URL") or None).start()
     for b in sys.argv[4:]:
         srv.create_bucket(b)
     print(srv.endpoint, flush=True)

