@@ -28,7 +28,7 @@ test: venv
 	$(BIN)/python -m pytest -q tests
 
 bench: venv
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks $(BENCH)
 
 # Re-lock after changing requirements.txt (in a fresh venv built from requirements.txt alone).
 lock:
