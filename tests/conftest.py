@@ -1,4 +1,5 @@
-"""Shared fixtures: an offline Hugging Face cache built from the shipped fixtures, and the tiny local model."""
+"""Shared fixtures: an offline Hugging Face cache built from the shipped fixtures, the tiny local model, and the
+Kubernetes API stand-in behind an Airflow connection."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,28 @@ def tiny_model(tmp_path_factory):
     from pipeline_steps import tiny_model
 
     return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+K8S_CONN_ID = "k8s_standin"
+K8S_NAMESPACE = "training"
+RAYJOB_CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
+
+
+@pytest.fixture
+def k8s_api(tmp_path, monkeypatch):
+    """tests/k8s_api_stand_in.py's API server (RayJobs checked against the KubeRay v1.7.0 CRD when ``shared/`` is
+    beside the project), reached through the Airflow connection ``k8s_standin`` (namespace ``training``)."""
+    from k8s_api_stand_in import StandIn
+
+    api = StandIn(crd_file=RAYJOB_CRD if RAYJOB_CRD.is_file() else None)
+    api.start()
+    kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=K8S_NAMESPACE)
+    monkeypatch.setenv(f"AIRFLOW_CONN_{K8S_CONN_ID.upper()}", json.dumps(
+        {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config), "namespace": K8S_NAMESPACE}}))
+    try:
+        yield api
+    finally:
+        api.stop()
 
 
 def run_step(*args, env=None, check=None, cwd=ROOT):

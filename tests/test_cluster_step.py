@@ -17,8 +17,6 @@ The vLLM generator (GPU) is not exercised: the cluster evaluate here generates w
 """
 from __future__ import annotations
 
-import asyncio
-import importlib
 import json
 import os
 import shlex
@@ -31,7 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from airflow.sdk import DAG
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from conftest import K8S_CONN_ID, K8S_NAMESPACE
+from deferral import deferred, run_trigger
 
 from operators.cluster_step import PipelineStepJobOperator, map_uri_args, pod_paths_to_uris
 from operators.rayjob import JobFailed
@@ -40,11 +40,9 @@ from pipeline_steps.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.render_rayjob import rayjob_name
 
 ROOT = Path(__file__).resolve().parents[1]
-CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
 PRESET = "gsm8k_qwen2_5_3b"  # cluster preset: 1 node x 8 GPUs, head 8 CPU / 32Gi
-CONN = "k8s_standin"
-NS = "training"
+CONN, NS = K8S_CONN_ID, K8S_NAMESPACE
 EVAL_URI_ARGS = ("--model", "--data", "--output", "--base-model", "--baseline-cache")
 
 
@@ -64,26 +62,6 @@ def context():
     return {"run_id": RUN_ID, "ti": TaskInstance(), "outlet_events": OutletEventAccessors()}
 
 
-def run_trigger(trigger, timeout: float = 60) -> dict:
-    async def first():
-        gen = trigger.run()
-        try:
-            return (await gen.__anext__()).payload
-        finally:
-            await gen.aclose()
-
-    return asyncio.run(asyncio.wait_for(first(), timeout))
-
-
-def deferred(op, ctx):
-    with pytest.raises(TaskDeferred) as exc:
-        op.execute(ctx)
-    assert exc.value.method_name == "execute_complete"
-    path, kwargs = exc.value.trigger.serialize()  # rebuilt from serialize(), as the triggerer does
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)(**kwargs)
-
-
 def run_entrypoint(entrypoint: str) -> subprocess.CompletedProcess:
     """What Ray's job supervisor does with ``spec.entrypoint``: one /bin/sh parses it (HTTPMode)."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -101,25 +79,15 @@ def aime_parquet(path: Path, n: int = 2) -> Path:
 
 
 @pytest.fixture
-def cluster(tmp_path, monkeypatch):
+def cluster(k8s_api, tmp_path, monkeypatch):
     """Stand-in API server, a ``file://`` store and its "bucket mount" (a symlink at the pod path)."""
-    from k8s_api_stand_in import StandIn
-
-    api = StandIn(crd_file=CRD if CRD.is_file() else None)
-    api.start()
-    kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
-    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
-                       json.dumps({"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config), "namespace": NS}}))
     store, mnt = tmp_path / "store", tmp_path / "mnt" / "store"
     store.mkdir()
     mnt.parent.mkdir()
     mnt.symlink_to(store, target_is_directory=True)
     monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": str(mnt)}]))
     monkeypatch.delenv("PIPELINE_TRAIN_IMAGE", raising=False)
-    try:
-        yield {"api": api, "store": store, "mnt": mnt}
-    finally:
-        api.stop()
+    return {"api": k8s_api, "store": store, "mnt": mnt}
 
 
 def make_op(dag_id: str, task_id: str, **kw) -> PipelineStepJobOperator:

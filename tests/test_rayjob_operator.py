@@ -14,31 +14,24 @@ The context is empty (no task instance), so the dashboard-link XCom push is not 
 from __future__ import annotations
 
 import asyncio
-import json
 import shlex
 from pathlib import Path
 
 import pytest
-from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException
+from conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
+from deferral import deferred, run_trigger
 
 from operators.rayjob import GROUP_LABEL, JobFailed, RayJobOperator, RayJobTrigger
-from k8s_api_stand_in import SUCCESS, StandIn
+from k8s_api_stand_in import SUCCESS
 
-ROOT = Path(__file__).resolve().parents[1]
-CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
-CONN = "k8s_standin"
-NS = "training"
+CRD = RAYJOB_CRD
+CONN, NS = K8S_CONN_ID, K8S_NAMESPACE
 
 
 @pytest.fixture
-def api(tmp_path, monkeypatch):
-    stand_in = StandIn(crd_file=CRD if CRD.is_file() else None)
-    stand_in.start()
-    kube_config = stand_in.kube_config(tmp_path / "kubeconfig", namespace=NS)
-    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}",
-                       json.dumps({"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config)}}))
-    yield stand_in
-    stand_in.stop()
+def api(k8s_api):
+    return k8s_api
 
 
 def rayjob_body(name: str, ckpt: str) -> dict:
@@ -64,25 +57,9 @@ def make_op(name: str, tmp_path: Path, **kw) -> RayJobOperator:
 
 
 def defer(op: RayJobOperator) -> RayJobTrigger:
-    with pytest.raises(TaskDeferred) as exc:
-        op.execute({})
-    assert exc.value.method_name == "execute_complete"
-    trigger = exc.value.trigger
-    # the triggerer rebuilds the trigger from serialize(): do the same
-    path, kwargs = trigger.serialize()
-    assert path == "operators.rayjob.RayJobTrigger"
-    return RayJobTrigger(**kwargs)
-
-
-def run_trigger(trigger: RayJobTrigger, timeout: float = 30) -> dict:
-    async def first():
-        gen = trigger.run()
-        try:
-            return (await gen.__anext__()).payload
-        finally:
-            await gen.aclose()
-
-    return asyncio.run(asyncio.wait_for(first(), timeout))
+    trigger = deferred(op, {})
+    assert isinstance(trigger, RayJobTrigger)
+    return trigger
 
 
 def metrics_row(step: int, score: float) -> dict:

@@ -15,7 +15,6 @@ dashboard link is not exercised here).
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shlex
@@ -25,12 +24,12 @@ from pathlib import Path
 
 import pytest
 from airflow.sdk import DAG
-from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
+from airflow.sdk.exceptions import AirflowFailException
+from deferral import deferred, run_trigger
 
 from operators.rayjob import JobFailed
 from operators.train import GRPOTrainOperator, normalize_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
 
 REWARD = '''\
@@ -62,27 +61,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run_trigger(trigger, timeout: float) -> dict:
-    async def first():
-        gen = trigger.run()
-        try:
-            return (await gen.__anext__()).payload
-        finally:
-            await gen.aclose()
-
-    return asyncio.run(asyncio.wait_for(first(), timeout))
-
-
-def deferred(op, context):
-    with pytest.raises(TaskDeferred) as exc:
-        op.execute(context)
-    path, kwargs = exc.value.trigger.serialize()  # rebuilt from serialize(), as the triggerer does
-    module, _, name = path.rpartition(".")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)(**kwargs)
 
 
 def test_normalize_overrides_accepts_form_shapes_and_rejects_others():
@@ -174,70 +152,62 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path,
     assert run_trigger(again, timeout=60)["status"] == "success"
 
 
-def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(tmp_path, monkeypatch, capsys):
+def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s_api, tmp_path, monkeypatch, capsys):
     """The cluster path of the train task: pre-flight, B1's real render, the stand-in API server."""
-    from k8s_api_stand_in import SUCCESS, StandIn
+    from k8s_api_stand_in import SUCCESS
 
     from pipeline_steps.render_rayjob import rayjob_name
 
-    crd = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
-    api = StandIn(crd_file=crd if crd.is_file() else None)
-    api.start()
-    try:
-        kube_config = api.kube_config(tmp_path / "kubeconfig", namespace="training")
-        monkeypatch.setenv("AIRFLOW_CONN_K8S_STANDIN", json.dumps({"conn_type": "kubernetes",
-                                                                   "extra": {"kube_config_path": str(kube_config)}}))
-        mnt = tmp_path / "mnt"
-        monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "verl-store", "path": str(mnt)}]))
-        run_dir = "gs://verl-bucket/runs/gsm8k/run1"
-        name = rayjob_name("t_kuberay", RUN_ID, "train", "train")
-        metrics = mnt / "runs/gsm8k/run1/metrics.jsonl"
-        api.script(name, [{"jobDeploymentStatus": "Initializing"},
-                          {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "log": ["step 1 done"],
-                           "metrics": [{"step": 1, "data": {"critic/score/mean": 0.1}}]},
-                          {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed",
-                           "message": "Job entrypoint command failed with exit code 1"}], metrics_file=metrics)
-        api.script(name[:44].rstrip("-") + "-r1", [*SUCCESS[:-1], {**SUCCESS[-1], "metrics": [
-            {"step": 2, "data": {"critic/score/mean": 0.4, "timing_s/step": 3.0}}]}], metrics_file=metrics)
+    api = k8s_api
+    mnt = tmp_path / "mnt"
+    monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "verl-store", "path": str(mnt)}]))
+    run_dir = "gs://verl-bucket/runs/gsm8k/run1"
+    name = rayjob_name("t_kuberay", RUN_ID, "train", "train")
+    metrics = mnt / "runs/gsm8k/run1/metrics.jsonl"
+    api.script(name, [{"jobDeploymentStatus": "Initializing"},
+                      {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "log": ["step 1 done"],
+                       "metrics": [{"step": 1, "data": {"critic/score/mean": 0.1}}]},
+                      {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed",
+                       "message": "Job entrypoint command failed with exit code 1"}], metrics_file=metrics)
+    api.script(name[:44].rstrip("-") + "-r1", [*SUCCESS[:-1], {**SUCCESS[-1], "metrics": [
+        {"step": 2, "data": {"critic/score/mean": 0.4, "timing_s/step": 3.0}}]}], metrics_file=metrics)
 
-        def make_op():
-            with DAG("t_kuberay", schedule=None):
-                return GRPOTrainOperator(
-                    task_id="train", experiment="gsm8k_qwen2_5_3b", backend="kuberay", namespace="training",
-                    overrides=["trainer.total_training_steps=2", "trainer.experiment_name=x'; echo $(id) `id`\n"],
-                    train_files=["gs://verl-bucket/datasets/gsm8k/train.parquet"],
-                    val_files=["gs://verl-bucket/datasets/gsm8k/test.parquet"],
-                    model_path="gs://verl-bucket/models/Qwen/Qwen2.5-3B-Instruct/main", run_dir=run_dir,
-                    check_store=False, kubernetes_conn_id="k8s_standin", poll_interval=0.01,
-                    metrics_reader="operators.rayjob.read_mounted")
+    def make_op():
+        with DAG("t_kuberay", schedule=None):
+            return GRPOTrainOperator(
+                task_id="train", experiment="gsm8k_qwen2_5_3b", backend="kuberay", namespace="training",
+                overrides=["trainer.total_training_steps=2", "trainer.experiment_name=x'; echo $(id) `id`\n"],
+                train_files=["gs://verl-bucket/datasets/gsm8k/train.parquet"],
+                val_files=["gs://verl-bucket/datasets/gsm8k/test.parquet"],
+                model_path="gs://verl-bucket/models/Qwen/Qwen2.5-3B-Instruct/main", run_dir=run_dir,
+                check_store=False, kubernetes_conn_id="k8s_standin", poll_interval=0.01,
+                metrics_reader="operators.rayjob.read_mounted")
 
-        first = make_op()
-        trigger = deferred(first, {"run_id": RUN_ID})
-        assert trigger.name == name and trigger.submission_mode == "HTTPMode"
-        event = run_trigger(trigger, timeout=60)
-        assert event["log_tail"] == ["step 1 done"]  # read through the (stand-in) Ray dashboard Jobs API
-        with pytest.raises(JobFailed, match="jobStatus=FAILED.*exit code 1"):
-            first.execute_complete({"run_id": RUN_ID}, event)
+    first = make_op()
+    trigger = deferred(first, {"run_id": RUN_ID})
+    assert trigger.name == name and trigger.submission_mode == "HTTPMode"
+    event = run_trigger(trigger, timeout=60)
+    assert event["log_tail"] == ["step 1 done"]  # read through the (stand-in) Ray dashboard Jobs API
+    with pytest.raises(JobFailed, match="jobStatus=FAILED.*exit code 1"):
+        first.execute_complete({"run_id": RUN_ID}, event)
 
-        retry = make_op()
-        trigger = deferred(retry, {"run_id": RUN_ID})
-        assert trigger.name.endswith("-r1") and api.deletes == [name] and api.count_creates() == 2
-        old, new = (shlex.split(b["spec"]["entrypoint"]) for b in api.creates)
-        def arg(argv, key):  # the value of a Hydra override (B1 renders values as quoted Hydra literals)
-            found = [a for a in argv if a.startswith(key + "=")]
-            assert len(found) == 1, (key, found)
-            return found[0].split("=", 1)[1]
+    retry = make_op()
+    trigger = deferred(retry, {"run_id": RUN_ID})
+    assert trigger.name.endswith("-r1") and api.deletes == [name] and api.count_creates() == 2
+    old, new = (shlex.split(b["spec"]["entrypoint"]) for b in api.creates)
+    def arg(argv, key):  # the value of a Hydra override (B1 renders values as quoted Hydra literals)
+        found = [a for a in argv if a.startswith(key + "=")]
+        assert len(found) == 1, (key, found)
+        return found[0].split("=", 1)[1]
 
-        ckpt = arg(old, "trainer.default_local_dir")
-        assert ckpt.strip("'\"") == f"{mnt}/runs/gsm8k/run1/checkpoints" and arg(new, "trainer.default_local_dir") == ckpt
-        assert arg(new, "trainer.resume_mode").strip("'\"") == "auto"
-        # the untrusted override stayed one argument, with its quote, $(), backticks and newline inside
-        name_arg = arg(new, "trainer.experiment_name")
-        assert all(x in name_arg for x in ("echo $(id)", "`id`", "\n", "x"))
-        event = run_trigger(trigger, timeout=60)
-        out = retry.execute_complete({"run_id": RUN_ID}, event)
-        assert out["backend"] == "kuberay" and out["last_step"] == 2 and out["metrics"]["critic/score/mean"] == 0.4
-        assert out["checkpoint_uri"] == f"{run_dir}/checkpoints"
-        assert "progress step 2: critic/score/mean=0.4" in capsys.readouterr().out
-    finally:
-        api.stop()
+    ckpt = arg(old, "trainer.default_local_dir")
+    assert ckpt.strip("'\"") == f"{mnt}/runs/gsm8k/run1/checkpoints" and arg(new, "trainer.default_local_dir") == ckpt
+    assert arg(new, "trainer.resume_mode").strip("'\"") == "auto"
+    # the untrusted override stayed one argument, with its quote, $(), backticks and newline inside
+    name_arg = arg(new, "trainer.experiment_name")
+    assert all(x in name_arg for x in ("echo $(id)", "`id`", "\n", "x"))
+    event = run_trigger(trigger, timeout=60)
+    out = retry.execute_complete({"run_id": RUN_ID}, event)
+    assert out["backend"] == "kuberay" and out["last_step"] == 2 and out["metrics"]["critic/score/mean"] == 0.4
+    assert out["checkpoint_uri"] == f"{run_dir}/checkpoints"
+    assert "progress step 2: critic/score/mean=0.4" in capsys.readouterr().out
