@@ -100,8 +100,17 @@ def xcoms(db: Path, run_id: str, task_id: str) -> list:
 def test_backfill_trains_on_the_dataset_versions_of_each_date(airflow):
     env, airflow_bin = airflow["env"], airflow["bin"]
     conf = {"smoke": True, "experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k"]}
-    subprocess.run([airflow_bin, "backfill", "create", "--dag-id", "verl_grpo_pipeline", "--from-date", DATES[0], "--to-date", DATES[-1],
-                    "--dag-run-conf", json.dumps(conf), "--max-active-runs", "1"], env=env, check=True, capture_output=True, text=True)
+    for attempt in range(3):
+        created = subprocess.run([airflow_bin, "backfill", "create", "--dag-id", "verl_grpo_pipeline", "--from-date", DATES[0],
+                                  "--to-date", DATES[-1], "--dag-run-conf", json.dumps(conf), "--max-active-runs", "1"],
+                                 env=env, capture_output=True, text=True)
+        if created.returncode == 0:
+            break
+        # Seen once in CI, not reproducible on the same database at rest: the CLI exited 1 while the freshly started
+        # scheduler and DAG processor were writing (SQLite has one writer). A deterministic error fails all 3 tries.
+        print(f"backfill create, try {attempt + 1}: exit {created.returncode}\n{created.stderr[-3000:]}")
+        time.sleep(10)
+    assert created.returncode == 0, created.stderr[-3000:]
     subprocess.run([airflow_bin, "dags", "unpause", "verl_grpo_pipeline"], env=env, check=True, capture_output=True, text=True)
     deadline = time.time() + 45 * 60
     runs = []
