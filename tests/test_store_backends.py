@@ -270,10 +270,10 @@ def test_source_changed_during_upload_is_refused(backend, tmp_path):
     store = open_store(backend.root_uri)
     put = store._put_file
 
-    def racing_put(path, key, size, sums):  # another writer edits the file while it is being sent
+    def racing_put(path, key, size):  # another writer edits the file while it is being sent
         if path.name == "README.md":
             path.write_text("edited while uploading\n")
-        return put(path, key, size, sums)
+        return put(path, key, size)
 
     store._put_file = racing_put
     with pytest.raises(UserError, match="README.md changed while it was uploaded"):

@@ -9,12 +9,13 @@ Backends implement a handful of object primitives (``_head``, ``_put_file``,
 logic (skip what is already there and verifies, repair what does not, write the
 manifest last, verify downloads) lives here once.
 
-Each source file is read once for its sha256 before any upload. Its native checksum
-is read from the local cache, computed only when a stored object of the same size must
-be compared with it, and otherwise taken from the upload itself (``_put_file`` returns
-the value the SDK verified against what it sent), so a first upload does not pay a
-second pass over the data. A file whose stat changes between hashing and the end of
-its upload is refused.
+A file that must be sent is read twice, at the same time: by the SDK sending it and by a
+thread computing its sha256 (hashlib releases the GIL), so hashing does not delay the
+upload. Its native checksum is taken from the upload itself (``_put_file`` returns the
+value the SDK verified against what it sent); it is computed locally only when a stored
+object of the same size must be compared with the file. Checksums are cached by file
+stat, so an unchanged directory is not read again. A file whose stat changes between the
+start of its hashing and the end of its upload is refused.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import os
 import re
 import shutil
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -129,7 +131,8 @@ class _ChecksumCache:
         self.db = None
         try:
             root.mkdir(parents=True, exist_ok=True)
-            self.db = sqlite3.connect(str(root / "checksums.sqlite"), timeout=30, isolation_level=None)
+            # shared with upload_dir's hashing thread; sqlite3 serialises access to one connection
+            self.db = sqlite3.connect(str(root / "checksums.sqlite"), timeout=30, isolation_level=None, check_same_thread=False)
             self.db.execute("CREATE TABLE IF NOT EXISTS sums (path TEXT, size INT, mtime INT, ino INT, algo TEXT, value TEXT,"
                             " PRIMARY KEY (path, algo))")
         except (OSError, sqlite3.Error) as exc:  # read-only home: still correct, just slower
@@ -235,9 +238,12 @@ class Store(abc.ABC):
     def _head(self, key: str) -> ObjectInfo | None: ...
 
     @abc.abstractmethod
-    def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> str | None:
+    def _put_file(self, path: Path, key: str, size: int) -> str | None:
         """Upload ``path`` to ``key``; return the stored object's native checksum as the transfer
         verified it (the SDK checks what it sent against the server's CRC), or None if unknown."""
+
+    def _stored(self, key: str, entry: dict) -> None:
+        """Called once ``key`` holds exactly the bytes ``entry`` describes (the source did not change)."""
 
     @abc.abstractmethod
     def _get_file(self, key: str, path: Path) -> None: ...
@@ -338,43 +344,45 @@ class Store(abc.ABC):
         cache = _ChecksumCache()
         manifest_key = self._join(u.key, MANIFEST)
         old_raw = self._get_bytes(manifest_key)
-        # sha256 of every file up front (it names the content); the native checksum only when it is
-        # cached or needed to compare with a stored object: a new object's comes from its verified
-        # transfer, which spares a second pass over the data (CRC64 runs at ~0.4 GB/s).
-        entries, stats = [], []
+        entries, todo, skipped = [], [], 0
         for rel, path in files:
-            st = path.stat()  # the file as hashed: a change after this is caught after its upload
-            sha = file_checksums(path, None, cache)["sha256"]
-            native = cache.get(path, st, self.native) if self.native and self.native != "sha256" else None
-            entries.append({"path": rel, "size": st.st_size, "sha256": sha, **({self.native: native} if native else {})})
-            stats.append(st)
-        if old_raw is not None and _content(old_raw) != _content_of(entries):
-            # The version's content changes: withdraw the commit marker first so no reader
-            # trusts a manifest that no longer matches the objects.
-            self._delete([manifest_key])
-            old_raw = None
-        uploaded, skipped, sent = 0, 0, 0
-        for entry, st, (rel, path) in zip(entries, stats, files):
+            st = path.stat()  # the file as found: any change until its upload ends is caught
+            entry = {"path": rel, "size": st.st_size}
+            for algo in {"sha256", self.native} - {None}:
+                if value := cache.get(path, st, algo):
+                    entry[algo] = value
+            entries.append(entry)
             key = self._join(u.key, rel)
             info = self._head(key)
-            if info is not None and info.size == entry["size"] and self.native:
-                if self.native not in entry:
+            if info is not None and info.size == st.st_size and self.native:
+                if self.native not in entry or "sha256" not in entry:
                     entry.update(file_checksums(path, self.native, cache))
                 if info.checksum == entry[self.native]:
                     skipped += 1
                     continue
             if info is not None:
                 log.warning("%s: stored object differs (size %s, checksum %s); re-uploading", key, info.size, info.checksum)
-            stored = self._put_file(path, key, entry["size"], entry)
-            if not _same_file(path.stat(), st) or (self.native in entry and stored is not None and stored != entry[self.native]):
-                raise UserError(f"--src {src}: {rel} changed while it was uploaded; re-run when the source is stable")
-            if self.native and self.native not in entry:
-                if stored is None:
-                    stored = file_checksums(path, self.native, cache)[self.native]
-                entry[self.native] = stored
-                cache.put(path, st, self.native, stored)
-            uploaded += 1
-            sent += entry["size"]
+            todo.append((entry, st, path, key))
+        if todo and old_raw is not None:
+            # Objects of a committed version are about to change: withdraw its commit marker first so
+            # no reader trusts a manifest that does not match the objects; it is rewritten at the end.
+            self._delete([manifest_key])
+            old_raw = None
+        uploaded, sent = 0, 0
+        with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+            for entry, st, path, key in todo:
+                sha = None if "sha256" in entry else hasher.submit(file_checksums, path, None, cache)
+                stored = self._put_file(path, key, entry["size"])
+                if sha is not None:
+                    entry["sha256"] = sha.result()["sha256"]
+                if not _same_file(path.stat(), st) or (self.native in entry and stored is not None and stored != entry[self.native]):
+                    raise UserError(f"--src {src}: {entry['path']} changed while it was uploaded; re-run when the source is stable")
+                if self.native not in entry:
+                    entry[self.native] = stored or file_checksums(path, self.native, cache)[self.native]
+                    cache.put(path, st, self.native, entry[self.native])
+                self._stored(key, entry)
+                uploaded += 1
+                sent += entry["size"]
         manifest_bytes = render_manifest(entries, self.native)
         if old_raw != manifest_bytes:
             self._put_bytes(manifest_key, manifest_bytes)
@@ -430,18 +438,6 @@ class Store(abc.ABC):
                         f"{e['sha256'][:12]}); the version is corrupted, re-upload it from its source")
                 total += e["size"]
         return {"uri": str(u), "path": str(dest), "files": len(manifest["files"]), "bytes": total}
-
-
-def _content_of(entries: list[dict]) -> list[tuple]:
-    return sorted((e["path"], e["size"], e["sha256"]) for e in entries)
-
-
-def _content(manifest_raw: bytes) -> list[tuple] | None:
-    """(path, size, sha256) of a stored manifest's files, or None when it cannot be read."""
-    try:
-        return _content_of(json.loads(manifest_raw)["files"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def render_manifest(entries: list[dict], native: str | None) -> bytes:

@@ -124,7 +124,7 @@ class GcsStore(Store):
             return None
         return ObjectInfo(size=int(blob.size), checksum=blob.crc32c)
 
-    def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> str | None:
+    def _put_file(self, path: Path, key: str, size: int) -> str | None:
         self._ensure_bucket()
         blob = self.bucket.blob(key, chunk_size=self.part_size if size >= self.part_size else None)
         with self._errors("upload", key):

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from pipeline_steps import atomic
-from pipeline_steps.store.base import ObjectInfo, Store, _ChecksumCache, _same_file, copy_file, file_checksums
+from pipeline_steps.store.base import ObjectInfo, Store, _ChecksumCache, copy_file, file_checksums
 
 
 class LocalStore(Store):
@@ -28,20 +28,17 @@ class LocalStore(Store):
             self._cache = _ChecksumCache()
         return ObjectInfo(size=p.stat().st_size, checksum=file_checksums(p, None, self._cache)["sha256"])
 
-    def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> str | None:
+    def _put_file(self, path: Path, key: str, size: int) -> str | None:
+        copy_file(path, Path(key))
+        return None  # sha256 is the native checksum: upload_dir hashes the source while the kernel copies it
+
+    def _stored(self, key: str, entry: dict) -> None:
+        # The copy holds the bytes that were hashed (the source did not change meanwhile): record its sha256
+        # against the stored file's stat so a re-upload does not read it again; any later write to the stored
+        # file changes that stat and forces a re-read.
         if self._cache is None:
             self._cache = _ChecksumCache()
-        before = path.stat()
-        # upload_dir's hash of the source, found only while the file is as it was hashed
-        sha = self._cache.get(path, before, "sha256")
-        copy_file(path, Path(key))
-        if sha is None or not _same_file(path.stat(), before):
-            return None  # no cache, or the source changed: upload_dir decides; the copy is re-read when needed
-        # The kernel copied the bytes that were hashed, so the copy's sha256 is the source's: record it
-        # against the stored file's stat so a re-upload does not read it again (any later write to the
-        # stored file changes that stat and forces a re-read).
-        self._cache.put(Path(key), Path(key).stat(), "sha256", sha)
-        return sha
+        self._cache.put(Path(key), Path(key).stat(), "sha256", entry["sha256"])
 
     def _get_file(self, key: str, path: Path) -> None:
         copy_file(Path(key), path)

@@ -132,7 +132,7 @@ class OssStore(Store):
             self._oss.HeadObjectRequest(bucket=self.bucket, key=key)))
         return None if r is None else ObjectInfo(size=int(r.content_length), checksum=r.hash_crc64)
 
-    def _put_file(self, path: Path, key: str, size: int, checksums: dict[str, str]) -> str | None:
+    def _put_file(self, path: Path, key: str, size: int) -> str | None:
         self._ensure_bucket()
         oss = self._oss
         uploader = self.client.uploader(part_size=self.part_size, parallel_num=self.parallel)
