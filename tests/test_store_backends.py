@@ -282,3 +282,19 @@ def test_source_changed_during_upload_is_refused(backend, tmp_path):
     store._put_file = put
     assert store.upload_dir(src, dest)["uploaded"] >= 1  # once the source is stable, the re-run commits it
     assert store.verify(dest)[1] == []
+
+
+def test_oss_test_server_crc64_is_the_sdks():
+    """The test layer answers with fastcrc's CRC-64/XZ; the SDK checks against its own crcmod-based CRC64-ECMA."""
+    import random
+
+    from alibabacloud_oss_v2.crc import Crc64
+    from oss_test_server import _combine, crc64
+
+    rnd = random.Random(7)
+    for data in (b"", b"123456789", rnd.randbytes(1), rnd.randbytes(100_003)):
+        sdk = Crc64(0)
+        sdk.update(data)
+        assert crc64(data) == sdk.sum64()
+    a, b = rnd.randbytes(5000), rnd.randbytes(777)
+    assert crc64(b, crc64(a)) == crc64(a + b) == _combine(crc64(a), crc64(b), len(b))
