@@ -298,3 +298,19 @@ def test_oss_test_server_crc64_is_the_sdks():
         assert crc64(data) == sdk.sum64()
     a, b = rnd.randbytes(5000), rnd.randbytes(777)
     assert crc64(b, crc64(a)) == crc64(a + b) == _combine(crc64(a), crc64(b), len(b))
+
+
+def test_transfer_corruption_is_caught_end_to_end(backend, tmp_path):
+    """The server's checksum of the stored object must equal the file's; a mismatch fails (retryable), no manifest."""
+    from pipeline_steps.store import open_store
+
+    src = _write_tree(tmp_path / "src", n_small=1, big_kb=10)
+    dest = f"{backend.root_uri}/corrupt/v1"
+    store = open_store(backend.root_uri)
+    put = store._put_file
+    store._put_file = lambda path, key, size: (put(path, key, size), "not-the-checksum")[1]  # as if bytes changed in flight
+    with pytest.raises(RuntimeError, match="corrupted in transfer"):
+        store.upload_dir(src, dest)
+    assert store.read_manifest(dest) is None
+    store._put_file = put
+    assert store.upload_dir(src, dest)["files"] == 3 and store.verify(dest)[1] == []
