@@ -76,15 +76,27 @@ def assets(tmp_path_factory, tiny_model):
     return {"model": tiny_model, "train": write_gsm8k_parquet(d / "train.parquet"), "reward": reward, "dir": d}
 
 
-def _argv(assets, out: Path, steps: int) -> list[str]:
+def _argv(assets, out: Path, steps: int, reward: Path | None = None) -> list[str]:
     from pipeline_steps import local_ray
 
     return local_ray.job_argv(
         None, "train-local", "--experiment", "local_tiny", "--train-files", str(assets["train"]),
         "--model-path", str(assets["model"]), "--output-dir", str(out),
         "--override", f"trainer.total_training_steps={steps}", "--override", "trainer.save_freq=1",
-        "--override", f"reward.custom_reward_function.path={assets['reward']}",
+        "--override", f"reward.custom_reward_function.path={reward or assets['reward']}",
     )
+
+
+HOLDING_REWARD = VARIED_REWARD.replace("def compute_score(", "def _varied(") + """
+import os, time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # after the first checkpoint, wait while the test's HOLD file exists: the job is stopped here, mid-run
+    while os.path.exists({hold!r}) and os.path.exists({tracker!r}):
+        time.sleep(0.1)
+    return _varied(data_source, solution_str, ground_truth, extra_info)
+"""
 
 
 ENV = {"PYTHONPATH": str(ROOT), "PIPELINE_LOG_LEVEL": "INFO"}
@@ -139,8 +151,12 @@ def test_stop_mid_run_then_new_attempt_resumes(cluster, assets):
     out = assets["dir"] / "resume_run"
     steps = 3
     tracker = out / "checkpoints" / "latest_checkpointed_iteration.txt"
+    hold = assets["dir"] / "hold"
+    hold.touch()
+    reward = assets["dir"] / "holding_reward.py"
+    reward.write_text(HOLDING_REWARD.format(hold=str(hold), tracker=str(tracker)))
     first = "pipeline-test-resume-try1"
-    local_ray.submit_or_attach(address, first, _argv(assets, out, steps), env=ENV)
+    local_ray.submit_or_attach(address, first, _argv(assets, out, steps, reward), env=ENV)
     deadline = time.monotonic() + 300
     while not tracker.exists():
         assert local_ray.status(address, first) in local_ray.LIVE, local_ray.logs(address, first)[-3000:]
@@ -149,13 +165,14 @@ def test_stop_mid_run_then_new_attempt_resumes(cluster, assets):
     assert local_ray.stop(address, first)
     assert local_ray.wait(address, first, timeout=60, poll=0.5) == "STOPPED"
     stopped_at = int(tracker.read_text())
-    assert 1 <= stopped_at < steps, "the job must be stopped mid-run"
+    assert stopped_at == 1, "the job must be stopped mid-run, held after its first checkpoint"
     # the failed attempt's id is spent: re-submitting it is refused, not duplicated
     with pytest.raises(local_ray.JobAlreadyFinishedError):
-        local_ray.submit_or_attach(address, first, _argv(assets, out, steps), env=ENV)
+        local_ray.submit_or_attach(address, first, _argv(assets, out, steps, reward), env=ENV)
 
+    hold.unlink()
     second = "pipeline-test-resume-try2"
-    local_ray.submit_or_attach(address, second, _argv(assets, out, steps), env=ENV)
+    local_ray.submit_or_attach(address, second, _argv(assets, out, steps, reward), env=ENV)
     final = local_ray.wait(address, second, timeout=300)
     logs = local_ray.logs(address, second)
     assert final == "SUCCEEDED", logs[-3000:]
