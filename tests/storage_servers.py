@@ -95,17 +95,15 @@ class SeaweedServer:
 
     def __init__(self, tmp: Path):
         # every gRPC port explicit: weed's default is port + 10000, past 65535 for an ephemeral port
-        ports = {name: free_port() for name in ("s3", "master", "volume", "filer", "s3.grpc", "master.grpc", "volume.grpc",
-                                                "filer.grpc")}
-        self.url = f"http://127.0.0.1:{ports['s3']}"
+        ports = {f"-{service}.port{grpc}": free_port() for service in ("s3", "master", "volume", "filer") for grpc in ("", ".grpc")}
+        self.url = f"http://127.0.0.1:{ports['-s3.port']}"
         data = tmp / "seaweed-data"
         data.mkdir(parents=True)
         self.log = open(tmp / "seaweed.log", "wb")
         weed = Path(sys.executable).with_name("weed")
         self.proc = subprocess.Popen(
-            [str(weed), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3", f"-s3.port={ports['s3']}",
-             *(f"-{name.replace('.grpc', '.port.grpc') if '.' in name else name + '.port'}={port}"
-               for name, port in ports.items() if name != "s3"),
+            [str(weed), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+             *(f"{flag}={port}" for flag, port in ports.items()),
              "-master.telemetry=false", "-s3.iam=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )

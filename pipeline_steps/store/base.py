@@ -156,8 +156,13 @@ def _native_hasher(algo: str | None):
     if algo == "crc64ecma":  # OSS's CRC64-ECMA is CRC-64/XZ; fastcrc runs it ~50x faster than the SDK's crcmod
         import fastcrc
 
-        state = [fastcrc.crc64.xz(b"")]
-        return (lambda chunk: state.__setitem__(0, fastcrc.crc64.xz(chunk, initial=state[0]))), lambda: str(state[0])
+        crc = fastcrc.crc64.xz(b"")
+
+        def update(chunk: bytes) -> None:
+            nonlocal crc
+            crc = fastcrc.crc64.xz(chunk, initial=crc)
+
+        return update, lambda: str(crc)
     if algo == "crc32c":
         import base64
 

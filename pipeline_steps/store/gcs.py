@@ -44,8 +44,8 @@ class GcsStore(Store):
         from google.cloud.storage.retry import DEFAULT_RETRY
 
         self._gexc = gexc
-        # One chunk in flight, so memory is one chunk; 100 MiB is the library's own default: fewer,
-        # larger requests (the emulator also re-hashes the whole object on every chunk).
+        # One chunk in flight, so memory is one chunk; 100 MiB is the library's own default: fewer, larger
+        # requests (fake-gcs-server's cost per chunk also grows with the bytes already received).
         self.part_size, _ = _tuning(100)
         self.part_size = max(256 << 10, self.part_size // (256 << 10) * (256 << 10))  # GCS chunks: multiples of 256 KiB
         deadline = float(os.environ.get("PIPELINE_STORE_RETRY_DEADLINE", "60"))

@@ -19,26 +19,26 @@ class LocalStore(Store):
     native = "sha256"
     _cache = None
 
+    @property
+    def _stored_sums(self) -> _ChecksumCache:
+        """sha256 of stored files keyed by their stat: unchanged stored files are not re-read (any write changes the key)."""
+        if self._cache is None:
+            self._cache = _ChecksumCache()
+        return self._cache
+
     def _head(self, key: str) -> ObjectInfo | None:
         p = Path(key)
         if not p.is_file():
             return None
-        # the stat-keyed checksum cache spares re-reading unchanged stored files (any write changes the key)
-        if self._cache is None:
-            self._cache = _ChecksumCache()
-        return ObjectInfo(size=p.stat().st_size, checksum=file_checksums(p, None, self._cache)["sha256"])
+        return ObjectInfo(size=p.stat().st_size, checksum=file_checksums(p, None, self._stored_sums)["sha256"])
 
     def _put_file(self, path: Path, key: str, size: int) -> str | None:
         copy_file(path, Path(key))
         return None  # sha256 is the native checksum: upload_dir hashes the source while the kernel copies it
 
     def _stored(self, key: str, entry: dict) -> None:
-        # The copy holds the bytes that were hashed (the source did not change meanwhile): record its sha256
-        # against the stored file's stat so a re-upload does not read it again; any later write to the stored
-        # file changes that stat and forces a re-read.
-        if self._cache is None:
-            self._cache = _ChecksumCache()
-        self._cache.put(Path(key), Path(key).stat(), "sha256", entry["sha256"])
+        # the copy holds the bytes that were hashed (the source did not change meanwhile)
+        self._stored_sums.put(Path(key), Path(key).stat(), "sha256", entry["sha256"])
 
     def _get_file(self, key: str, path: Path) -> None:
         copy_file(Path(key), path)
