@@ -7,32 +7,39 @@ export AIRFLOW_HOME ?= $(CURDIR)/.airflow
 export PIPELINE_HOME ?= $(CURDIR)/.demo
 export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
-export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv demo test bench lock clean
+.PHONY: venv demo test test-fast lint bench lock clean
 
 venv: $(VENV)/.installed
 
-# torch alone first, from the CPU wheel; then everything else with torch held by the lock.
-$(VENV)/.installed: requirements.txt constraints.txt
+# torch alone first, from the CPU wheel; then the project (editable) with its pins and the lock, torch held.
+$(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip==26.3
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -r requirements.txt -c constraints.txt
+	$(BIN)/pip install -q -e '.[test]' -r requirements.txt -c constraints.txt
 	touch $@
 
 demo: venv
 	$(BIN)/python -m scripts.demo
 
-test: venv
+lint: venv
+	$(BIN)/ruff check .
+
+# The whole suite (CI runs this): lint, then every test.
+test: lint
 	$(BIN)/python -m pytest -q tests
+
+# Minutes, not tens of minutes: everything not marked slow (no real Airflow, Ray or training end to end).
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: venv
 	$(BIN)/python -m benchmarks $(BENCH)
 
 # Re-lock after changing requirements.txt (in a fresh venv built from requirements.txt alone).
 lock:
-	$(BIN)/pip freeze | grep -v '^torch==' > constraints.txt.new && mv constraints.txt.new constraints.txt
+	$(BIN)/pip freeze --exclude-editable | grep -v '^torch==' > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(AIRFLOW_HOME) $(PIPELINE_HOME)

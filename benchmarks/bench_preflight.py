@@ -53,9 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'preflight ' + args.experiment:40s} {p:7.2f} s   {p / b:.2f}x   target < {TARGET_S:.0f} s: {'met' if p < TARGET_S else 'MISSED'}")
 
     sys.path.insert(0, str(ROOT))
-    from pipeline_steps import experiment, preflight
-
     import verl  # noqa: F401  (warm: the import is paid once per worker process)
+
+    from pipeline_steps.training import experiment, preflight
 
     print("pre-flight, warm process (verl imported), per preset")
     for name in PRESETS:

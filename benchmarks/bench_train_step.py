@@ -41,7 +41,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--override", action="append", default=[], help="verl override for the local_tiny preset")
     args = ap.parse_args(argv)
 
-    from pipeline_steps import experiment, grpo_cpu, tiny_model, train_local
+    from pipeline_steps.local import grpo_cpu, tiny_model
+    from pipeline_steps.steps import train_local
+    from pipeline_steps.training import experiment
 
     with tempfile.TemporaryDirectory(prefix="bench_grpo_") as tmp:
         tmp = Path(tmp)

@@ -95,7 +95,7 @@ def main() -> None:
     oss_part, parallel = _tuning(16)
     gcs_part = _tuning(100)[0]
     sys.path.insert(0, str(ROOT / "tests"))
-    from storage_servers import GcsServer, OssServer, SeaweedServer
+    from tests.storage_servers import GcsServer, OssServer, SeaweedServer
 
     with tempfile.TemporaryDirectory(prefix="bench-upload-") as tmp:
         tmp = Path(tmp)

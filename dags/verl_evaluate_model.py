@@ -13,7 +13,7 @@ import pendulum
 from airflow.sdk import AssetAlias, Param, dag, task
 
 from operators.step import PipelineStepOperator
-from pipeline_steps import plan as planning
+from pipeline_steps.training import plan as planning
 
 
 @dag(

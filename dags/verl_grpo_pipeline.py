@@ -12,14 +12,14 @@ from pathlib import Path
 import pendulum
 from airflow.sdk import Param, TriggerRule, dag, task
 
-from operators.notify import notify_failure
-
 from operators.cluster_step import PipelineStepJobOperator
+from operators.notify import notify_failure
 from operators.step import PipelineStepOperator
 from operators.train import GRPOTrainOperator
-from pipeline_steps import plan as planning
+from pipeline_steps.training import experiment
+from pipeline_steps.training import plan as planning
 
-PRESETS = sorted(p.stem for p in (Path(__file__).parent / "experiments").glob("*.yaml"))
+PRESETS = experiment.preset_names()
 SCHEDULE = os.environ.get("VERL_PIPELINE_SCHEDULE", "@weekly")
 END_DATE = os.environ.get("VERL_PIPELINE_END_DATE")  # ISO date: no scheduled runs after it (optional)
 GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")

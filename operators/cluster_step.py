@@ -2,7 +2,7 @@
 
 * ``local``: exactly :class:`operators.step.PipelineStepOperator` (child process, same ``request``, XCom and
   exit-code semantics).
-* ``kuberay``: the step runs in a RayJob rendered by :func:`pipeline_steps.render_rayjob.build_rayjob` whose
+* ``kuberay``: the step runs in a RayJob rendered by :func:`pipeline_steps.training.rayjob.build_rayjob` whose
   entrypoint is ``python3 -m pipeline_steps.cluster_entry --summary-file P -- <step> <args>`` (every argv item
   shell-quoted by the renderer). Store URIs in the flags named by ``uri_args`` become paths on the pods'
   bucket mounts. Creation, re-attach after a worker restart, retries and deferral are
@@ -167,14 +167,12 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
 
     # -- dispatch ---------------------------------------------------------------------------------------
     def _backend(self) -> str:
-        value = str(self.backend or "").strip().lower()
-        if value in ("local", "kuberay"):
-            return value
-        if value not in ("", "none", "auto", "preset"):
-            raise AirflowFailException(f"backend {self.backend!r}: choose 'local' or 'kuberay'")
-        if not self.experiment:
-            return "local"
-        return "local" if self._experiment().spec.get("backend") == "local" else "kuberay"
+        from pipeline_steps.constants import resolve_backend
+
+        try:
+            return resolve_backend(self.backend, self._experiment().spec.get("backend") if self.experiment else None)
+        except ValueError as exc:
+            raise AirflowFailException(str(exc)) from None
 
     def execute(self, context):
         if self._backend() == "local":
@@ -183,10 +181,9 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
 
     # -- kuberay ----------------------------------------------------------------------------------------
     def _experiment(self):
-        from pipeline_steps import experiment
-        from pipeline_steps.errors import UserError
-
         from operators.train import normalize_overrides
+        from pipeline_steps.errors import UserError
+        from pipeline_steps.training import experiment
 
         if not self.experiment:
             raise AirflowFailException(f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)")
@@ -212,7 +209,7 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
 
     def _execute_kuberay(self, context):
         from pipeline_steps.errors import UserError
-        from pipeline_steps.render_rayjob import build_rayjob, rayjob_name
+        from pipeline_steps.training.rayjob import build_rayjob, rayjob_name
 
         exp = self._experiment()
         dag_id = self.dag_id if self.has_dag() else "adhoc"
@@ -234,7 +231,7 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
 
     def _create(self, body: dict, namespace: str) -> dict:
         """Each attempt writes its own summary file: the entrypoint names the attempt's summary path."""
-        from pipeline_steps.render_rayjob import join_argv
+        from pipeline_steps.training.rayjob import join_argv
 
         body["spec"]["entrypoint"] = join_argv(self._entrypoint(body["metadata"]["name"]))
         return super()._create(body, namespace)
@@ -293,7 +290,7 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
     def _mounts(self, exp=None):
         """Bucket mounts of the pods: ``$PIPELINE_MOUNTS``, else the preset's ``cluster.mounts`` (as render-rayjob)."""
         from pipeline_steps.errors import UserError
-        from pipeline_steps.mounts import MountMap
+        from pipeline_steps.training.mounts import MountMap
 
         try:
             mounts = MountMap.from_env()

@@ -1,6 +1,6 @@
 """Trigger that waits for a job on the local Ray cluster (the embedded backend).
 
-It polls the job through :mod:`pipeline_steps.local_ray` (Ray's ``JobSubmissionClient``,
+It polls the job through :mod:`pipeline_steps.local.ray_cluster` (Ray's ``JobSubmissionClient``,
 run in a thread: the client is synchronous), reports progress the same way as the
 KubeRay trigger (verl file-logger metrics and the job's log tail), and yields one
 :class:`TriggerEvent` with the same shape, so the operator's ``execute_complete`` does not
@@ -46,7 +46,7 @@ class LocalRayJobTrigger(BaseTrigger):
         })
 
     async def _tail(self) -> list[str]:
-        from pipeline_steps import local_ray
+        from pipeline_steps.local import ray_cluster as local_ray
 
         try:
             text = await asyncio.to_thread(local_ray.logs, self.address, self.submission_id)
@@ -56,7 +56,7 @@ class LocalRayJobTrigger(BaseTrigger):
         return str(text or "").splitlines()[-self.log_tail_lines:]
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from pipeline_steps import local_ray
+        from pipeline_steps.local import ray_cluster as local_ray
 
         progress = ProgressTracker(self.metrics_uri, self.metrics_reader, self.last_step)
         shown: list[str] = []
@@ -111,7 +111,7 @@ class LocalRayJobTrigger(BaseTrigger):
 
     async def on_kill(self) -> None:
         """A user killed the deferred task: stop the Ray job."""
-        from pipeline_steps import local_ray
+        from pipeline_steps.local import ray_cluster as local_ray
 
         try:
             await asyncio.to_thread(local_ray.stop, self.address, self.submission_id)

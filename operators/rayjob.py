@@ -32,10 +32,12 @@ from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowFailException
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from pipeline_steps import metrics_log
+from pipeline_steps.constants import CHECKPOINT_TRACKER, RAYJOB_NAME_MAX
+
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"
 GROUP_LABEL = "verl-pipeline/rayjob-group"  # value: the attempt-0 name; selects every attempt of one task
 ATTEMPT_LABEL = "verl-pipeline/attempt"
-MAX_NAME = 47  # KubeRay rejects longer RayJob names (it derives cluster and service names from them)
 TERMINAL_DEPLOYMENT = ("Complete", "Failed", "ValidationFailed")
 PROGRESS_KEYS = ("critic/score/mean", "actor/entropy", "response_length/mean", "perf/throughput", "timing_s/step")
 DASHBOARD_XCOM_KEY = "ray_dashboard_url"
@@ -90,7 +92,7 @@ def read_text(uri: str) -> str | None:
 def read_mounted(uri: str) -> str | None:
     """Reader for workers that mount the buckets like the Ray pods do (``$PIPELINE_MOUNTS``):
     a store URI is read at its mount path."""
-    from pipeline_steps.mounts import MountMap
+    from pipeline_steps.training.mounts import MountMap
 
     return read_text(MountMap.from_env().to_pod_path(uri) if "://" in uri else uri)
 
@@ -105,15 +107,7 @@ def resolve_reader(dotted: str | None) -> Callable[[str], str | None]:
 
 def parse_metrics(text: str | None) -> list[dict]:
     """verl file-logger JSON lines (``{"step": N, "data": {...}}``) -> rows; a torn last line is skipped."""
-    rows = []
-    for line in (text or "").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
+    return metrics_log.parse(text).rows
 
 
 def format_progress(row: dict) -> str:
@@ -169,7 +163,7 @@ def checkpoint_step(checkpoint_uri: str | None, reader: str | None) -> int | Non
     if not checkpoint_uri:
         return None
     try:
-        text = resolve_reader(reader)(checkpoint_uri.rstrip("/") + "/latest_checkpointed_iteration.txt")
+        text = resolve_reader(reader)(checkpoint_uri.rstrip("/") + "/" + CHECKPOINT_TRACKER)
         return int(text.strip()) if text and text.strip().isdigit() else None
     except Exception:
         return None
@@ -230,7 +224,7 @@ def attempt_body(body: dict, base: str, attempt: int) -> dict:
     labels[GROUP_LABEL], labels[ATTEMPT_LABEL] = base, str(attempt)
     if attempt:
         suffix = f"-r{attempt}"
-        meta["name"] = base[: MAX_NAME - len(suffix)].rstrip("-") + suffix
+        meta["name"] = base[: RAYJOB_NAME_MAX - len(suffix)].rstrip("-") + suffix
         if out.get("spec", {}).get("jobId"):
             out["spec"]["jobId"] = f"{out['spec']['jobId']}{suffix}"
     return out

@@ -18,8 +18,6 @@ from pathlib import Path
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
-
 
 def hf_env(conn_id: str | None) -> dict[str, str]:
     """HF_TOKEN from a Hugging Face connection (password, or extra ``token``); none when the connection is absent."""
@@ -77,7 +75,6 @@ class PipelineStepOperator(BaseOperator):
 
     def child_env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
         env.update(hf_env(self.hf_conn_id))
         if self.store_uri and not self.store_uri.startswith("file://"):
             from operators.storage import store_env
@@ -89,8 +86,7 @@ class PipelineStepOperator(BaseOperator):
         args = [str(a) for a in self.request.get("args", [])]
         cmd = [sys.executable, "-m", "pipeline_steps", self.step, *args]
         self.log.info("running: python -m pipeline_steps %s %s", self.step, " ".join(args))
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.child_env(),
-                                      cwd=PROJECT_ROOT, start_new_session=True)
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.child_env(), start_new_session=True)
         last_error = ""
         for line in self._proc.stderr:  # the step's log, streamed into the task log as it runs
             line = line.rstrip()

@@ -1,13 +1,13 @@
 """``GRPOTrainOperator``: the ``train`` task, on a local Ray cluster or as a KubeRay RayJob.
 
 Both backends run the same CPU pre-flight first (verl's own config composition and
-checks, :func:`pipeline_steps.preflight.preflight`), so a bad config fails in seconds,
+checks, :func:`pipeline_steps.training.preflight.preflight`), so a bad config fails in seconds,
 before a cluster is requested. Then:
 
-* ``kuberay``: the RayJob is rendered by :func:`pipeline_steps.render_rayjob.build_rayjob`
+* ``kuberay``: the RayJob is rendered by :func:`pipeline_steps.training.rayjob.build_rayjob`
   (and once more with ``trainer.resume_mode=auto`` for attempts after a failed one) and
   handed to :class:`operators.rayjob.RayJobOperator`'s create-or-re-attach logic;
-* ``local``: :func:`pipeline_steps.local_ray.ensure_cluster` gives a local Ray cluster, the
+* ``local``: :func:`pipeline_steps.local.ray_cluster.ensure_cluster` gives a local Ray cluster, the
   ``train-local`` step is submitted under a submission id derived from dag/run/task (a
   restarted worker re-attaches to it; after a failed attempt the next id resumes from the
   checkpoint directory), and :class:`operators.local_ray.LocalRayJobTrigger` waits for it.
@@ -30,7 +30,6 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.rayjob import RayJobOperator
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 RESUME = "trainer.resume_mode=auto"
 
 
@@ -74,16 +73,13 @@ def as_list(value) -> list[str]:
 
 def local_path(uri: str, what: str) -> str:
     """A ``file://`` store URI or plain path as a local path (the local backend reads files directly)."""
-    if "://" not in uri:
-        return str(Path(uri).expanduser())
-    from pipeline_steps.store import parse_uri
+    from pipeline_steps.errors import UserError
+    from pipeline_steps.uris import local_path as to_path
 
-    u = parse_uri(uri)
-    if u.scheme != "file":
-        raise AirflowFailException(
-            f"{what}={uri!r}: the local backend reads file:// store URIs or local paths; "
-            "use the local store, or the kuberay backend for oss:// and gs:// stores")
-    return u.key
+    try:
+        return str(to_path(uri, what))
+    except UserError as exc:
+        raise AirflowFailException(str(exc)) from None
 
 
 def submission_base(dag_id: str, run_id: str, task_id: str) -> str:
@@ -131,8 +127,8 @@ class GRPOTrainOperator(RayJobOperator):
 
     def _load(self, backend: str, extra: Sequence[str] = ()):
         """The experiment with the pipeline's derived keys and the user's overrides (user wins)."""
-        from pipeline_steps import experiment
         from pipeline_steps.errors import UserError
+        from pipeline_steps.training import experiment
 
         derived = {
             "data.train_files": as_list(self.train_files),
@@ -148,21 +144,18 @@ class GRPOTrainOperator(RayJobOperator):
         return exp
 
     def _backend(self) -> str:
-        if self.backend and str(self.backend).lower() not in ("none", "auto", "preset"):
-            if self.backend not in ("local", "kuberay"):
-                raise AirflowFailException(f"backend {self.backend!r}: choose 'local' or 'kuberay'")
-            return self.backend
-        from pipeline_steps import experiment
+        from pipeline_steps.constants import resolve_backend
+        from pipeline_steps.training import experiment
 
         try:
-            preset = experiment.load(self.experiment)
+            preset = experiment.load(self.experiment).spec.get("backend")
+            return resolve_backend(self.backend, preset)
         except Exception as exc:
             raise AirflowFailException(str(exc).splitlines()[0]) from None
-        return "local" if preset.spec.get("backend") == "local" else "kuberay"
 
     def _preflight(self, exp) -> dict:
         from pipeline_steps.errors import UserError
-        from pipeline_steps.preflight import preflight
+        from pipeline_steps.training.preflight import preflight
 
         try:
             summary = preflight(exp, check_store=self.check_store)
@@ -192,8 +185,8 @@ class GRPOTrainOperator(RayJobOperator):
     # -- kuberay --------------------------------------------------------------------------------------
     def _execute_kuberay(self, context, exp):
         from pipeline_steps.errors import UserError
-        from pipeline_steps.mounts import MountMap
-        from pipeline_steps.render_rayjob import build_rayjob
+        from pipeline_steps.training.mounts import MountMap
+        from pipeline_steps.training.rayjob import build_rayjob
 
         ids = self._ids(context)
         try:
@@ -208,7 +201,7 @@ class GRPOTrainOperator(RayJobOperator):
 
     # -- local ----------------------------------------------------------------------------------------
     def _job_argv(self, exp_ref: str, extra: Sequence[str]) -> list[str]:
-        from pipeline_steps import local_ray
+        from pipeline_steps.local import ray_cluster as local_ray
 
         train = [local_path(u, "train_files") for u in as_list(self.train_files)]
         val = [local_path(u, "val_files") for u in as_list(self.val_files)]
@@ -223,9 +216,8 @@ class GRPOTrainOperator(RayJobOperator):
         return local_ray.job_argv(None, *argv)
 
     def _execute_local(self, context, exp):
-        from pipeline_steps import local_ray
-
         from operators.local_ray import LocalRayJobTrigger
+        from pipeline_steps.local import ray_cluster as local_ray
 
         address = local_ray.ensure_cluster(self.ray_address)
         ti = context.get("ti")
@@ -244,7 +236,7 @@ class GRPOTrainOperator(RayJobOperator):
                              base, attempt - 1, status, attempt, self.checkpoint_uri)
         sid = f"{base}-a{attempt}"
         argv = self._job_argv(self.experiment, [RESUME] if attempt else [])
-        env = {"PYTHONPATH": str(PROJECT_ROOT), "VERL_FILE_LOGGER_PATH": local_path(self.metrics_uri, "run_dir"),
+        env = {"VERL_FILE_LOGGER_PATH": local_path(self.metrics_uri, "run_dir"),
                "TOKENIZERS_PARALLELISM": "false"}
         try:
             local_ray.submit_or_attach(address, sid, argv, env=env)
@@ -263,7 +255,7 @@ class GRPOTrainOperator(RayJobOperator):
 
     def on_kill(self) -> None:
         if self._local_job:
-            from pipeline_steps import local_ray
+            from pipeline_steps.local import ray_cluster as local_ray
 
             address, sid = self._local_job
             try:

@@ -20,18 +20,18 @@ from pipeline_steps.errors import NotBuiltError, UserError
 
 # step name -> (module, one-line help)
 STEPS: dict[str, tuple[str, str]] = {
-    "download": ("pipeline_steps.download", "download a Hugging Face dataset snapshot at a pinned revision"),
-    "preprocess": ("pipeline_steps.preprocess", "turn a dataset snapshot into verl's parquet row schema"),
-    "resolve-revision": ("pipeline_steps.revisions", "resolve a dataset's revision as of a date"),
-    "upload": ("pipeline_steps.upload", "upload a directory to object storage as a manifest-committed version"),
-    "stage-model": ("pipeline_steps.stage_model", "stage model weights at a pinned revision into the store"),
-    "build-tiny-model": ("pipeline_steps.tiny_model", "build the tiny local Qwen2-architecture model"),
-    "preflight": ("pipeline_steps.preflight", "validate an experiment's verl config on CPU"),
-    "render-rayjob": ("pipeline_steps.render_rayjob", "render the KubeRay RayJob for an experiment"),
-    "train-local": ("pipeline_steps.train_local", "train GRPO on CPU on a local Ray cluster"),
-    "evaluate": ("pipeline_steps.evaluate", "score a model or checkpoint on an evaluation set"),
-    "export": ("pipeline_steps.export", "merge a checkpoint into a Hugging Face model, card, upload, promote"),
-    "report": ("pipeline_steps.report", "write the run report"),
+    "download": ("pipeline_steps.steps.download", "download a Hugging Face dataset snapshot at a pinned revision"),
+    "preprocess": ("pipeline_steps.steps.preprocess", "turn a dataset snapshot into verl's parquet row schema"),
+    "resolve-revision": ("pipeline_steps.steps.resolve_revision", "resolve a dataset's revision as of a date"),
+    "upload": ("pipeline_steps.steps.upload", "upload a directory to object storage as a manifest-committed version"),
+    "stage-model": ("pipeline_steps.steps.stage_model", "stage model weights at a pinned revision into the store"),
+    "build-tiny-model": ("pipeline_steps.steps.build_tiny_model", "build the tiny local Qwen2-architecture model"),
+    "preflight": ("pipeline_steps.steps.preflight", "validate an experiment's verl config on CPU"),
+    "render-rayjob": ("pipeline_steps.steps.render_rayjob", "render the KubeRay RayJob for an experiment"),
+    "train-local": ("pipeline_steps.steps.train_local", "train GRPO on CPU on a local Ray cluster"),
+    "evaluate": ("pipeline_steps.steps.evaluate", "score a model or checkpoint on an evaluation set"),
+    "export": ("pipeline_steps.steps.export", "merge a checkpoint into a Hugging Face model, card, upload, promote"),
+    "report": ("pipeline_steps.steps.report", "write the run report"),
 }
 
 log = logging.getLogger("pipeline_steps")

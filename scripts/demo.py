@@ -25,7 +25,6 @@ def local_profile_env(home: Path) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": str(ROOT),
         "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
@@ -33,11 +32,11 @@ def local_profile_env(home: Path) -> dict[str, str]:
 
 
 def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
-    from pipeline_steps import local_hub
+    from pipeline_steps.local import offline_hub as local_hub
 
     env = dict(os.environ, **local_profile_env(home), AIRFLOW_HOME=str(airflow_home))
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # airflow standalone spawns `airflow ...`
-    local_hub.build_cache(ROOT / "tests" / "fixtures" / "hub", home / "hf-cache")
+    local_hub.build_cache(local_hub.FIXTURES, home / "hf-cache")
     airflow = str(Path(sys.executable).with_name("airflow"))
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
     subprocess.run([airflow, "pools", "set", "gpu", "8", "GPUs on the training cluster"], env=env, check=True, stdout=subprocess.DEVNULL)

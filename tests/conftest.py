@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = ROOT / "tests" / "fixtures" / "hub"
-sys.path.insert(0, str(ROOT))
 
 
 @pytest.fixture(scope="session")
 def hub_cache(tmp_path_factory):
     """A Hugging Face cache (HF_HUB_CACHE) holding every fixture repository; the Hub itself is unreachable here."""
-    from pipeline_steps import local_hub
+    from pipeline_steps.local import offline_hub as local_hub
 
     cache = tmp_path_factory.mktemp("hf-cache")
-    index = local_hub.build_cache(FIXTURES, cache)
+    index = local_hub.build_cache(local_hub.FIXTURES, cache)
     return {"path": cache, "index": index}
 
 
@@ -34,23 +32,22 @@ def offline_hub(hub_cache, monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from pipeline_steps import tiny_model
+    from pipeline_steps.local import tiny_model
 
     return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model")
 
 
 K8S_CONN_ID = "k8s_standin"
 K8S_NAMESPACE = "training"
-RAYJOB_CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
+RAYJOB_CRD = ROOT / "k8s" / "crds" / "ray.io_rayjobs.v1.7.0.yaml"
 
 
 @pytest.fixture
 def k8s_api(tmp_path, monkeypatch):
-    """tests/k8s_api_stand_in.py's API server (RayJobs checked against the KubeRay v1.7.0 CRD when ``shared/`` is
-    beside the project), reached through the Airflow connection ``k8s_standin`` (namespace ``training``)."""
-    from k8s_api_stand_in import StandIn
+    """tests/k8s_api_stand_in.py's API server (RayJobs checked against the vendored KubeRay v1.7.0 CRD), reached through the Airflow connection ``k8s_standin`` (namespace ``training``)."""
+    from tests.k8s_api_stand_in import StandIn
 
-    api = StandIn(crd_file=RAYJOB_CRD if RAYJOB_CRD.is_file() else None)
+    api = StandIn(crd_file=RAYJOB_CRD)
     api.start()
     kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=K8S_NAMESPACE)
     monkeypatch.setenv(f"AIRFLOW_CONN_{K8S_CONN_ID.upper()}", json.dumps(
@@ -63,7 +60,7 @@ def k8s_api(tmp_path, monkeypatch):
 
 def run_step(*args, env=None, check=None, cwd=ROOT):
     """Run ``python -m pipeline_steps ...`` as a user would; returns (exit code, summary dict, stderr)."""
-    full_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    full_env = dict(os.environ, **(env or {}))
     p = subprocess.run([sys.executable, "-m", "pipeline_steps", *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=600)
     lines = p.stdout.strip().splitlines()
     summary = json.loads(lines[-1]) if lines else None

@@ -30,7 +30,6 @@ def _worker(rank: int, world_size: int, init_file: str, model_dir: str, out_dir:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
     from verl.utils.fsdp_utils import apply_fsdp2, get_fsdp_full_state_dict
 
@@ -71,10 +70,10 @@ def build(model_dir: str | Path, out_dir: str | Path, steps=(1,), world_size: in
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, __file__, "--model", str(model_dir), "--output", str(out_dir),
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        cmd = [sys.executable, "-m", "tests.fsdp_checkpoint", "--model", str(model_dir), "--output", str(out_dir),
                "--world-size", str(world_size), "--init-file", init_file, "--steps", ",".join(map(str, steps))]
-        procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for r in range(world_size)]
         outs = []
         try:

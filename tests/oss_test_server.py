@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 import hmac
 import http.client
+import os
 import re
 import threading
 import time

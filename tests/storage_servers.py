@@ -6,7 +6,7 @@
 - OSS: tests/oss_test_server.py (OSS dialect over moto's in-process S3 backend), run in a
   separate process so a test can kill the *client* without touching the server.
 
-Import the fixtures into a test module: ``from storage_servers import gcs_server, oss_server``.
+Import the fixtures into a test module: ``from tests.storage_servers import gcs_server, oss_server``.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ class OssServer:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"oss-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "oss_test_server.py"), OSS_KEY_ID, OSS_SECRET, str(self.port), *buckets],
+            [sys.executable, "-m", "tests.oss_test_server", OSS_KEY_ID, OSS_SECRET, str(self.port), *buckets],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
             env={**os.environ, "OSS_TEST_SERVER_PART_DELAY": str(part_delay), "OSS_TEST_SERVER_S3_URL": s3_url or ""},
         )
@@ -187,6 +187,6 @@ def oss_seaweed_server(tmp_path_factory):
 def run_step(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     """``python -m pipeline_steps ...`` in a clean subprocess with ``env`` on top of a minimal environment."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OSS_", "GOOGLE_", "STORAGE_EMULATOR", "GCS_"))}
-    base.update({"PYTHONPATH": str(ROOT), **env})
+    base.update(env)
     return subprocess.run([sys.executable, "-m", "pipeline_steps", *args], cwd=ROOT, env=base, capture_output=True,
                           text=True, timeout=timeout)

@@ -1,5 +1,5 @@
 """The step CLI's contract: last stdout line is JSON, exit 2 with one line for bad usage, loud failure for unbuilt steps."""
-from conftest import run_step
+from tests.conftest import run_step
 
 
 def test_unknown_step_exit_2():

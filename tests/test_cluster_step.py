@@ -30,14 +30,14 @@ import pyarrow.parquet as pq
 import pytest
 from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
-from conftest import K8S_CONN_ID, K8S_NAMESPACE
-from deferral import deferred, run_trigger
+from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE
 
 from operators.cluster_step import PipelineStepJobOperator, map_uri_args, pod_paths_to_uris
 from operators.rayjob import JobFailed
-from pipeline_steps.mounts import MountMap
-from pipeline_steps.preprocessors.dapo_math import PROMPT_TEMPLATE
-from pipeline_steps.render_rayjob import rayjob_name
+from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
+from pipeline_steps.training.mounts import MountMap
+from pipeline_steps.training.rayjob import rayjob_name
+from tests.deferral import deferred, run_trigger
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -65,7 +65,7 @@ def context():
 def run_entrypoint(entrypoint: str) -> subprocess.CompletedProcess:
     """What Ray's job supervisor does with ``spec.entrypoint``: one /bin/sh parses it (HTTPMode)."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+               TOKENIZERS_PARALLELISM="false")
     return subprocess.run(["/bin/sh", "-c", entrypoint], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
 
@@ -127,14 +127,14 @@ def test_cluster_entry_writes_summary_and_keeps_exit_code(tmp_path):
     out = tmp_path / "s" / "summary.json"
     p = subprocess.run([sys.executable, "-m", "pipeline_steps.cluster_entry", "--summary-file", str(out), "--",
                         "evaluate", "--model", "m", "--data", "d", "--output", str(tmp_path / "o"), "--k", "0"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=120)
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == "error: --k 0: must be at least 1 (samples per problem)"
     assert json.loads(p.stdout.strip().splitlines()[-1])["ok"] is False  # the job log still shows the summary
     assert json.loads(out.read_text()) == {"exit_code": 2, "summary": {
         "ok": False, "step": "evaluate", "error": "--k 0: must be at least 1 (samples per problem)"}}
     assert [f.name for f in out.parent.iterdir()] == ["summary.json"]  # no temporary sibling left
     p = subprocess.run([sys.executable, "-m", "pipeline_steps.cluster_entry", "evaluate", "--k", "1"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("error: cluster_entry: missing '--'")
 
 
@@ -212,7 +212,7 @@ def test_kuberay_evaluate_runs_as_gpu_rayjob_and_returns_the_local_xcom_shape(cl
 
 
 def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_promoted(cluster):
-    from k8s_api_stand_in import SUCCESS
+    from tests.k8s_api_stand_in import SUCCESS
 
     api, store, mnt = cluster["api"], cluster["store"], cluster["mnt"]
     name = rayjob_name("t_export", RUN_ID, "export", "export")

@@ -22,7 +22,7 @@ dt = time.process_time() - t
 print(dt, ",".join(sorted({{m.split('.')[0] for m in set(sys.modules) - before}})))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "AIRFLOW__CORE__LOAD_EXAMPLES": "False"})
+                         env={"PATH": "/usr/bin:/bin", "AIRFLOW__CORE__LOAD_EXAMPLES": "False"})
     assert out.returncode == 0, out.stderr[-2000:]
     seconds, modules = out.stdout.strip().splitlines()[-1].split(" ", 1)
     assert not HEAVY & set(modules.split(",")), modules

@@ -2,7 +2,8 @@
 running offline (HF_HUB_OFFLINE=1): no machine here reaches the Hub."""
 import json
 
-from conftest import run_step
+from tests.conftest import run_step
+
 from pipeline_steps import cli
 
 

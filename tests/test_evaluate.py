@@ -9,9 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import fsdp_checkpoint  # tests/ is on sys.path (pytest rootdir-relative import)
-from pipeline_steps import cli, evaluate
-from pipeline_steps.preprocessors.dapo_math import PROMPT_TEMPLATE
+from pipeline_steps import cli
+from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
+from pipeline_steps.steps import evaluate
+from tests import fsdp_checkpoint
 
 K, TOKENS = 3, 6
 
@@ -101,7 +102,7 @@ def test_checkpoint_dir_is_merged_and_evaluated(tiny_model, aime, tmp_path, tmp_
     res = json.loads((tmp_path / "c" / "results.json").read_text())
     assert res["model"]["source"] == "checkpoint" and res["model"]["step"] == 1 and s["samples_scored"] == 4
     assert not list(tmp_path.glob(".tmp-*"))  # the merged copy is cleaned up
-    from pipeline_steps import export  # export accepts these results only if it merges to the same content
+    from pipeline_steps.steps import export  # export accepts these results only if it merges to the same content
 
     _, actor = export.resolve_checkpoint(checkpoints, 1)
     assert res["model"]["content_sha256"] == export.dir_sha256(export.merge_checkpoint(actor, tmp_path / "m"))

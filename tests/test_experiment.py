@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline_steps import experiment
 from pipeline_steps.errors import UserError
+from pipeline_steps.training import experiment
 
 PRESETS = ["local_tiny", "gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
 TRICKY = ["it's", 'say "hi"', "a;b $(id) `id`", "${oc.env:HOME}", "\\${x}", "\\\\${x}", "end\\", "q\\'", "new\nline", "", "1e-6", "true", "null"]

@@ -8,9 +8,10 @@ import shutil
 
 import pytest
 
-from pipeline_steps import cli, export
+from pipeline_steps import cli
 from pipeline_steps.errors import UserError
-import fsdp_checkpoint  # tests/ is on sys.path (pytest rootdir-relative import)
+from pipeline_steps.steps import export
+from tests import fsdp_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +164,7 @@ def test_merged_model_that_fails_to_load_is_not_exported(ckpt, tmp_path, capsys)
 
 
 def test_model_card_with_sparse_lineage_says_not_recorded():
-    from pipeline_steps import model_card
+    from pipeline_steps.evaluation import model_card
 
     res = _results(0.5)
     res["overall"]["k"] = 1

@@ -19,7 +19,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
-CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
+CRD = ROOT / "k8s" / "crds" / "ray.io_rayjobs.v1.7.0.yaml"
 KUBE_VERSION = "1.33.0"  # pinned: a version both ACK and GKE offer
 OVERLAYS = ["ack", "gke"]
 KUSTOMIZE_FILES = {"kustomization.yaml"}

@@ -22,7 +22,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-from test_train_local import REQUIRED_METRICS, VARIED_REWARD, write_gsm8k_parquet  # tests/ is on sys.path
+from tests.test_train_local import REQUIRED_METRICS, VARIED_REWARD, write_gsm8k_parquet
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def _pids_using(temp_dir: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    from pipeline_steps import local_ray
+    from pipeline_steps.local import ray_cluster as local_ray
 
     saved = os.environ.pop("RAY_ADDRESS", None)
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray puts Unix sockets here
@@ -77,7 +77,7 @@ def assets(tmp_path_factory, tiny_model):
 
 
 def _argv(assets, out: Path, steps: int, reward: Path | None = None) -> list[str]:
-    from pipeline_steps import local_ray
+    from pipeline_steps.local import ray_cluster as local_ray
 
     return local_ray.job_argv(
         None, "train-local", "--experiment", "local_tiny", "--train-files", str(assets["train"]),
@@ -99,7 +99,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-ENV = {"PYTHONPATH": str(ROOT), "PIPELINE_LOG_LEVEL": "INFO"}
+ENV = {"PIPELINE_LOG_LEVEL": "INFO"}
 
 
 def _jobs_with_id(address, submission_id) -> int:
@@ -109,7 +109,8 @@ def _jobs_with_id(address, submission_id) -> int:
 
 
 def test_submit_poll_attach_and_quoting(cluster, assets):
-    from pipeline_steps import grpo_cpu, local_ray
+    from pipeline_steps.local import grpo_cpu
+    from pipeline_steps.local import ray_cluster as local_ray
 
     address = cluster["address"]
     # a hostile-looking (but legal) directory name: it must arrive as one argument, never run
@@ -145,7 +146,8 @@ def test_submit_poll_attach_and_quoting(cluster, assets):
 
 
 def test_stop_mid_run_then_new_attempt_resumes(cluster, assets):
-    from pipeline_steps import grpo_cpu, local_ray
+    from pipeline_steps.local import grpo_cpu
+    from pipeline_steps.local import ray_cluster as local_ray
 
     address = cluster["address"]
     out = assets["dir"] / "resume_run"
@@ -184,7 +186,7 @@ def test_stop_mid_run_then_new_attempt_resumes(cluster, assets):
 
 
 def test_unknown_job_id(cluster):
-    from pipeline_steps import local_ray
+    from pipeline_steps.local import ray_cluster as local_ray
 
     with pytest.raises(local_ray.JobNotFoundError):
         local_ray.status(cluster["address"], "pipeline-test-no-such-job")

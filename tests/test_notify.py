@@ -226,7 +226,7 @@ def test_real_task_runner_calls_it_with_xcom_and_posts(hook, tmp_path):
         dag = notify_probe()
     """))
     env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "PYTHONPATH": str(ROOT), "AIRFLOW_CONN_PIPELINE_WEBHOOK": f"http://127.0.0.1:{hook.port}/hooks/{SECRET}?token={SECRET}"}
+           "AIRFLOW_CONN_PIPELINE_WEBHOOK": f"http://127.0.0.1:{hook.port}/hooks/{SECRET}?token={SECRET}"}
     airflow = str(Path(sys.executable).with_name("airflow"))
     p = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]

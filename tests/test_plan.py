@@ -3,8 +3,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from pipeline_steps import plan, revisions
+from pipeline_steps.data import revisions
 from pipeline_steps.errors import UserError
+from pipeline_steps.training import plan
 
 
 def at(day: str) -> datetime:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from tests.conftest import run_step
 
-from conftest import run_step
-from pipeline_steps import experiment, preflight
 from pipeline_steps.errors import UserError
+from pipeline_steps.training import experiment, preflight
 
 CLUSTER_PRESETS = ["gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from tests.conftest import run_step
 
-from conftest import run_step
 from pipeline_steps import cli
 
 DATASETS = ["gsm8k", "dapo_math", "geometry3k", "aime2024"]

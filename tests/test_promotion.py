@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from pipeline_steps import promotion
 from pipeline_steps.errors import UserError
+from pipeline_steps.evaluation import promotion
 from pipeline_steps.store import open_store
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
-from conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
-from deferral import deferred, run_trigger
+from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
 
 from operators.rayjob import GROUP_LABEL, JobFailed, RayJobOperator, RayJobTrigger
-from k8s_api_stand_in import SUCCESS
+from tests.deferral import deferred, run_trigger
+from tests.k8s_api_stand_in import SUCCESS
 
 CRD = RAYJOB_CRD
 CONN, NS = K8S_CONN_ID, K8S_NAMESPACE

@@ -17,13 +17,14 @@ import jsonschema
 import pytest
 import yaml
 
-from pipeline_steps import experiment, render_rayjob
 from pipeline_steps.errors import UserError
-from pipeline_steps.mounts import MountMap
-from pipeline_steps.render_rayjob import build_rayjob, label_value, rayjob_name
+from pipeline_steps.training import experiment
+from pipeline_steps.training import rayjob as render_rayjob
+from pipeline_steps.training.mounts import MountMap
+from pipeline_steps.training.rayjob import build_rayjob, label_value, rayjob_name
 
 ROOT = Path(__file__).resolve().parents[1]
-CRD = ROOT.parent / "shared" / "kuberay" / "ray.io_rayjobs.v1.7.0.yaml"
+CRD = ROOT / "k8s" / "crds" / "ray.io_rayjobs.v1.7.0.yaml"
 ACK = MountMap.from_config(json.loads((ROOT / "k8s/overlays/ack/mounts.json").read_text()))
 GKE = MountMap.from_config(json.loads((ROOT / "k8s/overlays/gke/mounts.json").read_text()))
 RUN = "manual__2026-01-01T00:00:00+00:00"
@@ -288,7 +289,7 @@ def test_bad_input_is_one_line_naming_it(change, match):
 
 def test_cli_writes_the_rayjob_and_rejects_bad_input(tmp_path, crd_schema):
     out = tmp_path / "rayjob.yaml"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PIPELINE_MOUNTS=(ROOT / "k8s/overlays/ack/mounts.json").read_text())
+    env = dict(os.environ, PIPELINE_MOUNTS=(ROOT / "k8s/overlays/ack/mounts.json").read_text())
     base = [sys.executable, "-m", "pipeline_steps", "render-rayjob", "--experiment", "gsm8k_qwen2_5_3b",
             "--output", str(out), "--checkpoint-uri", "oss://verl-store/runs/x/checkpoints", "--namespace", "verl-pipeline"]
     p = subprocess.run(base + ["--override", "trainer.experiment_name=a'b$(id)"], capture_output=True, text=True, env=env, timeout=120)

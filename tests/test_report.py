@@ -1,9 +1,9 @@
 """The run report: plots, numbers, lineage and links from a run directory; missing or broken inputs never crash it.
 
 The run directory is built with the real writers where they are cheap: metrics lines by verl's own
-``FileLogger`` (the writer both backends use), evaluation results by :func:`pipeline_steps.evaluate.score`
+``FileLogger`` (the writer both backends use), evaluation results by :func:`pipeline_steps.steps.evaluate.score`
 (verl's reward code on crafted generations). The lineage file is crafted in the shape
-:mod:`pipeline_steps.plan` writes. Expected figures are computed from those inputs in the test.
+:mod:`pipeline_steps.training.plan` writes. Expected figures are computed from those inputs in the test.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import random
 from pathlib import Path
 
 import pytest
+from tests.conftest import run_step
 
-from pipeline_steps import report
 from pipeline_steps.errors import UserError
-from conftest import run_step
+from pipeline_steps.steps import report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KEYS = ("critic/score/mean", "actor/entropy", "response_length/mean", "perf/throughput", "timing_s/step")
@@ -57,7 +57,7 @@ def write_metrics(path: Path, steps: int, seed: int = 0, drop: tuple[str, ...] =
 
 def eval_results(k: int, correct_per_problem: list[int], model: str) -> dict:
     """Results in evaluate's shape, scored by verl's gsm8k reward on crafted generations."""
-    from pipeline_steps import evaluate
+    from pipeline_steps.steps import evaluate
 
     rows, gens = [], []
     for i, c in enumerate(correct_per_problem):

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 pytestmark = pytest.mark.slow
 
 DATES = ["2026-10-04", "2026-10-11", "2026-10-18"]  # Sundays: @weekly logical dates
@@ -72,7 +71,7 @@ def airflow(tmp_path_factory):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        from pipeline_steps import local_ray
+        from pipeline_steps.local import ray_cluster as local_ray
 
         local_ray.shutdown_cluster(os.environ["PIPELINE_RAY_TEMP_DIR"])
 

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 import pytest
-from storage_servers import ROOT, gcs_server, oss_seaweed_server, oss_server, run_step  # noqa: F401  (fixtures)
 
 from pipeline_steps.errors import UserError
+from tests.storage_servers import ROOT, gcs_server, oss_seaweed_server, oss_server, run_step  # noqa: F401  (fixtures)
 
 PART_KB = 128  # >= OSS's 100 KiB minimum part; a multiple of GCS's 256 KiB chunk rounding is applied there
 
@@ -191,7 +191,7 @@ def test_killed_upload_rerun_matches_clean_run(backend, tmp_path):
 
     src = _write_tree(tmp_path / "src", n_small=40, big_kb=4096)
     killed, clean = f"{backend.root_uri}/kill/v1", f"{backend.root_uri}/clean/v1"
-    env = {**os.environ, **backend.env, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **backend.env}
     proc = subprocess.Popen([sys.executable, "-m", "pipeline_steps", "upload", "--src", str(src), "--dest", killed],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     store = open_store(backend.root_uri)
@@ -289,7 +289,8 @@ def test_oss_test_server_crc64_is_the_sdks():
     import random
 
     from alibabacloud_oss_v2.crc import Crc64
-    from oss_test_server import _combine, crc64
+
+    from tests.oss_test_server import _combine, crc64
 
     rnd = random.Random(7)
     for data in (b"", b"123456789", rnd.randbytes(1), rnd.randbytes(100_003)):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from storage_servers import OSS_SECRET, free_port, gcs_server, oss_server, run_step  # noqa: F401  (fixtures)
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import parse_uri, validate_key
+from tests.storage_servers import OSS_SECRET, free_port, gcs_server, oss_server, run_step  # noqa: F401  (fixtures)
 
 CONN = "my_store_conn"
 

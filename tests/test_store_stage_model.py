@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from storage_servers import oss_server, run_step  # noqa: F401  (fixtures)
+
+from tests.storage_servers import oss_server, run_step  # noqa: F401  (fixtures)
 
 
 def _summary(r):

@@ -60,7 +60,8 @@ def assets(tmp_path_factory, tiny_model):  # tiny_model: the session fixture in 
 
 
 def compose(assets, out: Path, overrides: list[str]):
-    from pipeline_steps import experiment, train_local
+    from pipeline_steps.steps import train_local
+    from pipeline_steps.training import experiment
 
     derived = train_local.derived_keys([assets["train"]], [], assets["model"], out)
     return experiment.compose(experiment.load("local_tiny", overrides, derived=derived))
@@ -88,7 +89,7 @@ def diff_keys(a: dict, b: dict) -> list[str]:
 
 
 def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "pipeline_steps", *args], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+    return subprocess.run([PY, "-m", "pipeline_steps", *args], cwd=ROOT, env={**os.environ, **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -96,7 +97,7 @@ def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
 
 
 def test_parameters_change_when_rewards_differ_within_a_group(assets, tmp_path):
-    from pipeline_steps import grpo_cpu
+    from pipeline_steps.local import grpo_cpu
 
     out = tmp_path / "run"
     cfg = compose(assets, out, ["trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.weight_decay=0.0"])
@@ -114,7 +115,7 @@ def test_parameters_change_when_rewards_differ_within_a_group(assets, tmp_path):
 
 
 def test_parameters_stay_exactly_equal_when_all_rewards_equal(assets, tmp_path):
-    from pipeline_steps import grpo_cpu
+    from pipeline_steps.local import grpo_cpu
 
     out = tmp_path / "run"
     cfg = compose(assets, out, ["trainer.total_training_steps=2", "actor_rollout_ref.actor.optim.weight_decay=0.0"])
@@ -161,7 +162,7 @@ def _comparable(lines):
 def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_path):
     import torch
 
-    from pipeline_steps import grpo_cpu
+    from pipeline_steps.local import grpo_cpu
 
     steps = 3
     clean = tmp_path / "clean"
@@ -200,7 +201,7 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     # A crash mid-run (SIGKILL once checkpoint 1 is complete), then a retry with the same arguments.
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen([PY, "-m", "pipeline_steps", *_train_args(assets, crashed, steps)], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tracker = crashed / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (tracker.exists() and tracker.read_text().strip() == "1"):

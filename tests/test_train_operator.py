@@ -1,7 +1,7 @@
 """GRPOTrainOperator, driven for real the way Airflow runs a deferrable task:
 ``execute`` -> ``TaskDeferred`` -> the trigger's async generator -> ``execute_complete``.
 
-Local backend: nothing is mocked. A real local Ray cluster (``pipeline_steps.local_ray``,
+Local backend: nothing is mocked. A real local Ray cluster (``pipeline_steps.local.ray_cluster``,
 on private ports and temp dir) runs the real ``train-local`` step (CPU GRPO on the tiny
 model); the trigger polls it through Ray's ``JobSubmissionClient``. A failure is injected
 through verl's own ``reward.custom_reward_function`` seam after the first checkpoint;
@@ -9,7 +9,7 @@ the retry must start a new attempt that resumes from that checkpoint.
 
 KubeRay backend: the Kubernetes API is the stand-in of ``tests/k8s_api_stand_in.py``
 (see its docstring for what it does not cover); the RayJob body is rendered by the real
-``pipeline_steps.render_rayjob.build_rayjob``. The operator is attached to a real ``DAG``
+``pipeline_steps.training.rayjob.build_rayjob``. The operator is attached to a real ``DAG``
 object and gets a context holding ``run_id`` (no task instance: the XCom push of the
 dashboard link is not exercised here).
 """
@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException
-from deferral import deferred, run_trigger
 
 from operators.rayjob import JobFailed
 from operators.train import GRPOTrainOperator, normalize_overrides
+from tests.deferral import deferred, run_trigger
 
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
 
@@ -87,7 +87,7 @@ def test_bad_override_fails_in_preflight_without_retry(tmp_path, tiny_model):
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     """A private local Ray cluster (own ports, own temp dir), stopped at the end."""
-    from pipeline_steps import local_ray
+    from pipeline_steps.local import ray_cluster as local_ray
 
     temp = Path(f"/tmp/rb2-{uuid.uuid4().hex[:6]}")  # short: Ray puts Unix sockets below it
     old = {k: os.environ.get(k) for k in ("RAY_ADDRESS",)}
@@ -102,7 +102,7 @@ def ray_cluster(tmp_path_factory):
 
 @pytest.mark.slow
 def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path, tiny_model, ray_cluster, capsys):
-    from pipeline_steps import local_ray
+    from pipeline_steps.local import ray_cluster as local_ray
 
     train = write_parquet(tmp_path / "train.parquet")
     run_dir = tmp_path / "run"
@@ -154,9 +154,8 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path,
 
 def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s_api, tmp_path, monkeypatch, capsys):
     """The cluster path of the train task: pre-flight, B1's real render, the stand-in API server."""
-    from k8s_api_stand_in import SUCCESS
-
-    from pipeline_steps.render_rayjob import rayjob_name
+    from pipeline_steps.training.rayjob import rayjob_name
+    from tests.k8s_api_stand_in import SUCCESS
 
     api = k8s_api
     mnt = tmp_path / "mnt"

@@ -1,0 +1,69 @@
+"""Resolve a dataset repository's revision as of a date: its newest commit at or before that date.
+
+Scheduled runs and backfills use this so that a run for a logical date trains on the data as it was then.
+The commit list comes from a local revision index when one exists (``$PIPELINE_REVISION_INDEX`` or
+``$HF_HUB_CACHE/revision-index/<org>--<name>.json``, a list of ``{commit, date}``; the offline fixture cache
+writes one) and otherwise from the Hub (``HfApi.list_repo_commits``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+from pipeline_steps.data import registry
+from pipeline_steps.errors import UserError
+
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def parse_date(text: str) -> datetime:
+    try:
+        d = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise UserError(f"--as-of {text!r}: not an ISO-8601 date such as 2026-10-01 or 2026-10-01T00:00:00Z") from None
+    return d if d.tzinfo else d.replace(tzinfo=timezone.utc)
+
+
+def _index_file(repo_id: str) -> Path | None:
+    roots = [os.environ.get("PIPELINE_REVISION_INDEX")]
+    if os.environ.get("HF_HUB_CACHE"):
+        roots.append(str(Path(os.environ["HF_HUB_CACHE"]) / "revision-index"))
+    for root in filter(None, roots):
+        f = Path(root) / f"{repo_id.replace('/', '--')}.json"
+        if f.is_file():
+            return f
+    return None
+
+
+def commits(repo_id: str) -> tuple[list[dict], str]:
+    """[{commit, date}] newest first, and where they came from."""
+    f = _index_file(repo_id)
+    if f:
+        items = json.loads(f.read_text())
+        source = "index"
+    else:
+        from huggingface_hub import HfApi
+        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+        try:
+            items = [{"commit": c.commit_id, "date": c.created_at.isoformat()} for c in HfApi().list_repo_commits(repo_id, repo_type="dataset")]
+        except OfflineModeIsEnabled:
+            raise UserError(f"cannot list commits of {repo_id} offline and no revision index exists; pin the dataset revision") from None
+        except (HfHubHTTPError, OSError) as exc:
+            raise UserError(f"cannot list commits of {repo_id} ({exc.__class__.__name__}); pin the dataset revision or check the HF connection") from None
+        source = "hub"
+    return sorted(items, key=lambda c: parse_date(c["date"]), reverse=True), source
+
+
+def resolve(repo_id: str, as_of: datetime) -> dict:
+    history, source = commits(repo_id)
+    for c in history:
+        if parse_date(c["date"]) <= as_of:
+            return {"repo_id": repo_id, "commit": c["commit"], "date": c["date"], "as_of": as_of.isoformat(), "source": source}
+    first = history[-1]["date"] if history else "never"
+    raise UserError(f"{repo_id} has no commit at or before {as_of.isoformat()} (first commit: {first}); pick a later date or pin a revision")
+
+

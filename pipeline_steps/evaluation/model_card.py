@@ -1,0 +1,145 @@
+"""The exported model's card (README.md): what produced the model, and how it scores against its base.
+
+Lineage comes from the JSON file the DAG passes to ``export --lineage``. Expected shape
+(every field optional; a missing one is printed as "not recorded", never guessed)::
+
+    {
+      "base_model": {"name": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "<commit>", "uri": "<store uri>"},
+      "datasets": [{"name": "gsm8k", "role": "train", "repo_id": "openai/gsm8k",
+                    "revision": "<commit>", "content_hash": "<sha256>", "uri": "<store uri>"}],
+      "experiment": {"name": "local_tiny", "preset_sha256": "<Experiment.digest()>",
+                     "overrides": ["KEY=VALUE", ...], "overrides_sha256": "<sha256>"},
+      "verl_version": "0.9.1",
+      "dag_id": "verl_grpo_pipeline", "run_id": "manual__...",
+      "run_uri": "<store uri of the training run>"
+    }
+
+The YAML metadata block is built by huggingface_hub's ``ModelCardData`` so the Hub reads it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+NR = "not recorded"
+
+
+def _get(d, *path, default=NR):
+    for p in path:
+        if not isinstance(d, dict) or d.get(p) in (None, ""):
+            return default
+        d = d[p]
+    return d
+
+
+def _pct(x) -> str:
+    return "—" if x is None else f"{100 * float(x):.1f}%"
+
+
+def _pass_at(overall: dict, k) -> float | None:
+    return (overall.get("pass@k") or {}).get(str(k))
+
+
+def eval_table(results: dict, base: dict | None) -> str:
+    """Markdown table: the model, its base and the gain, for avg@k, pass@1, pass@k, maj@k."""
+    o = results["overall"]
+    b = (base or {}).get("overall") or {}
+    k = o["k"]
+    rows = [("avg@%d" % k, o["avg@k"], b.get("avg@k")), ("pass@1", _pass_at(o, 1), _pass_at(b, 1)),
+            ("pass@%d" % k, _pass_at(o, k), _pass_at(b, k)), ("maj@%d" % k, o.get("maj@k"), b.get("maj@k"))]
+    lines = ["| metric | model | base | gain |", "| --- | ---: | ---: | ---: |"]
+    seen = set()
+    for name, m, bb in rows:
+        if name in seen:  # k == 1: pass@1 and pass@k are the same row
+            continue
+        seen.add(name)
+        gain = "—" if m is None or bb is None else f"{100 * (float(m) - float(bb)):+.1f} pt"
+        lines.append(f"| {name} | {_pct(m)} | {_pct(bb)} | {gain} |")
+    lines.append(f"\n{o['problems']} problems, {o['samples_scored']} samples scored (k={k}).")
+    return "\n".join(lines)
+
+
+def _metadata(lineage: dict) -> str:
+    from huggingface_hub import ModelCardData
+
+    datasets = [d.get("repo_id") or d.get("name") for d in lineage.get("datasets") or [] if isinstance(d, dict)]
+    data = ModelCardData(
+        library_name="transformers",
+        base_model=_get(lineage, "base_model", "name", default=None),
+        datasets=[d for d in datasets if d] or None,
+        tags=["verl", "grpo", "reinforcement-learning"],
+    )
+    return data.to_yaml()
+
+
+def render(record: dict, results: dict, base: dict | None) -> str:
+    """README.md text for an export ``record`` (see pipeline_steps.steps.export) and its evaluations."""
+    lin = record.get("lineage") or {}
+    exp = lin.get("experiment") or {}
+    overrides = exp.get("overrides") or []
+    ov_hash = exp.get("overrides_sha256") or (
+        hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest() if overrides else NR)
+    verl_version = lin.get("verl_version")
+    if not verl_version:
+        try:
+            from importlib.metadata import version
+
+            verl_version = f"{version('verl')} (exporting environment)"
+        except Exception:
+            verl_version = NR
+    ev = results.get("eval_set") or {}
+    sampling = results.get("sampling") or {}
+    promo = record.get("promotion") or {}
+    ds_rows = ["| dataset | role | source | revision | content hash |", "| --- | --- | --- | --- | --- |"]
+    for d in lin.get("datasets") or []:
+        ds_rows.append(f"| {_get(d, 'name')} | {_get(d, 'role')} | {_get(d, 'repo_id')} | `{_get(d, 'revision')}` | `{_get(d, 'content_hash')}` |")
+    if len(ds_rows) == 2:
+        ds_rows.append(f"| {NR} | | | | |")
+    ov_text = "\n".join(f"    {o}" for o in overrides) or f"    ({'none' if 'overrides' in exp else NR})"
+    return f"""---
+{_metadata(lin)}
+---
+
+# {record.get('experiment', NR)} · {record.get('version', NR)}
+
+GRPO post-training of `{_get(lin, 'base_model', 'name')}` with [verl](https://github.com/volcengine/verl),
+merged from the FSDP checkpoint of training step {_get(record, 'checkpoint', 'step')} with verl's model merger.
+
+## Evaluation
+
+Evaluation set `{ev.get('name', NR)}` (sha256 `{ev.get('sha256', NR)}`), k={sampling.get('k', NR)} samples per problem,
+temperature {sampling.get('temperature', NR)}, top-p {sampling.get('top_p', NR)}, at most {sampling.get('max_new_tokens', NR)} new tokens;
+answers scored by verl's own reward code (`{results.get('scorer', NR)}`).
+
+{eval_table(results, base)}
+
+Promotion at export time: **{'promoted to latest' if promo.get('promote') else 'candidate'}** — {promo.get('reason', NR)}.
+
+## Lineage
+
+| | |
+| --- | --- |
+| base model | `{_get(lin, 'base_model', 'name')}` at revision `{_get(lin, 'base_model', 'revision')}` |
+| experiment preset | `{exp.get('name', NR)}` (sha256 `{exp.get('preset_sha256') or exp.get('digest') or NR}`) |
+| overrides sha256 | `{ov_hash}` |
+| verl | {verl_version} |
+| Airflow DAG / run | `{lin.get('dag_id') or _get(lin, 'airflow', 'dag_id')}` / `{lin.get('run_id') or _get(lin, 'airflow', 'run_id')}` |
+| training run | {lin.get('run_uri', NR)} |
+| checkpoint | `{_get(record, 'checkpoint', 'dir')}` step {_get(record, 'checkpoint', 'step')} |
+| weights sha256 | `{record.get('weights_sha256', NR)}` |
+| exported at | {record.get('exported_at', NR)} |
+
+Overrides applied on top of the preset:
+
+{ov_text}
+
+{chr(10).join(ds_rows)}
+
+## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("PATH_TO_THIS_DIRECTORY")
+tokenizer = AutoTokenizer.from_pretrained("PATH_TO_THIS_DIRECTORY")
+```
+"""

@@ -1,0 +1,660 @@
+"""GRPO on CPU for the local backend: Hugging Face generation, verl's mathematics.
+
+``main_ppo`` cannot run without GPUs, so this small trainer runs the same loop on
+CPU, driven by the same composed verl config (``pipeline_steps.training.experiment.compose``):
+
+* rollout: ``transformers`` ``generate`` with ``actor_rollout_ref.rollout`` sampling
+  settings, ``rollout.n`` responses per prompt;
+* rewards: ``verl.utils.reward_score.default_compute_score``, or verl's own seam
+  ``reward.custom_reward_function.{path,name}`` (loaded with verl's
+  ``get_custom_reward_fn``), or a ``reward_fn`` argument (tests, benchmarks);
+* advantages, policy loss, loss aggregation, KL: ``verl.trainer.ppo.core_algos``
+  (``get_adv_estimator_fn(algorithm.adv_estimator)``,
+  ``get_policy_loss_fn(actor.policy_loss.loss_mode)``, ``agg_loss`` with
+  ``actor.loss_agg_mode`` and the global-batch normalisation verl uses,
+  ``kl_penalty`` against a frozen reference copy when ``use_kl_loss``);
+* optimiser and LR schedule: verl's ``build_optimizer`` and warmup schedules;
+* metrics: verl's ``compute_data_metrics``/``compute_timing_metrics``/
+  ``compute_throughout_metrics`` written by verl's ``FileLogger`` format
+  (``{"step": N, "data": {...}}`` per line);
+* checkpoints: the actor is wrapped with FSDP2 (``fully_shard``) in a 1-process
+  gloo group, so verl's own ``FSDPCheckpointManager`` writes the files its model
+  merger reads (``model/optim/extra_state_world_size_1_rank_0.pt``,
+  ``fsdp_config.json``, ``huggingface/``).
+
+Determinism and resume: the sampling RNG is reseeded from (seed, step) at every
+step and the data order is a pure function of (seed, epoch), so a run resumed from
+``global_step_N`` (model, optimiser, LR schedule and RNG restored by verl's
+checkpoint manager) produces the same steps N+1.. as an uninterrupted run.
+A checkpoint directory is built aside and renamed into place;
+``latest_checkpointed_iteration.txt`` is written after it.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Callable
+
+from pipeline_steps import atomic, metrics_log
+from pipeline_steps.constants import CHECKPOINT_TRACKER
+from pipeline_steps.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TRACKER = CHECKPOINT_TRACKER
+# Inputs an advantage estimator may ask for that this trainer provides.
+_ADV_INPUTS = {"token_level_rewards", "response_mask", "index", "config", "norm_adv_by_std_in_grpo", "epsilon", "gamma"}
+
+RewardFn = Callable[..., "float | dict"]
+
+
+@dataclasses.dataclass
+class Prompt:
+    input_ids: list[int]
+    data_source: str
+    ground_truth: object
+    extra_info: dict
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
+    """Read verl-schema parquet files and tokenize each prompt with the chat template."""
+    import pyarrow.parquet as pq
+
+    prompt_key = data_cfg.get("prompt_key", "prompt")
+    source_key = data_cfg.get("reward_fn_key", "data_source")
+    max_len = int(data_cfg.max_prompt_length)
+    truncation = data_cfg.get("truncation", "error")
+    drop_long = bool(data_cfg.get("filter_overlong_prompts", False))
+    out: list[Prompt] = []
+    for f in files:
+        path = Path(f)
+        if not path.is_file():
+            raise UserError(f"data file {f}: not found; pass parquet files written by the preprocess step")
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:
+            raise UserError(f"data file {f}: not readable as parquet ({exc.__class__.__name__}); pass the preprocess step's output") from None
+        for i, row in enumerate(rows):
+            missing = [c for c in (prompt_key, source_key, "reward_model") if c not in row]
+            if missing:
+                raise UserError(f"data file {f}: missing column(s) {missing}; expected verl's schema (data_source, prompt, ability, reward_model, extra_info)")
+            messages = row[prompt_key]
+            if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+                raise UserError(f"data file {f} row {i}: {prompt_key!r} must be a list of chat messages with role and content")
+            rm = row["reward_model"]
+            if not isinstance(rm, dict) or "ground_truth" not in rm:
+                raise UserError(f"data file {f} row {i}: reward_model must hold a ground_truth")
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > max_len:
+                if drop_long:
+                    continue
+                if truncation == "left":
+                    ids = ids[-max_len:]
+                elif truncation == "right":
+                    ids = ids[:max_len]
+                elif truncation == "middle":
+                    ids = ids[: max_len // 2] + ids[len(ids) - (max_len - max_len // 2):]
+                else:
+                    raise UserError(
+                        f"data file {f} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_len}; "
+                        "raise data.max_prompt_length, or set data.truncation=left|right|middle or data.filter_overlong_prompts=true"
+                    )
+            out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], dict(row.get("extra_info") or {})))
+    return out
+
+
+def _as_list(v) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    return [str(x) for x in v]
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+def _file_logger(path: Path, keep_through_step: int):
+    """verl's ``FileLogger`` (same line format), appending after the lines of checkpointed steps.
+
+    verl's own constructor truncates the file; on resume the lines of steps that are
+    already in the checkpoint must stay, and lines of steps after it are dropped
+    because those steps run again.
+    """
+    from verl.utils.tracking import FileLogger
+
+    kept = []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                if int(json.loads(line)["step"]) <= keep_through_step:
+                    kept.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line from a crash
+    atomic.write_text(path, "".join(kept))
+    logger = FileLogger.__new__(FileLogger)
+    logger.project_name, logger.experiment_name, logger.filepath = "", "", str(path)
+    logger.fp = open(path, "ab", buffering=0)
+    return logger
+
+
+def read_metrics(path) -> list[dict]:
+    """The file logger's lines as ``{"step": N, "data": {...}}`` dicts."""
+    return metrics_log.read(path).rows
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+@contextlib.contextmanager
+def process_group():
+    """A 1-process gloo group (FSDP2 and verl's checkpoint manager need one); reused if one exists."""
+    import torch.distributed as dist
+
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        created = True
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+class GRPOTrainer:
+    """One GRPO actor on CPU. Build inside :func:`process_group`.
+
+    :param cfg: the composed verl config (OmegaConf), with ``data.train_files``,
+        ``actor_rollout_ref.model.path`` and ``trainer.default_local_dir`` set.
+    :param reward_fn: optional ``fn(data_source, solution_str, ground_truth, extra_info) -> float|dict``;
+        overrides the config's custom reward function and verl's default scorer.
+    :param metrics_path: JSON-lines metrics file (default ``$VERL_FILE_LOGGER_PATH``).
+    """
+
+    def __init__(self, cfg, reward_fn: RewardFn | None = None, metrics_path: str | os.PathLike | None = None):
+        import torch
+        from omegaconf import OmegaConf
+
+        self.cfg = cfg
+        actor = cfg.actor_rollout_ref.actor
+        rollout = cfg.actor_rollout_ref.rollout
+        self.n = int(rollout.n)
+        self.batch_size = int(cfg.data.train_batch_size)
+        self.response_length = int(rollout.get("response_length") or cfg.data.max_response_length)
+        self.temperature = float(rollout.temperature)
+        self.seed = int(rollout.get("seed", 42) or 0)
+        self.data_seed = int(cfg.data.seed) if cfg.data.get("seed") is not None else 1
+        self.ckpt_root = Path(str(cfg.trainer.default_local_dir))
+        self.metrics_path = Path(metrics_path or os.environ.get("VERL_FILE_LOGGER_PATH") or self.ckpt_root.parent / "metrics.jsonl")
+        self._validate()
+
+        from verl.trainer.ppo import core_algos
+        from verl.utils.config import omega_conf_to_dataclass
+
+        self.core = core_algos
+        self.actor_cfg = omega_conf_to_dataclass(actor)
+        self.algo_cfg = omega_conf_to_dataclass(cfg.algorithm)
+        self.adv_fn = core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)
+        self.policy_loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
+        self.reward_fn = reward_fn or self._configured_reward_fn()
+
+        # Model, tokenizer, reference copy, FSDP2 wrap.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model_path = str(cfg.actor_rollout_ref.model.path)
+        if not (Path(model_path) / "config.json").is_file():
+            raise UserError(f"actor_rollout_ref.model.path {model_path}: no config.json; pass a Hugging Face model directory (build-tiny-model makes one)")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.pad_id = self.tokenizer.pad_token_id
+        self.eos_ids = self._eos_ids(model_path)
+        torch.manual_seed(self.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.use_ref = bool(actor.use_kl_loss) or bool(cfg.algorithm.use_kl_in_reward)
+        self.ref = None
+        if self.use_ref:
+            import copy
+
+            self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+
+        from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
+        from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+        from verl.workers.config.optimizer import build_optimizer
+
+        self.train_prompts = load_prompts(_as_list(cfg.data.train_files), self.tokenizer, cfg.data)
+        if len(self.train_prompts) < self.batch_size:
+            raise UserError(f"data.train_files hold {len(self.train_prompts)} usable prompts, fewer than data.train_batch_size={self.batch_size}; lower the batch size or add data")
+        self.steps_per_epoch = len(self.train_prompts) // self.batch_size  # verl drops the last partial batch
+        total = cfg.trainer.get("total_training_steps")
+        self.total_steps = int(total) if total not in (None, -1) else self.steps_per_epoch * int(cfg.trainer.total_epochs)
+        val_files = _as_list(cfg.data.get("val_files"))
+        self.test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
+        self.val_prompts = load_prompts(val_files, self.tokenizer, cfg.data) if self.test_freq > 0 and val_files else []
+
+        optim_cfg = omega_conf_to_dataclass(actor.optim)
+        self.optimizer = build_optimizer(self.model.parameters(), optim_cfg)
+        warmup = int(optim_cfg.lr_warmup_steps)
+        if warmup <= 0:
+            warmup = int(optim_cfg.lr_warmup_steps_ratio * self.total_steps)
+        if optim_cfg.lr_scheduler_type == "constant":
+            self.lr_scheduler = get_constant_schedule_with_warmup(self.optimizer, num_warmup_steps=warmup)
+        elif optim_cfg.lr_scheduler_type == "cosine":
+            self.lr_scheduler = get_cosine_schedule_with_warmup(
+                self.optimizer, num_warmup_steps=warmup, num_training_steps=self.total_steps,
+                min_lr_ratio=optim_cfg.min_lr_ratio, num_cycles=optim_cfg.num_cycles, zero_indexed_step=optim_cfg.zero_indexed_step,
+            )
+        else:
+            raise UserError(f"actor_rollout_ref.actor.optim.lr_scheduler_type={optim_cfg.lr_scheduler_type!r}: use constant or cosine")
+        self.clip_grad = float(optim_cfg.clip_grad)
+        self.checkpoint = FSDPCheckpointManager(
+            self.model, self.optimizer, self.lr_scheduler, processing_class=self.tokenizer,
+            checkpoint_config=OmegaConf.to_container(actor.checkpoint, resolve=True),
+        )
+        self.logger = None
+        self.last_metrics: dict = {}
+
+    # -- configuration ---------------------------------------------------------
+
+    def _validate(self):
+        from verl.trainer.ppo import core_algos
+
+        cfg = self.cfg
+        actor = cfg.actor_rollout_ref.actor
+        est = cfg.algorithm.adv_estimator
+        try:
+            fn = core_algos.get_adv_estimator_fn(est)
+        except ValueError:
+            raise UserError(f"algorithm.adv_estimator={est!r} is unknown; choose one of {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}") from None
+        if not self._adv_supported(fn):
+            ok = sorted(k for k, f in core_algos.ADV_ESTIMATOR_REGISTRY.items() if self._adv_supported(f))
+            raise UserError(f"algorithm.adv_estimator={est!r} needs inputs (critic values, baselines, ...) the local CPU backend does not produce; use one of {ok}")
+        try:
+            core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
+        except ValueError:
+            raise UserError(f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; choose one of {sorted(core_algos.POLICY_LOSS_REGISTRY)}") from None
+        if self.n < 1:
+            raise UserError(f"actor_rollout_ref.rollout.n={self.n}: must be at least 1")
+        mini = int(actor.ppo_mini_batch_size)
+        if mini < 1 or self.batch_size % mini:
+            raise UserError(f"data.train_batch_size={self.batch_size} is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size={mini}; make it a divisor")
+        if not str(cfg.trainer.default_local_dir):
+            raise UserError("trainer.default_local_dir is empty; pass --output-dir")
+        if not _as_list(cfg.data.train_files):
+            raise UserError("data.train_files is empty; pass --train-files")
+
+    @staticmethod
+    def _adv_supported(fn) -> bool:
+        params = inspect.signature(fn).parameters.values()
+        required = {p.name for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return required <= _ADV_INPUTS
+
+    def _configured_reward_fn(self) -> RewardFn:
+        from verl.trainer.ppo.reward import get_custom_reward_fn
+        from verl.utils.reward_score import default_compute_score
+
+        path = self.cfg.reward.custom_reward_function.get("path")
+        if path and not Path(str(path)).is_file():
+            raise UserError(f"reward.custom_reward_function.path={path}: file not found; pass a Python file defining the reward function")
+        try:
+            return get_custom_reward_fn(self.cfg) or default_compute_score
+        except AttributeError as exc:
+            raise UserError(f"reward.custom_reward_function: {exc}; set reward.custom_reward_function.name to a function in that file") from None
+
+    def _eos_ids(self, model_path) -> list[int]:
+        from transformers import GenerationConfig
+
+        ids = {self.tokenizer.eos_token_id}
+        with contextlib.suppress(Exception):
+            gen = GenerationConfig.from_pretrained(model_path).eos_token_id
+            ids |= set(gen if isinstance(gen, list) else [gen])
+        return sorted(i for i in ids if i is not None)
+
+    # -- one step ----------------------------------------------------------------
+
+    def batch_prompts(self, step: int) -> tuple[list[Prompt], int]:
+        """The prompts of 1-based ``step``: a seeded permutation per epoch, as verl's shuffled sampler."""
+        import numpy as np
+
+        epoch, k = divmod(step - 1, self.steps_per_epoch)
+        order = np.arange(len(self.train_prompts))
+        if self.cfg.data.get("shuffle", True):
+            order = np.random.RandomState(self.data_seed + epoch).permutation(len(self.train_prompts))
+        idx = order[k * self.batch_size:(k + 1) * self.batch_size]
+        return [self.train_prompts[i] for i in idx], epoch
+
+    def generate(self, prompts: list[Prompt], n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int) -> dict:
+        """Left-padded prompts, ``n`` sampled responses each (interleaved like verl's repeat)."""
+        import torch
+        from verl.utils.torch_functional import get_response_mask
+
+        enc = self.tokenizer.pad({"input_ids": [p.input_ids for p in prompts]}, padding=True, return_tensors="pt")
+        input_ids = enc["input_ids"].repeat_interleave(n, dim=0)
+        attn = enc["attention_mask"].repeat_interleave(n, dim=0)
+        torch.manual_seed(seed)
+        kwargs = dict(max_new_tokens=self.response_length, min_new_tokens=1, pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        if do_sample:
+            kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
+        responses = out[:, input_ids.shape[1]:]
+        if responses.shape[1] < self.response_length:  # every sequence stopped early
+            pad = torch.full((responses.shape[0], self.response_length - responses.shape[1]), self.pad_id, dtype=responses.dtype)
+            responses = torch.cat([responses, pad], dim=1)
+        response_mask = get_response_mask(response_id=responses, eos_token=self.eos_ids, dtype=attn.dtype)
+        return {
+            "prompts": input_ids,
+            "responses": responses,
+            "input_ids": torch.cat([input_ids, responses], dim=1),
+            "attention_mask": torch.cat([attn, response_mask], dim=1),
+            "response_mask": response_mask,
+            "items": [p for p in prompts for _ in range(n)],
+            "uids": [str(j) for j in range(len(prompts)) for _ in range(n)],  # one group per prompt
+        }
+
+    def score(self, batch: dict) -> None:
+        """verl's naive reward manager in miniature: decode, score, put the score on the last token."""
+        import torch
+
+        scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
+        lengths = batch["response_mask"].sum(-1)
+        values = []
+        for i, item in enumerate(batch["items"]):
+            n = int(lengths[i])
+            text = self.tokenizer.decode(batch["responses"][i, :n], skip_special_tokens=True)
+            res = self.reward_fn(data_source=item.data_source, solution_str=text, ground_truth=item.ground_truth, extra_info=item.extra_info)
+            value = float(res["score"] if isinstance(res, dict) else res)
+            values.append(value)
+            scores[i, max(n - 1, 0)] = value
+        batch["token_level_scores"] = scores
+        batch["scores"] = values
+
+    def log_probs(self, model, batch: dict, rows, with_entropy: bool = False):
+        import torch
+        from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
+
+        ids = batch["input_ids"][rows]
+        attn = batch["attention_mask"][rows]
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+        r = batch["responses"].shape[1]
+        logits = logits[:, -r - 1:-1, :] / self.temperature  # verl scores with the rollout temperature
+        logp = logprobs_from_logits(logits, ids[:, -r:])
+        ent = entropy_from_logits(logits) if with_entropy else None
+        return logp, ent
+
+    def advantages(self, batch: dict) -> None:
+        import numpy as np
+
+        mask = batch["response_mask"]
+        rewards = batch["token_level_scores"]
+        cfg = self.cfg.algorithm
+        if cfg.use_kl_in_reward:
+            kld = self.core.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kl_penalty=cfg.kl_penalty) * mask
+            rewards = rewards - float(cfg.kl_ctrl.kl_coef) * kld
+        batch["token_level_rewards"] = rewards
+        uids = np.array(batch["uids"], dtype=object)
+        offered = {
+            "token_level_rewards": rewards, "response_mask": mask, "index": uids, "config": self.algo_cfg,
+            "norm_adv_by_std_in_grpo": bool(cfg.norm_adv_by_std_in_grpo), "gamma": float(cfg.gamma),
+        }
+        params = inspect.signature(self.adv_fn).parameters
+        adv, ret = self.adv_fn(**{k: v for k, v in offered.items() if k in params})
+        batch["advantages"], batch["returns"] = adv, ret
+
+    def update(self, batch: dict) -> dict:
+        """verl's actor update: mini-batches (one optimiser step each) of micro-batches (gradient accumulation)."""
+        import torch
+        from torch.nn.utils.clip_grad import _clip_grads_with_norm_, _get_total_norm
+
+        actor = self.cfg.actor_rollout_ref.actor
+        total = batch["responses"].shape[0]
+        mini = int(actor.ppo_mini_batch_size) * self.n
+        micro = int(actor.get("ppo_micro_batch_size_per_gpu") or actor.get("ppo_micro_batch_size") or mini)
+        mode = actor.loss_agg_mode
+        entropy_coeff = float(actor.entropy_coeff or 0.0)
+        mask = batch["response_mask"]
+        sums: dict[str, list[float]] = {}
+        self.model.train()
+        for epoch in range(int(actor.ppo_epochs)):
+            order = torch.arange(total)
+            if actor.get("shuffle", False):
+                order = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed + epoch))
+            for start in range(0, total, mini):
+                rows_mb = order[start:start + mini]
+                # Normalise every micro-batch loss by the whole mini-batch (verl's global batch info),
+                # so accumulated gradients equal the mini-batch loss's gradient.
+                self.actor_cfg.global_batch_info.update(
+                    dp_size=1, batch_num_tokens=int(mask[rows_mb].sum()), global_batch_size=len(rows_mb),
+                    loss_scale_factor=self.actor_cfg.loss_scale_factor,
+                )
+                self.optimizer.zero_grad()
+                mb: dict[str, float] = {}
+                for m0 in range(0, len(rows_mb), micro):
+                    rows = rows_mb[m0:m0 + micro]
+                    rmask = mask[rows].bool()
+                    logp, ent = self.log_probs(self.model, batch, rows, with_entropy=entropy_coeff != 0)
+                    pg_loss, pg_metrics = self.policy_loss_fn(
+                        old_log_prob=batch["old_log_probs"][rows], log_prob=logp, advantages=batch["advantages"][rows],
+                        response_mask=rmask, loss_agg_mode=mode, config=self.actor_cfg, rollout_is_weights=None,
+                    )
+                    loss = pg_loss
+                    mb["actor/pg_loss"] = mb.get("actor/pg_loss", 0.0) + float(pg_loss.detach())
+                    if entropy_coeff != 0:
+                        ent_loss = self.core.agg_loss(loss_mat=ent, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info)
+                        loss = loss - entropy_coeff * ent_loss
+                    if actor.use_kl_loss:
+                        kld = self.core.kl_penalty(logprob=logp, ref_logprob=batch["ref_log_prob"][rows], kl_penalty=actor.kl_loss_type)
+                        kl_loss = self.core.agg_loss(loss_mat=kld, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info)
+                        loss = loss + kl_loss * float(actor.kl_loss_coef)
+                        mb["actor/kl_loss"] = mb.get("actor/kl_loss", 0.0) + float(kl_loss.detach())
+                    loss.backward()
+                    for k, v in pg_metrics.items():
+                        sums.setdefault(k, []).append(float(v))
+                # verl's fsdp2_clip_grad_norm_ minus its move to the accelerator (there is none here)
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                grad_norm = _get_total_norm([p.grad for p in params], 2.0, False, None)
+                _clip_grads_with_norm_(params, self.clip_grad, grad_norm, None)
+                if hasattr(grad_norm, "full_tensor"):
+                    grad_norm = grad_norm.full_tensor()
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # verl skips the update on a non-finite gradient
+                    log.warning("grad_norm is not finite (%s); update skipped", grad_norm)
+                    self.optimizer.zero_grad()
+                sums.setdefault("actor/grad_norm", []).append(float(grad_norm))
+                for k, v in mb.items():
+                    sums.setdefault(k, []).append(v)
+        metrics = {k: sum(v) / len(v) for k, v in sums.items()}
+        metrics["actor/lr"] = float(self.lr_scheduler.get_last_lr()[0])
+        if actor.use_kl_loss:
+            metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
+        self.lr_scheduler.step()
+        return metrics
+
+    def generate_and_score(self, step: int) -> tuple[dict, dict, int]:
+        """Rollout and rewards of one step (the benchmark's baseline stops here)."""
+        ro = self.cfg.actor_rollout_ref.rollout
+        timing: dict[str, float] = {}
+        prompts, epoch = self.batch_prompts(step)
+        t = time.perf_counter()
+        batch = self.generate(prompts, self.n, do_sample=bool(ro.do_sample), temperature=self.temperature,
+                              top_p=float(ro.top_p), top_k=int(ro.top_k), seed=self.seed * 1_000_003 + step)
+        timing["gen"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.score(batch)
+        timing["reward"] = time.perf_counter() - t
+        return batch, timing, epoch
+
+    def train_step(self, step: int) -> dict:
+        """One GRPO step; returns verl-named metrics."""
+        import torch
+
+        t_step = time.perf_counter()
+        batch, timing, epoch = self.generate_and_score(step)
+        mode = self.cfg.actor_rollout_ref.actor.loss_agg_mode
+        rows = torch.arange(batch["responses"].shape[0])
+        t = time.perf_counter()
+        self.model.eval()
+        with torch.no_grad():
+            old, ent = self.log_probs(self.model, batch, rows, with_entropy=True)
+        batch["old_log_probs"] = old
+        entropy = float(self.core.agg_loss(loss_mat=ent, loss_mask=batch["response_mask"].bool(), loss_agg_mode=mode))
+        timing["old_log_prob"] = time.perf_counter() - t
+        if self.use_ref:
+            t = time.perf_counter()
+            with torch.no_grad():
+                batch["ref_log_prob"], _ = self.log_probs(self.ref, batch, rows)
+            timing["ref"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.advantages(batch)
+        timing["adv"] = time.perf_counter() - t
+        t = time.perf_counter()
+        actor_metrics = self.update(batch)
+        timing["update_actor"] = time.perf_counter() - t
+        timing["step"] = time.perf_counter() - t_step
+        return self._metrics(batch, timing, step, epoch, {"actor/entropy": entropy, **actor_metrics})
+
+    def _metrics(self, batch, timing, step, epoch, extra) -> dict:
+        from verl import DataProto
+        from verl.trainer.ppo.metric_utils import (
+            compute_data_metrics,
+            compute_throughout_metrics,
+            compute_timing_metrics,
+        )
+
+        keys = ("prompts", "responses", "attention_mask", "response_mask", "token_level_scores", "token_level_rewards", "advantages", "returns")
+        dp = DataProto.from_dict(
+            tensors={k: batch[k] for k in keys},
+            meta_info={"global_token_num": batch["attention_mask"].sum(-1).tolist()},
+        )
+        metrics = {"training/global_step": step, "training/epoch": epoch, **extra}
+        metrics.update(compute_data_metrics(dp, use_critic=False))
+        metrics.update(compute_timing_metrics(dp, timing))
+        metrics.update(compute_throughout_metrics(dp, timing, n_gpus=1))
+        return {k: (float(v) if not isinstance(v, (int, float, str)) else v) for k, v in metrics.items()}
+
+    def validate(self) -> dict:
+        """Greedy (or ``rollout.val_kwargs``) generation on the validation prompts; mean reward per data source."""
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        sums: dict[str, list[float]] = {}
+        bs = max(self.batch_size, 1)
+        for i in range(0, len(self.val_prompts), bs):
+            batch = self.generate(self.val_prompts[i:i + bs], int(vk.n), do_sample=bool(vk.do_sample),
+                                  temperature=float(vk.temperature) or 1.0, top_p=float(vk.top_p), top_k=int(vk.top_k), seed=self.seed)
+            self.score(batch)
+            for item, s in zip(batch["items"], batch["scores"]):
+                sums.setdefault(item.data_source, []).append(s)
+        return {f"val-core/{src}/reward/mean@{int(vk.n)}": sum(v) / len(v) for src, v in sums.items()}
+
+    # -- checkpoints ------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Load the checkpoint ``trainer.resume_mode`` asks for; returns the step it holds (0 if none)."""
+        mode = self.cfg.trainer.get("resume_mode", "auto")
+        if mode == "disable":
+            return 0
+        if mode == "resume_path":
+            path = self.cfg.trainer.get("resume_from_path")
+            m = re.search(r"global_step_(\d+)/?$", str(path or ""))
+            if not m or not Path(str(path), "actor").is_dir():
+                raise UserError(f"trainer.resume_from_path={path!r}: not a global_step_N checkpoint directory with an actor/ folder")
+            step, ckpt = int(m.group(1)), Path(str(path))
+        elif mode == "auto":
+            tracker = self.ckpt_root / TRACKER
+            if not tracker.is_file():
+                return 0
+            text = tracker.read_text().strip()
+            if not text.isdigit() or not (self.ckpt_root / f"global_step_{text}" / "actor").is_dir():
+                raise UserError(f"{tracker}: names no complete checkpoint ({text!r}); remove the file to start over")
+            step, ckpt = int(text), self.ckpt_root / f"global_step_{text}"
+        else:
+            raise UserError(f"trainer.resume_mode={mode!r}: use auto, disable or resume_path")
+        self.checkpoint.load_checkpoint(str(ckpt / "actor"))
+        log.info("resumed from %s (step %d)", ckpt, step)
+        return step
+
+    def save(self, step: int) -> Path:
+        """Build ``global_step_N`` aside, rename it into place, then advance the tracker file."""
+        final = self.ckpt_root / f"global_step_{step}"
+        with atomic.atomic_dir(final) as tmp:
+            self.checkpoint.save_checkpoint(str(tmp / "actor"), global_step=step, max_ckpt_to_keep=None)
+        self.checkpoint.previous_saved_paths.clear()  # it recorded the temporary path; retention is ours
+        atomic.write_text(self.ckpt_root / TRACKER, str(step))
+        keep = self.cfg.trainer.get("max_actor_ckpt_to_keep")
+        if keep:
+            import shutil
+
+            steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in self.ckpt_root.glob("global_step_*") if p.name.rsplit("_", 1)[1].isdigit())
+            for old in steps[:-int(keep)]:
+                shutil.rmtree(self.ckpt_root / f"global_step_{old}", ignore_errors=True)
+        return final
+
+    # -- the loop ---------------------------------------------------------------
+
+    def fit(self, on_step: Callable[[int, dict], None] | None = None) -> dict:
+        """Train from the resumed step to ``total_steps``; returns the run summary."""
+        start = self.resume()
+        self.logger = _file_logger(self.metrics_path, keep_through_step=start)
+        save_freq = int(self.cfg.trainer.get("save_freq", -1) or -1)
+        try:
+            if start == 0 and self.val_prompts and self.cfg.trainer.get("val_before_train", True):
+                self.logger.log(data=self.validate(), step=0)
+            for step in range(start + 1, self.total_steps + 1):
+                metrics = self.train_step(step)
+                last = step == self.total_steps
+                if self.val_prompts and (step % self.test_freq == 0 or last):
+                    metrics.update(self.validate())
+                self.logger.log(data=metrics, step=step)
+                log.info("step %d: %s", step, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
+                                               if k in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "timing_s/step")})
+                if (save_freq > 0 and step % save_freq == 0) or last:
+                    self.save(step)
+                self.last_metrics = metrics
+                if on_step:
+                    on_step(step, metrics)
+        finally:
+            self.logger.finish()
+        lines = read_metrics(self.metrics_path)
+        final = lines[-1]["data"] if lines else {}
+        last_step = int(lines[-1]["step"]) if lines else start
+        tracker = self.ckpt_root / TRACKER
+        ckpt_step = int(tracker.read_text().strip()) if tracker.is_file() else None
+        return {
+            "checkpoint_dir": str(self.ckpt_root / f"global_step_{ckpt_step}") if ckpt_step is not None else None,
+            "checkpoint_root": str(self.ckpt_root),
+            "last_step": last_step,
+            "resumed_from_step": start,
+            "metrics_path": str(self.metrics_path),
+            "final_metrics": {k: v for k, v in final.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))},
+        }
+
+
+def train(cfg, reward_fn: RewardFn | None = None, metrics_path=None, on_step=None) -> dict:
+    """Build the trainer in a 1-process gloo group and run it to the end (resuming per ``trainer.resume_mode``)."""
+    with process_group():
+        return GRPOTrainer(cfg, reward_fn=reward_fn, metrics_path=metrics_path).fit(on_step=on_step)

@@ -1,0 +1,19 @@
+"""``python -m pipeline_steps build-tiny-model --output DIR``: the local profile's tiny model (see
+:mod:`pipeline_steps.local.tiny_model`)."""
+from __future__ import annotations
+
+from pipeline_steps.local.tiny_model import FIXTURES, build
+
+
+def add_arguments(p):
+    p.add_argument("--output", required=True, help="directory for the model (config, safetensors, tokenizer)")
+    p.add_argument("--corpus", default=str(FIXTURES), help="directory whose *.jsonl text trains the tokenizer")
+    p.add_argument("--vocab-size", type=int, default=512)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args):
+    out = build(args.output, args.corpus, args.vocab_size, args.hidden_size, args.layers, args.seed)
+    return {"path": str(out)}

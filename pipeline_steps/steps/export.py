@@ -1,0 +1,332 @@
+"""Step ``export``: merge a verl FSDP checkpoint into a Hugging Face model, check it, document it,
+upload it and decide whether it becomes the experiment's ``latest``.
+
+Flow (every output location derives from the inputs, so a retry gives the same result):
+
+1. resolve ``RUN/checkpoints`` (+ ``--step``) to ``global_step_N/actor`` and check the layout;
+2. merge the actor shards with verl's own merger (``verl.model_merger``, FSDP backend,
+   in-process) into ``OUTPUT/model`` (atomic); the merged weights are bf16, as verl writes them;
+3. load the merged model with transformers and generate a few tokens;
+4. decide promotion (:mod:`pipeline_steps.evaluation.promotion`) against the current ``latest.json``
+   (or the base model's evaluation when there is none);
+5. write the model card (:mod:`pipeline_steps.evaluation.model_card`) and ``export.json``, upload the
+   directory to ``<store-root>/models/exported/<experiment>/<version>/`` (the store writes
+   the checksum manifest last), then move ``latest.json`` if promoted and prune old versions.
+
+The version is ``step<N>-<first 12 hex of the weights' sha256>``: the same checkpoint always
+exports to the same version, so a retry re-uses what is already uploaded.
+
+The Hub push (``--hub-repo``) runs only when a token is in the environment (``HF_TOKEN``,
+from the Airflow connection); it is off by default and untested here (no Hub access).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+from pipeline_steps import atomic
+from pipeline_steps.constants import CHECKPOINT_TRACKER
+from pipeline_steps.errors import UserError
+
+log = logging.getLogger(__name__)
+
+TRACKER = CHECKPOINT_TRACKER
+SHARD_RE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoint layout
+
+
+def resolve_checkpoint(checkpoint_dir: str | os.PathLike, step: int | None = None) -> tuple[int, Path]:
+    """``RUN/checkpoints`` (+ optional step) -> (step, ``global_step_N/actor``), layout checked.
+
+    Raises UserError naming the missing piece and what to do about it.
+    """
+    root = Path(checkpoint_dir)
+    if not root.is_dir():
+        raise UserError(f"--checkpoint-dir {root}: not a directory; pass the run's checkpoints directory (RUN/checkpoints)")
+    tracker = root / TRACKER
+    if step is None:
+        if not tracker.is_file():
+            raise UserError(
+                f"--checkpoint-dir {root}: no {TRACKER} (no completed checkpoint save); "
+                "pass --step N to pick a global_step_N directory, or point at the run's checkpoints directory"
+            )
+        text = tracker.read_text(encoding="utf-8").strip()
+        if not text.isdigit():
+            raise UserError(f"{tracker}: expected a step number, found {text[:40]!r}; fix the file or pass --step N")
+        step = int(text)
+    if step < 0:
+        raise UserError(f"--step {step}: must be a non-negative training step")
+    step_dir = root / f"global_step_{step}"
+    if not step_dir.is_dir():
+        have = sorted(p.name for p in root.glob("global_step_*"))
+        raise UserError(f"{step_dir}: missing; available: {have or 'none'}; pass --step with one of them")
+    actor = step_dir / "actor"
+    shards = {}
+    if actor.is_dir():
+        for f in actor.iterdir():
+            m = SHARD_RE.match(f.name)
+            if m and f.stat().st_size > 0:
+                shards.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    if not shards:
+        raise UserError(
+            f"{step_dir}: empty checkpoint (no actor/model_world_size_*_rank_*.pt shards; the save was interrupted); "
+            "pass --step with an earlier complete step"
+        )
+    if len(shards) > 1:
+        raise UserError(f"{actor}: shards from several world sizes {sorted(shards)}; keep one set and retry")
+    (world_size, ranks), = shards.items()
+    missing = sorted(set(range(world_size)) - ranks)
+    if missing:
+        raise UserError(f"{actor}: shard files for ranks {missing} of world size {world_size} are missing; the save is incomplete")
+    cfg = actor / "fsdp_config.json"
+    if not cfg.is_file():
+        raise UserError(
+            f"{cfg}: missing (checkpoints from verl before 0.3 lack it); create it with the content "
+            f"{{\"FSDP_version\": 1, \"world_size\": {world_size}}} and retry"
+        )
+    try:
+        recorded = json.loads(cfg.read_text(encoding="utf-8")).get("world_size")
+    except (ValueError, AttributeError):
+        raise UserError(f"{cfg}: not valid JSON; rewrite it as {{\"FSDP_version\": 1, \"world_size\": {world_size}}}") from None
+    if recorded != world_size:
+        raise UserError(f"{cfg}: world_size {recorded!r} but the shards are for {world_size}; set it to {world_size}")
+    if not (actor / "huggingface" / "config.json").is_file():
+        raise UserError(f"{actor}/huggingface/config.json: missing; verl writes it with every save, copy the base model's config.json there")
+    return step, actor
+
+
+# ---------------------------------------------------------------------------------------------
+# merge and check
+
+
+def merge_checkpoint(actor_dir: str | os.PathLike, target_dir: str | os.PathLike) -> Path:
+    """Merge FSDP actor shards into a Hugging Face model with verl's merger (in-process).
+
+    Equivalent to ``python -m verl.model_merger merge --backend fsdp --local_dir ACTOR --target_dir OUT``;
+    the output appears atomically (a crash leaves no half-written model).
+    """
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    actor_dir, target_dir = Path(actor_dir), Path(target_dir)
+    with atomic.atomic_dir(target_dir) as tmp:
+        config = ModelMergerConfig(
+            operation="merge", backend="fsdp", local_dir=str(actor_dir), target_dir=str(tmp),
+            hf_model_config_path=str(actor_dir / "huggingface"),
+        )
+        # the merger prints progress to stdout; our stdout carries the step's JSON summary
+        with contextlib.redirect_stdout(sys.stderr):
+            merger = FSDPModelMerger(config)
+            merger.merge_and_save()
+            merger.cleanup()
+        if (actor_dir / "lora_train_meta.json").exists():
+            log.warning("checkpoint has LoRA adapters: verl saved them to %s/lora_adapter next to the merged base weights", target_dir)
+    return target_dir
+
+
+def check_model(model_dir: str | os.PathLike, max_new_tokens: int = 4) -> dict:
+    """Load with transformers and generate a few tokens; UserError when the model is unusable."""
+    model_dir = Path(model_dir)
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        ids = tok("1 + 1 =", return_tensors="pt")
+        with torch.no_grad():
+            out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        new = int(out.shape[-1] - ids["input_ids"].shape[-1])
+        if new < 1:
+            raise RuntimeError("generated no tokens")
+    except Exception as exc:  # any failure here means the export must not be published
+        msg = " ".join(f"{exc.__class__.__name__}: {exc}".split())[:300]
+        raise UserError(f"merged model at {model_dir} fails to load or generate with transformers ({msg}); nothing was exported or promoted") from None
+    return {"parameters": int(sum(p.numel() for p in model.parameters())), "dtype": str(next(model.parameters()).dtype), "generated_tokens": new}
+
+
+def dir_sha256(path: str | os.PathLike, names: tuple[str, ...] | None = None) -> str:
+    """Content hash of a directory: sha256 over (relative path, file sha256) of its files, sorted."""
+    root = Path(path)
+    h = hashlib.sha256()
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = f.relative_to(root).as_posix()
+        if rel.startswith(".") or (names is not None and rel not in names):
+            continue
+        fh = hashlib.sha256()
+        with open(f, "rb") as fp:
+            for chunk in iter(lambda: fp.read(1 << 20), b""):
+                fh.update(chunk)
+        h.update(f"{rel}\0{fh.hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+def weights_sha256(model_dir: str | os.PathLike) -> str:
+    root = Path(model_dir)
+    names = tuple(p.relative_to(root).as_posix() for p in root.glob("*.safetensors")) + WEIGHT_FILES
+    return dir_sha256(root, names)
+
+
+def materialize(model_or_checkpoint: str | os.PathLike, work_dir: str | os.PathLike, step: int | None = None) -> dict:
+    """An HF model dir as is, or a checkpoint dir merged into ``work_dir``: {"path", "source", "step"}."""
+    p = Path(model_or_checkpoint)
+    if (p / "config.json").is_file():
+        return {"path": p, "source": "hf_model", "step": None}
+    if (p / TRACKER).is_file() or any(p.glob("global_step_*")) or step is not None:
+        step, actor = resolve_checkpoint(p, step)
+        merged = merge_checkpoint(actor, Path(work_dir) / f"merged-step{step}")
+        return {"path": merged, "source": "checkpoint", "step": step}
+    raise UserError(f"--model {p}: neither a Hugging Face model directory (config.json) nor a verl checkpoints directory ({TRACKER})")
+
+
+# ---------------------------------------------------------------------------------------------
+# the step
+
+
+def add_arguments(p):
+    p.add_argument("--checkpoint-dir", required=True, help="the run's checkpoints directory (holds latest_checkpointed_iteration.txt)")
+    p.add_argument("--step", type=int, help="export global_step_N instead of the latest")
+    p.add_argument("--output", required=True, help="local directory for the merged model and card")
+    p.add_argument("--store-root", required=True, help="store root URI (file:///..., oss://bucket/prefix, gs://bucket/prefix)")
+    p.add_argument("--experiment", required=True, help="experiment name (the export location's folder)")
+    p.add_argument("--lineage", required=True, help="lineage JSON written by the DAG (see pipeline_steps.evaluation.model_card)")
+    p.add_argument("--eval-results", required=True, help="results.json of the checkpoint from the evaluate step")
+    p.add_argument("--base-results", required=True, help="results.json of the base model from the evaluate step")
+    p.add_argument("--margin", type=float, default=0.0, help="avg@k must beat the reference by more than this")
+    p.add_argument("--keep", type=int, default=5, help="exported versions to keep (the latest is never deleted)")
+    p.add_argument("--fail-on-no-promotion", action="store_true", help="exit 2 when the model is not promoted")
+    p.add_argument("--hub-repo", help="also push to this Hugging Face Hub repo (needs HF_TOKEN in the environment)")
+
+
+def _load_json(path: str, what: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--{what} {p}: file not found; pass the file the previous step wrote")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise UserError(f"--{what} {p}: not valid JSON ({str(exc).splitlines()[0]}); re-run the step that writes it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--{what} {p}: must be a JSON object")
+    return data
+
+
+def run(args) -> dict:
+    from pipeline_steps.evaluation import model_card, promotion
+    from pipeline_steps.store import open_store
+
+    if not NAME_RE.match(args.experiment):
+        raise UserError(f"--experiment {args.experiment!r}: use letters, digits, '_', '.', '-' (it names a storage folder)")
+    if args.keep < 1:
+        raise UserError(f"--keep {args.keep}: must be at least 1")
+    if args.margin < 0:
+        raise UserError(f"--margin {args.margin}: must be >= 0")
+    lineage = _load_json(args.lineage, "lineage")
+    results = promotion.check_results(_load_json(args.eval_results, "eval-results"), "--eval-results")
+    base = promotion.check_results(_load_json(args.base_results, "base-results"), "--base-results")
+    step, actor = resolve_checkpoint(args.checkpoint_dir, args.step)
+
+    out = Path(args.output)
+    model_dir = out / "model"
+    merge_checkpoint(actor, model_dir)
+    merged_sha = dir_sha256(model_dir)  # what evaluate hashed when it merged the same checkpoint
+    scored_sha = (results.get("model") or {}).get("content_sha256")
+    if scored_sha and scored_sha != merged_sha:
+        raise UserError(
+            f"--eval-results {args.eval_results}: scored a different model (content sha256 {scored_sha[:12]}) than "
+            f"global_step_{step} ({merged_sha[:12]}); run evaluate on the same checkpoint and step, nothing was exported"
+        )
+    check = check_model(model_dir)
+    weights = weights_sha256(model_dir)
+    version = f"step{step}-{weights[:12]}"
+
+    store = open_store(args.store_root)
+    exp_uri = promotion.experiment_uri(args.store_root, args.experiment)
+    version_uri = f"{exp_uri}/{version}"
+    previous = None  # the record of an earlier, complete export of this very version (a retry)
+    if store.read_manifest(version_uri) is not None:
+        with contextlib.suppress(TypeError, ValueError):
+            previous = json.loads(store.read_bytes(f"{version_uri}/export.json"))
+    exported_at = (previous or {}).get("exported_at") or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+    latest = promotion.read_latest(store, exp_uri)
+    if latest and latest.get("version") == version:  # a retry after promotion: keep the recorded decision
+        recorded = (previous or {}).get("promotion") or {}
+        decision = promotion.Decision(True, recorded.get("reason") or f"{version} is already the latest",
+                                      recorded.get("reference") or "latest", recorded.get("reference_score"))
+    else:
+        decision = promotion.decide(results, base, latest, args.margin)
+    record = {
+        "version": version,
+        "experiment": args.experiment,
+        "exported_at": exported_at,
+        "checkpoint": {"dir": str(Path(args.checkpoint_dir).resolve()), "step": step},
+        "weights_sha256": weights,
+        "check": check,
+        "eval": promotion.summary_of(results),
+        "base_eval": promotion.summary_of(base),
+        "promotion": decision.as_dict(),
+        "lineage": lineage,
+    }
+    atomic.write_text(model_dir / "README.md", model_card.render(record, results, base))
+    atomic.write_json(model_dir / "export.json", record)
+    upload = store.upload_dir(str(model_dir), version_uri)
+
+    if decision.promote:
+        promotion.write_latest(store, exp_uri, version, version_uri, results, exported_at)
+    deleted = promotion.prune(store, exp_uri, args.keep)
+
+    hub = None
+    if args.hub_repo:
+        hub = push_to_hub(model_dir, args.hub_repo)
+    summary = {
+        "uri": version_uri,
+        "version": version,
+        "step": step,
+        "local_path": str(model_dir),
+        "promoted": decision.promote,
+        "reason": decision.reason,
+        "avg@k": results["overall"]["avg@k"],
+        "reference": decision.reference,
+        "reference_avg@k": decision.reference_score,
+        "uploaded": upload.get("uploaded"),
+        "skipped_files": upload.get("skipped"),
+        "deleted_versions": deleted,
+        "hub": hub,
+        "table": model_card.eval_table(results, base),
+    }
+    log.info("exported %s to %s; %s", version, version_uri, decision.reason)
+    if not decision.promote and args.fail_on_no_promotion:
+        raise UserError(f"{version} uploaded to {version_uri} but not promoted: {decision.reason}")
+    return summary
+
+
+def push_to_hub(model_dir: Path, repo_id: str) -> dict:
+    """Optional Hub push; needs HF_TOKEN (from the Airflow connection via the environment). Untested here."""
+    token = os.environ.get("HF_TOKEN")
+    if not token:
+        raise UserError(f"--hub-repo {repo_id}: no HF_TOKEN in the environment; configure the Hugging Face connection or drop --hub-repo")
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(token=token)
+    try:
+        api.create_repo(repo_id, private=True, exist_ok=True)
+        info = api.upload_folder(folder_path=str(model_dir), repo_id=repo_id, repo_type="model")
+    except HfHubHTTPError as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", "?")
+        raise UserError(f"--hub-repo {repo_id}: the Hub refused the upload (HTTP {status}); check the token's write access") from None
+    return {"repo": repo_id, "commit": getattr(info, "oid", None)}
+

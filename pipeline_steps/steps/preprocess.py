@@ -1,0 +1,308 @@
+"""Turn a dataset snapshot into verl's row schema: ``DIR/<split>.parquet``, ``stats.json``, ``rejected.jsonl``.
+
+Splits are resolved from the snapshot's files by ``datasets`` (its data-files patterns), files are streamed in
+record batches, rows go through the dataset's preprocessor (``pipeline_steps.data.preprocessors.<name>``), then one
+shared, vectorised pass removes exact duplicates (same prompt, same ground truth) and keeps out conflicts (same
+prompt, different ground truths). Output is written atomically and is byte-identical for the same input.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import io
+import json
+import logging
+import re
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from pipeline_steps import atomic
+from pipeline_steps.data import registry
+from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_key, tool_agent_rows
+from pipeline_steps.errors import UserError
+
+log = logging.getLogger(__name__)
+BATCH_ROWS = 65536
+VARIANTS = ("default", "tool_agent")
+
+
+def add_arguments(p):
+    p.add_argument("--dataset", required=True, help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, jsonl, ...)")
+    p.add_argument("--input", required=True, help="snapshot directory (from the download step) or a JSONL file")
+    p.add_argument("--output", required=True, help="output directory (replaced atomically)")
+    p.add_argument("--variant", default="default", choices=VARIANTS, help="tool_agent: rows for verl's multi-turn tool recipes")
+    p.add_argument("--max-rejected-fraction", type=float, default=0.05, help="fail when more than this fraction of rows is rejected (default 0.05)")
+    p.add_argument("--limit", type=int, default=None, help="keep at most this many rows per split (smoke runs)")
+    p.add_argument("--registry", default=None, help="YAML/JSON file with extra dataset entries")
+    p.add_argument("--skip-existing", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip when OUTPUT already holds a complete result for the same input and settings (default on)")
+
+
+def resolve_splits(spec: registry.DatasetSpec, root: Path) -> dict[str, list[str]]:
+    """split -> data files, as ``datasets`` resolves them from the repository's file names."""
+    if root.is_file():
+        return {"train": [str(root)]}
+    if not root.is_dir():
+        raise UserError(f"--input {root}: no such file or directory; pass the snapshot path from the download step")
+    import datasets
+
+    try:
+        builder = datasets.load_dataset_builder(str(root), data_dir=spec.config)
+    except (FileNotFoundError, ValueError, datasets.exceptions.DataFilesNotFoundError) as exc:
+        raise UserError(f"--input {root}: no data files for dataset {spec.name} ({' '.join(str(exc).split())[:160]})") from None
+    files = builder.config.data_files or {}
+    return {str(split): sorted(str(f) for f in paths) for split, paths in files.items()}
+
+
+def _parquet_batches(path: str, required: tuple[str, ...], where: str):
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as exc:
+        raise UserError(f"{where}: {Path(path).name} is not a readable parquet file ({exc.__class__.__name__}); re-download the snapshot") from None
+    names = set(pf.schema_arrow.names)
+    missing = [c for c in required if c not in names]
+    if missing:
+        raise UserError(f"{where}: missing columns {missing} (found {sorted(names)}); is this the right --dataset?")
+    yield from pf.iter_batches(batch_size=BATCH_ROWS)
+
+
+def _converted_batches(module, files, split, out_split, data_source, rejects, where):
+    """Yield (rows_in, pa.Table of verl rows) per batch; rejected rows go to ``rejects``."""
+    import pyarrow as pa
+
+    start = 0
+    for path in files:
+        if hasattr(module, "read_rows"):  # line-oriented formats (JSONL)
+            source = _chunks(module.read_rows(path), rejects, out_split)
+        else:
+            source = (b.to_pylist() if hasattr(module, "convert_row") else b for b in _parquet_batches(path, module.REQUIRED_COLUMNS, where))
+        for batch in source:
+            if hasattr(module, "convert_batch"):
+                table, bad = module.convert_batch(batch, out_split, start, data_source)
+                n_in = batch.num_rows
+                rejects.extend((out_split, r, reason) for r, reason in bad)
+            else:
+                rows, n_in = [], len(batch)
+                for i, row in enumerate(batch):
+                    try:
+                        rows.append(module.convert_row(row, out_split, start + i, data_source))
+                    except Reject as r:
+                        rejects.append((out_split, row, str(r)))
+                table = pa.Table.from_pylist(rows) if rows else None
+            start += n_in
+            yield n_in, table
+
+
+def _chunks(rows_and_reasons, rejects, split):
+    chunk = []
+    for row, reason in rows_and_reasons:
+        if reason:
+            rejects.append((split, row, reason))
+            chunk.append(None)  # still counts as a row read
+        else:
+            chunk.append(row)
+        if len(chunk) >= BATCH_ROWS:
+            yield _Chunk(chunk)
+            chunk = []
+    if chunk:
+        yield _Chunk(chunk)
+
+
+class _Chunk(list):
+    """A batch of rows where ``None`` marks a line already rejected while reading."""
+
+    def __iter__(self):
+        return (r for r in list.__iter__(self) if r is not None)
+
+    def __len__(self):
+        return list.__len__(self)
+
+
+def _dedupe(tables_in):
+    """Streamed exact-duplicate removal; returns (kept tables, rows seen, prompt -> set of ground truths)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    seen: set[str] = set()
+    truths: dict[str, set[str]] = defaultdict(set)
+    kept, rows_in, converted = [], 0, 0
+    for n_in, t in tables_in:
+        rows_in += n_in
+        if t is None or len(t) == 0:
+            continue
+        converted += len(t)
+        key = prompt_key(t["prompt"])
+        if "_key_extra" in t.column_names:
+            key = pc.binary_join_element_wise(key, t["_key_extra"].combine_chunks(), "\x1d")
+            t = t.drop_columns(["_key_extra"])
+        gt = ground_truth(t)
+        pair = pc.binary_join_element_wise(key, pc.fill_null(gt, ""), "\x00").dictionary_encode()
+        uniq, first = np.unique(pair.indices.to_numpy(zero_copy_only=False), return_index=True)
+        values = pair.dictionary.to_pylist()
+        keep = []
+        for u, f in zip(uniq.tolist(), first.tolist()):
+            v = values[u]
+            if v in seen:
+                continue
+            seen.add(v)
+            k, g = v.split("\x00", 1)
+            truths[k].add(g)
+            keep.append(f)
+        keep.sort()
+        kept_t = t.take(pa.array(keep, pa.int64()))
+        kept.append(kept_t.append_column("_key", key.take(pa.array(keep, pa.int64()))))
+    return kept, rows_in, converted, truths
+
+
+def _json_safe(obj):
+    if isinstance(obj, bytes):
+        return f"<{len(obj)} bytes>"
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items() if not str(k).startswith("_")}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def process(spec: registry.DatasetSpec, root: Path, variant: str = "default", limit: int | None = None):
+    """Returns ({split: pa.Table}, stats, rejects). Raises UserError for unusable input."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    module = importlib.import_module(f"pipeline_steps.data.preprocessors.{spec.preprocessor}")
+    data_source = spec.data_source or module.DATA_SOURCE
+    splits = resolve_splits(spec, root)
+    if not splits:
+        raise UserError(f"--input {root}: no data files found for dataset {spec.name}")
+    outputs, stats_splits, rejects = {}, {}, []
+    for split, files in sorted(splits.items()):
+        out_split = getattr(module, "SPLIT_NAMES", {}).get(split, split)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", out_split):
+            raise UserError(f"--input {root}: split name {out_split!r} is not a safe file name; rename the data files")
+        where = f"dataset {spec.name} split {split}"
+        before = len(rejects)
+        kept, rows_in, converted, truths = _dedupe(_converted_batches(module, files, split, out_split, data_source, rejects, where))
+        conflicts = {k for k, gts in truths.items() if len(gts) > 1}
+        table = pa.concat_tables(kept, promote_options="permissive") if kept else None
+        conflict_rows = 0
+        if table is not None and conflicts:
+            is_conflict = pc.is_in(table["_key"], value_set=pa.array(sorted(conflicts)))
+            for row in table.filter(is_conflict).drop_columns(["_key"]).to_pylist():
+                rejects.append((out_split, row, "conflicting_ground_truth"))
+            conflict_rows = pc.sum(is_conflict).as_py() or 0
+            table = table.filter(pc.invert(is_conflict))
+        if table is not None:
+            table = table.drop_columns(["_key"])
+            if limit is not None:
+                table = table.slice(0, limit)
+            if variant == "tool_agent":
+                table = pa.Table.from_pylist(tool_agent_rows(table.to_pylist(), module.TOOL_NAME))
+        unique = sum(len(t) for t in kept)
+        stats_splits[out_split] = {
+            "files": [Path(f).name for f in files],
+            "rows_in": rows_in,
+            "rows_out": 0 if table is None else len(table),
+            "duplicates": converted - unique,
+            "conflicting_prompts": len(conflicts),
+            "conflicting_rows": conflict_rows,
+            "rejected": len(rejects) - before,
+        }
+        if table is not None and len(table):
+            outputs[out_split] = table
+    rows_in = sum(s["rows_in"] for s in stats_splits.values())
+    if rows_in == 0:
+        raise UserError(f"--input {root}: dataset {spec.name} has no rows; check the snapshot and --dataset")
+    by_reason = Counter(reason for _, _, reason in rejects)
+    stats = {
+        "dataset": spec.name,
+        "preprocessor": spec.preprocessor,
+        "data_source": data_source,
+        "variant": variant,
+        "limit": limit,
+        "splits": stats_splits,
+        "rows_in": rows_in,
+        "rows_out": sum(s["rows_out"] for s in stats_splits.values()),
+        "duplicates": sum(s["duplicates"] for s in stats_splits.values()),
+        "conflicting_prompts": sum(s["conflicting_prompts"] for s in stats_splits.values()),
+        "rejected": len(rejects),
+        "rejected_by_reason": dict(sorted(by_reason.items())),
+    }
+    return outputs, stats, rejects
+
+
+def _parquet_bytes(table) -> bytes:
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", row_group_size=BATCH_ROWS)
+    return buf.getvalue()
+
+
+def _summary(spec, out: Path, stats: dict, skipped: bool) -> dict:
+    splits = sorted(k for k, v in stats["splits"].items() if v["rows_out"])
+    return {
+        "dataset": spec.name,
+        "output": str(out),
+        "splits": {s: str(out / f"{s}.parquet") for s in splits},
+        "content_hash": stats["content_hash"],
+        "rows_out": stats["rows_out"],
+        "duplicates": stats["duplicates"],
+        "rejected": stats["rejected"],
+        "commit": stats["source"]["commit"],
+        "skipped": skipped,
+    }
+
+
+def _existing(out: Path, root: Path, args) -> dict | None:
+    """stats.json of a complete earlier run on the same input and settings (the directory appears atomically)."""
+    try:
+        stats = json.loads((out / "stats.json").read_text())
+    except (OSError, ValueError):
+        return None
+    same = stats.get("source", {}).get("input") == str(root) and stats.get("variant") == args.variant and stats.get("limit") == args.limit
+    files_ok = all((out / f"{s}.parquet").is_file() for s, v in stats.get("splits", {}).items() if v.get("rows_out"))
+    return stats if same and files_ok else None
+
+
+def run(args):
+    spec = registry.get(args.dataset, args.registry)
+    root = Path(args.input)
+    out = Path(args.output)
+    if args.skip_existing and (stats := _existing(out, root, args)):
+        log.info("dataset %s: %s already holds this input's output; skipping", spec.name, out)
+        return _summary(spec, out, stats, skipped=True)
+    if not 0.0 <= args.max_rejected_fraction <= 1.0:
+        raise UserError(f"--max-rejected-fraction {args.max_rejected_fraction}: must be between 0 and 1")
+    if args.limit is not None and args.limit < 1:
+        raise UserError(f"--limit {args.limit}: must be at least 1")
+    outputs, stats, rejects = process(spec, root, args.variant, args.limit)
+    # conflicts are reported and kept out, but they are a property of the source, not malformed rows
+    bad = {r: n for r, n in stats["rejected_by_reason"].items() if r != "conflicting_ground_truth"}
+    fraction = sum(bad.values()) / stats["rows_in"]
+    if fraction > args.max_rejected_fraction:
+        top = ", ".join(f"{r}={n}" for r, n in sorted(bad.items(), key=lambda x: -x[1])[:3])
+        raise UserError(
+            f"dataset {spec.name}: {sum(bad.values())} of {stats['rows_in']} rows rejected ({fraction:.1%}: {top}), "
+            f"above --max-rejected-fraction {args.max_rejected_fraction}; fix the input or raise the threshold"
+        )
+    if not outputs:
+        raise UserError(f"dataset {spec.name}: every row was rejected or removed; nothing to write")
+    files = {f"{split}.parquet": _parquet_bytes(t) for split, t in sorted(outputs.items())}
+    digest = hashlib.sha256()
+    for name, data in sorted(files.items()):
+        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
+    stats["content_hash"] = digest.hexdigest()
+    stats["source"] = {"input": str(root), "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None}
+    with atomic.atomic_dir(out) as tmp:
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as f:
+            for split, row, reason in rejects:
+                f.write(json.dumps({"split": split, "reason": reason, "row": _json_safe(row)}, sort_keys=True, default=str) + "\n")
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True, default=str) + "\n")
+    log.info("dataset %s: %d rows in, %d out, %d duplicates, %d rejected -> %s", spec.name, stats["rows_in"], stats["rows_out"], stats["duplicates"], stats["rejected"], out)
+    return _summary(spec, out, stats, skipped=False)

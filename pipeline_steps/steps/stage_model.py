@@ -1,0 +1,113 @@
+"""Step ``stage-model``: model weights at a pinned revision -> ``<root>/models/<org>/<name>/<revision>/``.
+
+SOURCE is one of
+- a Hugging Face repo id (``org/name``): ``snapshot_download`` at ``--revision`` (token from
+  ``HF_TOKEN``, read by huggingface_hub itself); the path names the resolved commit;
+- a local directory: staged under ``models/local/<dir name>/<revision>``;
+- ``tiny``: the project's tiny Qwen2-architecture model, built locally
+  (pipeline_steps.local.tiny_model) under ``models/local/tiny/<revision>``.
+For local sources the revision defaults to a short hash of the files' content, so
+the same weights always land in the same place. A version that is already staged
+and verifies against its manifest is skipped (for a pinned Hub commit, without
+contacting the Hub).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import tempfile
+from pathlib import Path
+
+from pipeline_steps.errors import UserError
+from pipeline_steps.store import open_store, parse_uri
+from pipeline_steps.store.base import _ChecksumCache, _source_files, file_checksums
+
+log = logging.getLogger(__name__)
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+REV_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+def add_arguments(p):
+    p.add_argument("--model", required=True, help="Hub repo id (org/name), a local directory, or 'tiny'")
+    p.add_argument("--revision", default=None, help="Hub branch/tag/commit (pin a commit); for local sources a label (default: content hash)")
+    p.add_argument("--dest", required=True, help="store root URI; the model goes to <dest>/models/<org>/<name>/<revision>/")
+
+
+def content_revision(src: Path, length: int = 12) -> str:
+    """Short hash of a directory's file names and contents (stable across machines)."""
+    cache = _ChecksumCache()
+    h = hashlib.sha256()
+    for rel, path in _source_files(src):
+        h.update(f"{rel}\0{file_checksums(path, None, cache)['sha256']}\n".encode())
+    return h.hexdigest()[:length]
+
+
+def _check_revision(rev: str) -> str:
+    if not REV_RE.match(rev or ""):
+        raise UserError(f"--revision {rev!r}: use a commit hash, tag or branch of letters, digits, '.', '_' or '-'")
+    return rev
+
+
+def _already_staged(store, uri: str, local: Path | None) -> bool:
+    manifest, problems = store.verify(uri)
+    if manifest is None:
+        return False
+    if problems:
+        log.warning("staged model %s does not verify (%s); re-staging", uri, "; ".join(problems[:3]))
+        return False
+    if local is not None:  # same files as the source?
+        cache = _ChecksumCache()
+        want = {rel: file_checksums(p, None, cache)["sha256"] for rel, p in _source_files(local)}
+        have = {e["path"]: e["sha256"] for e in manifest["files"]}
+        if want != have:
+            return False
+    return True
+
+
+def _stage(store, src: Path, uri: str, revision: str, source: str) -> dict:
+    if _already_staged(store, uri, src):
+        manifest = store.read_manifest(uri)
+        log.info("model %s already staged at %s", source, uri)
+        return {"uri": uri, "revision": revision, "source": source, "skipped": True, "uploaded": 0,
+                "files": len(manifest["files"]), "bytes_uploaded": 0}
+    summary = store.upload_dir(src, uri)
+    return {**summary, "uri": uri, "revision": revision, "source": source, "skipped": False}
+
+
+def run(args):
+    root = parse_uri(args.dest)
+    store = open_store(args.dest)
+    model = args.model.strip()
+    if model == "tiny":
+        from pipeline_steps.local import tiny_model
+
+        with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
+            src = tiny_model.build(Path(tmp) / "tiny")
+            rev = _check_revision(args.revision) if args.revision else content_revision(src)
+            return _stage(store, src, str(root.child(f"models/local/tiny/{rev}")), rev, "tiny")
+    local = Path(model).expanduser()
+    if local.is_dir():
+        name = local.resolve().name
+        if not NAME_RE.match(name):
+            raise UserError(f"--model {model!r}: directory name {name!r} cannot be used as a model name; rename it (letters, digits, '.', '_', '-')")
+        rev = _check_revision(args.revision) if args.revision else content_revision(local)
+        return _stage(store, local, str(root.child(f"models/local/{name}/{rev}")), rev, str(local))
+    if not REPO_RE.match(model):
+        raise UserError(f"--model {model!r}: not a directory, not 'tiny', and not a Hub repo id of the form org/name")
+    org, name = model.split("/")
+    revision = _check_revision(args.revision or "main")
+    if COMMIT_RE.match(revision):  # pinned: check the store before touching the Hub
+        uri = str(root.child(f"models/{org}/{name}/{revision}"))
+        if _already_staged(store, uri, None):
+            manifest = store.read_manifest(uri)
+            return {"uri": uri, "revision": revision, "source": model, "skipped": True, "uploaded": 0,
+                    "files": len(manifest["files"]), "bytes_uploaded": 0}
+    from pipeline_steps.steps.download import fetch_snapshot
+
+    snapshot = fetch_snapshot(model, revision, (), repo_type="model")
+    commit = snapshot.name  # snapshot folders are named by the resolved commit
+    return _stage(store, snapshot, str(root.child(f"models/{org}/{name}/{commit}")), commit, model)

@@ -1,0 +1,69 @@
+"""Step ``train-local``: GRPO on CPU, the process that runs inside the local Ray job.
+
+``python -m pipeline_steps train-local --experiment local_tiny --train-files T.parquet
+--val-files V.parquet --model-path MODEL --output-dir RUN_DIR [--override K=V ...]``
+
+Composes verl's config from the preset, the keys derived here (data files, model
+path, checkpoint dir) and the user's overrides, then trains with
+:mod:`pipeline_steps.local.grpo_cpu`. Outputs, in verl's layout so later steps do not
+care which backend trained:
+
+* ``RUN_DIR/checkpoints/latest_checkpointed_iteration.txt`` and
+  ``RUN_DIR/checkpoints/global_step_N/actor/`` (FSDP shards + ``huggingface/``);
+* verl file-logger JSON lines at ``$VERL_FILE_LOGGER_PATH`` (default ``RUN_DIR/metrics.jsonl``);
+* ``RUN_DIR/train_summary.json`` (also the step's JSON summary).
+
+Re-running with the same arguments resumes from the latest checkpoint
+(``trainer.resume_mode=auto``); a finished run is not trained again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from pipeline_steps import atomic
+from pipeline_steps.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p):
+    p.add_argument("--experiment", required=True, help="preset name (dags/experiments/NAME.yaml) or a YAML file")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override; repeatable")
+    p.add_argument("--train-files", nargs="+", required=True, help="verl-schema parquet files for training")
+    p.add_argument("--val-files", nargs="+", default=[], help="verl-schema parquet files for validation (used when trainer.test_freq > 0)")
+    p.add_argument("--model-path", required=True, help="Hugging Face model directory (config, weights, tokenizer)")
+    p.add_argument("--output-dir", required=True, help="run directory: checkpoints/, metrics.jsonl, train_summary.json")
+
+
+def derived_keys(train_files, val_files, model_path, output_dir) -> dict:
+    """The verl keys this step fixes from its arguments (the user's overrides still win)."""
+    return {
+        "data.train_files": [str(Path(f).resolve()) for f in train_files],
+        "data.val_files": [str(Path(f).resolve()) for f in val_files],
+        "actor_rollout_ref.model.path": str(Path(model_path).resolve()),
+        "trainer.default_local_dir": str(Path(output_dir).resolve() / "checkpoints"),
+        "trainer.device": "cpu",
+    }
+
+
+def run(args) -> dict:
+    from pipeline_steps.training import experiment
+
+    for f in [*args.train_files, *args.val_files]:
+        if not Path(f).is_file():
+            raise UserError(f"data file {f}: not found; pass parquet files written by the preprocess step")
+    if not (Path(args.model_path) / "config.json").is_file():
+        raise UserError(f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model directory (build-tiny-model makes one)")
+    out = Path(args.output_dir).resolve()
+    exp = experiment.load(args.experiment, args.override, derived=derived_keys(args.train_files, args.val_files, args.model_path, out))
+    cfg = experiment.compose(exp)
+    metrics_path = os.environ.get("VERL_FILE_LOGGER_PATH") or str(out / "metrics.jsonl")
+
+    from pipeline_steps.local import grpo_cpu
+
+    summary = grpo_cpu.train(cfg, metrics_path=metrics_path)
+    summary.update(experiment=exp.name, experiment_digest=exp.digest())
+    atomic.write_json(out / "train_summary.json", summary)
+    return summary

@@ -1,0 +1,229 @@
+"""Experiment presets and the verl config they compose to.
+
+A preset (``dags/experiments/<name>.yaml``) holds what the pipeline needs around
+verl (model, datasets, cluster shape, evaluation settings) and a ``verl:`` map of
+verl Hydra overrides. A run merges, last one winning: the preset's ``verl`` map,
+the keys the pipeline derives (data files, model path, nodes, checkpoint dir),
+and free-form ``KEY=VALUE`` overrides typed by the user.
+
+:func:`compose` hands the result to verl's own Hydra config
+(``verl.trainer.config/ppo_trainer``), so unknown keys and bad types fail the
+way they would on the cluster, but on CPU in seconds.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import importlib.resources
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+
+import yaml
+
+from pipeline_steps.errors import UserError
+
+PRESETS_ENV = "VERL_PIPELINE_PRESETS_DIR"  # a deployment's own presets; they shadow the packaged ones by name
+
+
+def preset_dirs() -> list[Path]:
+    """Where presets are looked up, first match wins: ``$VERL_PIPELINE_PRESETS_DIR``, then the packaged ones."""
+    packaged = Path(str(importlib.resources.files("pipeline_steps.training") / "presets"))
+    extra = os.environ.get(PRESETS_ENV)
+    return [Path(extra), packaged] if extra else [packaged]
+
+
+def preset_names() -> list[str]:
+    return sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml")})
+KEY_RE = re.compile(r"^\+{0,2}[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+
+
+@dataclasses.dataclass
+class Experiment:
+    name: str
+    spec: dict  # the preset, with pipeline-level sections (model, datasets, cluster, evaluation, ...)
+    verl: dict  # verl Hydra overrides, dotted key -> value, in application order
+
+    def overrides(self) -> list[str]:
+        """Hydra override strings, every value rendered as a Hydra literal."""
+        return [f"{k}={hydra_value(v)}" for k, v in self.verl.items()]
+
+    def digest(self) -> str:
+        """Hash of everything that decides the training run (for lineage)."""
+        blob = json.dumps({"spec": self.spec, "verl": self.verl}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def hydra_value(v) -> str:
+    """Render a Python value as a Hydra override literal (strings always quoted)."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(hydra_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{_dict_key(k)}:{hydra_value(x)}" for k, x in v.items()) + "}"
+    return quote_string(str(v))
+
+
+def quote_string(s: str) -> str:
+    """A string as a Hydra quoted literal that composes back to exactly ``s``.
+
+    Hydra's own ``QuotedString`` escapes quotes and the backslashes before them;
+    on top of that OmegaConf would resolve ``${...}`` inside the string (for
+    example ``${oc.env:AWS_SECRET_ACCESS_KEY}``), so ``${`` is escaped as ``\\${``
+    (doubling any backslashes right before it, which OmegaConf would unescape).
+    """
+    from hydra.core.override_parser.types import Quote, QuotedString
+
+    s = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", s)
+    return QuotedString(text=s, quote=Quote.double).with_quotes()  # double: reads cleanly once shell-quoted
+
+
+def _dict_key(k) -> str:
+    k = str(k)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", k):
+        raise UserError(f"mapping key {k!r} in an override value: use letters, digits, '_', '-' or '.' only")
+    return k
+
+
+def cluster_keys(spec: dict) -> dict:
+    """verl keys that follow from the preset's ``cluster`` section (one place for the shape).
+
+    A CPU-only preset (``gpus_per_node: 0``, the local backend) leaves
+    ``trainer.n_gpus_per_node`` to its ``verl`` map: the CPU trainer is one process.
+    """
+    cluster = spec.get("cluster") or {}
+    if not isinstance(cluster, dict):
+        raise UserError("experiment: 'cluster' must be a mapping (nnodes, gpus_per_node, image, ...)")
+    out = {}
+    if "nnodes" in cluster:
+        out["trainer.nnodes"] = cluster["nnodes"]
+    if cluster.get("gpus_per_node"):
+        out["trainer.n_gpus_per_node"] = cluster["gpus_per_node"]
+    return out
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` typed by a user -> (key, value parsed as YAML scalar/list)."""
+    if "=" not in text:
+        raise UserError(f"--override {text!r}: expected KEY=VALUE, for example actor_rollout_ref.actor.optim.lr=1e-6")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not KEY_RE.match(key):
+        raise UserError(f"--override {text!r}: {key!r} is not a dotted config key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):  # YAML 1.1 reads 1e-6 as a string; users mean a number
+        try:
+            value = float(value) if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()) else value
+        except ValueError:
+            pass
+    if isinstance(value, (dict, list, bool, int, float)) or value is None:
+        return key, value
+    return key, str(raw)
+
+
+def resolve_path(name_or_file: str) -> Path:
+    p = Path(name_or_file)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", name_or_file):
+        for d in preset_dirs():
+            if (cand := d / f"{name_or_file}.yaml").is_file():
+                return cand
+    known = preset_names()
+    raise UserError(f"--experiment {name_or_file!r}: no such preset file or name; known presets: {known}")
+
+
+def load(name_or_file: str, overrides: list[str] | None = None, derived: dict | None = None) -> Experiment:
+    """Load a preset and merge pipeline-derived keys and user overrides (user wins)."""
+    path = resolve_path(name_or_file)
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise UserError(f"experiment {path}: invalid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("verl", {}), dict):
+        raise UserError(f"experiment {path}: must be a mapping with a 'verl' mapping of overrides")
+    verl = dict(spec.pop("verl", {}) or {})
+    for key in verl:
+        if not KEY_RE.match(str(key)):
+            raise UserError(f"experiment {path}: verl key {key!r} is not a dotted config key")
+    for k, v in {**cluster_keys(spec), **(derived or {})}.items():
+        verl.pop(k, None)  # later sources win and are applied later
+        verl[k] = v
+    for text in overrides or []:
+        k, v = parse_override(text)
+        verl.pop(k, None)  # re-insert so the user's value is applied last
+        verl[k] = v
+    spec.setdefault("name", path.stem)
+    return Experiment(name=str(spec["name"]), spec=copy.deepcopy(spec), verl=verl)
+
+
+@functools.lru_cache(maxsize=1)
+def verl_defaults() -> dict:
+    """verl's flattened default trainer config (``_generated_ppo_trainer.yaml``, kept in sync by verl's CI).
+
+    Read as plain YAML: locating the package does not import verl (which takes seconds).
+    """
+    spec = importlib.util.find_spec("verl")
+    path = Path(list(spec.submodule_search_locations)[0]) / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(path, encoding="utf-8") as f:
+        return yaml.load(f, Loader=loader) or {}
+
+
+def suggest_key(key: str) -> str | None:
+    """The closest existing verl key to a misspelt one (same parent section first)."""
+    import difflib
+
+    node, parts = verl_defaults(), key.lstrip("+").split(".")
+    prefix = []
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            break
+        node, prefix = node[part], prefix + [part]
+    if not isinstance(node, dict):
+        return None
+    rest = ".".join(parts[len(prefix):])
+    match = difflib.get_close_matches(rest, [str(k) for k in node], n=1, cutoff=0.6)
+    return ".".join(prefix + [match[0]]) if match else None
+
+
+def compose(exp: Experiment):
+    """verl's own Hydra composition of ``ppo_trainer`` with the experiment's overrides.
+
+    Raises UserError naming the offending key when Hydra rejects an override.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+            return hydra_compose(config_name="ppo_trainer", overrides=exp.overrides())
+    except (ConfigCompositionException, OverrideParseException) as exc:
+        cause = exc.__cause__ or exc
+        msg = " ".join(str(cause).split())
+        m = re.search(r"Could not override '([^']+)'", str(exc))
+        key = m.group(1) if m else None
+        if key and "not in struct" in msg:
+            hint = suggest_key(key)
+            hint = f" (did you mean {hint}?)" if hint else ""
+            raise UserError(f"verl override {key!r}: no such key in verl's ppo_trainer config{hint}; fix its spelling or prefix it with '+' to add a new key") from None
+        if key:
+            raise UserError(f"verl override {key!r} rejected: {msg[:300]}; check the key's spelling against verl's ppo_trainer config") from None
+        raise UserError(f"verl config does not compose: {msg[:300]}") from None
+    finally:
+        GlobalHydra.instance().clear()

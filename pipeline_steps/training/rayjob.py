@@ -1,0 +1,341 @@
+"""Render the KubeRay RayJob that runs an experiment on the cluster.
+
+``python -m pipeline_steps render-rayjob --experiment FILE [--override KEY=VALUE ...] --output FILE``
+
+The RayJob is ``k8s/templates/rayjob.yaml`` (the one source of truth) with its
+marked fields filled: a deterministic name and ``spec.jobId`` from the DAG run
+(a retry finds the same job), labels with dag/run/task ids, the entrypoint
+``python3 -m verl.trainer.main_ppo <overrides>`` with every argument shell-quoted,
+store URIs turned into paths on the bucket mounts, checkpoints
+(``trainer.default_local_dir``) and verl's file logger on the shared mount,
+``trainer.resume_mode=auto`` so a new attempt resumes, secrets only through
+``secretKeyRef``, a deadline, cleanup after the job and an optional Kueue queue.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import os
+import posixpath
+import re
+import shlex
+from pathlib import Path
+
+import yaml
+
+from pipeline_steps import atomic
+from pipeline_steps.constants import RAYJOB_NAME_MAX
+from pipeline_steps.errors import UserError
+from pipeline_steps.store.base import SCHEMES
+from pipeline_steps.training import experiment as experiment_mod
+from pipeline_steps.training.experiment import Experiment
+from pipeline_steps.training.mounts import MountMap, split_uri
+
+TEMPLATE = Path(__file__).with_name("rayjob_template.yaml")  # package data; k8s/templates/rayjob.yaml links here
+LABEL_DAG, LABEL_RUN, LABEL_TASK = "dag_id", "run_id", "task_id"  # as the cncf-kubernetes provider labels pods
+LABEL_KIND = "app.kubernetes.io/component"
+KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+ANNOTATION_PREFIX = "verl-grpo-pipeline/"
+IMAGE_ENV = "PIPELINE_TRAIN_IMAGE"
+SERVICE_ACCOUNT_ENV = "PIPELINE_RAY_SERVICE_ACCOUNT"
+MAIN_PPO = ["python3", "-m", "verl.trainer.main_ppo"]
+
+_LABEL_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_SECRET_KEY_RE = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+_SECRETISH = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|ACCESS_KEY|PRIVATE_KEY|API_KEY", re.I)
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti|P|Pi|E|Ei)?$")
+
+
+# -- names and labels -------------------------------------------------------------------------------
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]", "-", str(s).lower())).strip("-")
+
+
+def rayjob_name(dag_id: str, run_id: str, task_id: str, job_kind: str) -> str:
+    """Deterministic RayJob name: DNS-1035 label, <= 47 chars (KubeRay's limit, under 63), hash-suffixed.
+
+    The hash covers all four inputs, so two runs never share a name however they slug.
+    """
+    h = _digest(dag_id, run_id, task_id, job_kind)[:10]
+    kind = _slug(job_kind)[:8].strip("-")
+    kind = kind if kind[:1].isalpha() else f"j{kind}"[:8].strip("-") or "job"
+    parts = [kind] + [p for p in (_slug(dag_id)[:12].strip("-"), _slug(task_id)[:12].strip("-")) if p] + [h]
+    return "-".join(parts)[:RAYJOB_NAME_MAX]
+
+
+def label_value(value: str) -> str:
+    """A valid label value for any string (<= 63 chars; hash-suffixed when it had to change)."""
+    value = str(value)
+    safe = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9_.-]|[^A-Za-z0-9]+$", "", value)
+    if len(safe) > 63 or safe != value:
+        h = _digest(value)[:9]
+        head = safe[:53].rstrip("-_.")
+        safe = f"{head}-{h}" if head else h
+    assert _LABEL_RE.match(safe) and len(safe) <= 63
+    return safe
+
+
+def checkpoint_uri(runs_uri: str, experiment: str, run_id: str) -> str:
+    """Where a run's checkpoints live: ``<runs_uri>/<experiment>/<run slug>/checkpoints``."""
+    run = _slug(run_id)[:80] or "run"
+    return f"{runs_uri.rstrip('/')}/{_slug(experiment) or 'experiment'}/{run}-{_digest(run_id)[:8]}/checkpoints"
+
+
+def metrics_uri(ckpt_uri: str) -> str:
+    """verl's file-logger output, next to the checkpoints directory."""
+    return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "metrics.jsonl")
+
+
+# -- config sections ----------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _template_text() -> str:
+    return TEMPLATE.read_text(encoding="utf-8")
+
+
+def load_template() -> dict:
+    """A fresh copy of the RayJob template."""
+    return yaml.safe_load(_template_text())
+
+
+def _int(value, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"{what}={value!r}: must be an integer >= {minimum}")
+    return value
+
+
+def _quantity(value, what: str) -> str:
+    s = str(value)
+    if not _QUANTITY.match(s):
+        raise UserError(f"{what}={value!r}: not a Kubernetes quantity (for example 8, 500m, 32Gi)")
+    return s
+
+
+def _resources(section: dict | None, what: str, defaults: dict) -> dict:
+    section = dict(section or {})
+    unknown = set(section) - {"cpu", "memory", "shm"}
+    if unknown:
+        raise UserError(f"{what}: unknown keys {sorted(unknown)}; allowed: cpu, memory, shm")
+    return {k: _quantity(section.get(k, defaults[k]), f"{what}.{k}") for k in defaults}
+
+
+def _secret_env(cluster: dict) -> list[dict]:
+    """Container env entries that read secrets by name (``cluster.secrets``); never a literal value."""
+    out = []
+    for i, s in enumerate(cluster.get("secrets") or []):
+        what = f"cluster.secrets[{i}]"
+        if not isinstance(s, dict) or set(s) - {"env", "secret", "key", "optional"}:
+            raise UserError(f"{what}: expected {{env, secret, key[, optional]}} naming a Kubernetes Secret, never a value")
+        env, secret, key = str(s.get("env", "")), str(s.get("secret", "")), str(s.get("key", ""))
+        if not _ENV_RE.match(env):
+            raise UserError(f"{what}.env={env!r}: not an environment variable name")
+        if not _DNS_SUBDOMAIN.match(secret):
+            raise UserError(f"{what}.secret={secret!r}: not a Kubernetes Secret name (lower-case DNS name)")
+        if not _SECRET_KEY_RE.match(key):
+            raise UserError(f"{what}.key={key!r}: not a Secret data key")
+        ref = {"name": secret, "key": key}
+        if "optional" in s:
+            if not isinstance(s["optional"], bool):
+                raise UserError(f"{what}.optional must be true or false")
+            ref["optional"] = s["optional"]
+        out.append({"name": env, "valueFrom": {"secretKeyRef": ref}})
+    return out
+
+
+def _plain_env(cluster: dict) -> dict:
+    env = cluster.get("env") or {}
+    if not isinstance(env, dict):
+        raise UserError("cluster.env: expected a mapping of NAME: value (non-secret settings only)")
+    out = {}
+    for k, v in env.items():
+        if not _ENV_RE.match(str(k)):
+            raise UserError(f"cluster.env: {k!r} is not an environment variable name")
+        if _SECRETISH.search(str(k)):
+            raise UserError(f"cluster.env.{k}: looks like a secret; reference a Kubernetes Secret in cluster.secrets instead")
+        out[str(k)] = str(v)
+    return out
+
+
+# -- entrypoint ---------------------------------------------------------------------------------------
+
+
+def _to_pod(value, key: str, mounts: MountMap):
+    """Store URIs inside an override value -> pod paths on the bucket mounts."""
+    if isinstance(value, list):
+        return [_to_pod(v, key, mounts) for v in value]
+    if isinstance(value, str):
+        parts = split_uri(value)
+        if parts and (parts[0] in SCHEMES or mounts.find(value)):
+            try:
+                return mounts.to_pod_path(value)
+            except UserError as exc:
+                raise UserError(f"{key}: {exc}") from None
+    return value
+
+
+def entrypoint_argv(exp: Experiment, mounts: MountMap, forced: dict) -> list[str]:
+    """``python3 -m verl.trainer.main_ppo key=value ...``: the experiment's overrides, store URIs mapped
+    to pod paths, then the keys the cluster backend forces (applied last, so they win)."""
+    verl = {k: _to_pod(v, k, mounts) for k, v in exp.verl.items() if k not in forced}
+    verl.update(forced)
+    return MAIN_PPO + Experiment(exp.name, exp.spec, verl).overrides()
+
+
+def join_argv(argv: list[str]) -> str:
+    """One shell-safe string: every element quoted, so no value can leave its argument."""
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+# -- the RayJob -------------------------------------------------------------------------------------
+
+
+def build_rayjob(
+    exp: Experiment,
+    *,
+    dag_id: str,
+    run_id: str,
+    task_id: str,
+    namespace: str = "default",
+    mounts: MountMap,
+    entrypoint: list[str] | None = None,
+    job_kind: str = "train",
+) -> dict:
+    """The RayJob (a dict) for ``exp``, filled into ``k8s/templates/rayjob.yaml``.
+
+    :param exp: the experiment; ``exp.verl['trainer.default_local_dir']`` must be the run's checkpoint
+        store URI when ``entrypoint`` is None (see :func:`checkpoint_uri`)
+    :param dag_id: Airflow DAG id (name, labels, annotations)
+    :param run_id: Airflow run id
+    :param task_id: Airflow task id
+    :param namespace: Kubernetes namespace of the RayJob
+    :param mounts: bucket PVC mounts; store URIs in the config become paths under them
+    :param entrypoint: argv to run instead of verl's ``main_ppo`` (for example the evaluate step);
+        every element is shell-quoted
+    :param job_kind: ``train`` or another kind (part of the name; a label)
+    :raises UserError: one line naming the bad setting
+    """
+    if not _DNS_SUBDOMAIN.match(namespace) or len(namespace) > 63:
+        raise UserError(f"--namespace {namespace!r}: not a Kubernetes namespace name")
+    cluster = exp.spec.get("cluster") or {}
+    if not isinstance(cluster, dict):
+        raise UserError("experiment: 'cluster' must be a mapping")
+    nnodes = _int(exp.verl.get("trainer.nnodes", cluster.get("nnodes", 1)), "trainer.nnodes", 1)
+    gpus = _int(exp.verl.get("trainer.n_gpus_per_node", cluster.get("gpus_per_node", 0)), "trainer.n_gpus_per_node", 1)
+    image = os.environ.get(IMAGE_ENV) or cluster.get("image")
+    if not image or not isinstance(image, str) or any(c.isspace() for c in image):
+        raise UserError(f"cluster.image={image!r}: set the training image in the preset or ${IMAGE_ENV}")
+    account = os.environ.get(SERVICE_ACCOUNT_ENV) or cluster.get("service_account") or "default"
+    if not (_DNS_SUBDOMAIN.match(str(account)) and len(str(account)) <= 253):
+        raise UserError(f"cluster.service_account={account!r}: not a Kubernetes ServiceAccount name")
+    head = _resources(cluster.get("head"), "cluster.head", {"cpu": "8", "memory": "32Gi"})
+    worker = _resources(cluster.get("worker"), "cluster.worker", {"cpu": "32", "memory": "256Gi", "shm": "64Gi"})
+    deadline = _int(cluster.get("active_deadline_seconds", 86400), "cluster.active_deadline_seconds", 1)
+    ttl = _int(cluster.get("ttl_seconds_after_finished", 600), "cluster.ttl_seconds_after_finished", 0)
+    tolerations = cluster.get("tolerations") or []
+    node_selector = cluster.get("node_selector") or {}
+    if not isinstance(tolerations, list) or not all(isinstance(t, dict) for t in tolerations):
+        raise UserError("cluster.tolerations: expected a list of Kubernetes tolerations")
+    if not isinstance(node_selector, dict):
+        raise UserError("cluster.node_selector: expected a mapping of node label to value")
+    queue = cluster.get("kueue_queue")
+    if queue is not None and not (_DNS_SUBDOMAIN.match(str(queue)) and len(str(queue)) <= 63):
+        raise UserError(f"cluster.kueue_queue={queue!r}: not a Kueue LocalQueue name")
+
+    env_vars = {"PYTHONUNBUFFERED": "1", **_plain_env(cluster)}
+    annotations = {}
+    if entrypoint is None:
+        ckpt = exp.verl.get("trainer.default_local_dir")
+        if not isinstance(ckpt, str) or split_uri(ckpt) is None:
+            raise UserError(
+                f"trainer.default_local_dir={ckpt!r}: the cluster backend needs the run's checkpoint store URI "
+                "(render-rayjob --checkpoint-uri URI, or the train task derives it); it must be on a mounted bucket"
+            )
+        ckpt_pod = mounts.to_pod_path(ckpt)
+        env_vars["VERL_FILE_LOGGER_PATH"] = mounts.to_pod_path(metrics_uri(ckpt))
+        argv = entrypoint_argv(exp, mounts, {"trainer.default_local_dir": ckpt_pod, "trainer.resume_mode": "auto"})
+        annotations["checkpoint-uri"] = ckpt
+    else:
+        if not isinstance(entrypoint, (list, tuple)) or not entrypoint or not all(isinstance(a, str) for a in entrypoint):
+            raise UserError("entrypoint: expected a non-empty list of strings (argv)")
+        argv = list(entrypoint)
+
+    name = rayjob_name(dag_id, run_id, task_id, job_kind)
+    job = load_template()
+    md = job["metadata"]
+    md["name"], md["namespace"] = name, namespace
+    md["labels"].update(
+        {LABEL_KIND: label_value(job_kind), LABEL_DAG: label_value(dag_id), LABEL_RUN: label_value(run_id), LABEL_TASK: label_value(task_id)}
+    )
+    if queue:
+        md["labels"][KUEUE_LABEL] = str(queue)
+    annotations = {"dag-id": dag_id, "run-id": run_id, "task-id": task_id, "experiment": exp.name,
+                   "experiment-digest": exp.digest(), **annotations}
+    md["annotations"] = {ANNOTATION_PREFIX + k: str(v) for k, v in annotations.items()}
+
+    spec = job["spec"]
+    spec["jobId"] = name
+    spec["entrypoint"] = join_argv(argv)
+    spec["runtimeEnvYAML"] = yaml.safe_dump({"env_vars": env_vars}, sort_keys=True, default_flow_style=False)
+    spec["activeDeadlineSeconds"] = deadline
+    spec["ttlSecondsAfterFinished"] = ttl
+
+    volumes, volume_mounts = mounts.volumes()
+    secret_env = _secret_env(cluster)
+    pod_annotations = mounts.pod_annotations()
+    head_tpl = spec["rayClusterSpec"]["headGroupSpec"]["template"]
+    head_tpl["metadata"]["annotations"] = dict(pod_annotations)
+    head_pod = head_tpl["spec"]
+    head_pod["serviceAccountName"] = str(account)
+    hc = head_pod["containers"][0]
+    hc["image"] = image
+    hc["resources"] = {"requests": {"cpu": head["cpu"], "memory": head["memory"]}, "limits": {"cpu": head["cpu"], "memory": head["memory"]}}
+    hc["env"] = copy.deepcopy(secret_env)
+    hc["volumeMounts"] = copy.deepcopy(volume_mounts)
+    head_pod["volumes"] = copy.deepcopy(volumes)
+
+    group = spec["rayClusterSpec"]["workerGroupSpecs"][0]
+    group["replicas"] = group["minReplicas"] = group["maxReplicas"] = nnodes
+    group["template"]["metadata"]["annotations"] = dict(pod_annotations)
+    wpod = group["template"]["spec"]
+    wpod["serviceAccountName"] = str(account)
+    wc = wpod["containers"][0]
+    wc["image"] = image
+    res = {"cpu": worker["cpu"], "memory": worker["memory"], "nvidia.com/gpu": gpus}
+    wc["resources"] = {"requests": dict(res), "limits": dict(res)}
+    wc["env"] = copy.deepcopy(secret_env)
+    wc["volumeMounts"] = [m for m in wc["volumeMounts"] if m["name"] == "dshm"] + copy.deepcopy(volume_mounts)
+    wpod["volumes"] = [v for v in wpod["volumes"] if v["name"] == "dshm"] + copy.deepcopy(volumes)
+    for v in wpod["volumes"]:
+        if v["name"] == "dshm":
+            v["emptyDir"]["sizeLimit"] = worker["shm"]
+    wpod["tolerations"] = copy.deepcopy(tolerations)
+    wpod["nodeSelector"] = {str(k): str(v) for k, v in node_selector.items()}
+    return job
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (runtimeEnvYAML) as literal blocks, where YAML allows it."""
+
+
+def _str(dumper, data: str):
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style="|" if "\n" in data else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def to_yaml(job: dict) -> str:
+    return yaml.dump(job, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1 << 16)
+
+
