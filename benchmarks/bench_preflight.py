@@ -8,6 +8,7 @@ Target: cold pre-flight under 15 s on this machine, so a bad config fails before
 
     PYTHONPATH=. .venv/bin/python -m benchmarks.bench_preflight [--repeat N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,19 @@ def main(argv: list[str] | None = None) -> int:
     base, pre = [], []
     for _ in range(args.repeat):  # interleaved, so machine load hits both alike
         base.append(_timed([sys.executable, "-c", "import verl"]))
-        pre.append(_timed([sys.executable, "-m", "pipeline_steps", "preflight", "--experiment", args.experiment, "--skip-store-check"]))
+        pre.append(
+            _timed(
+                [
+                    sys.executable,
+                    "-m",
+                    "pipeline_steps",
+                    "preflight",
+                    "--experiment",
+                    args.experiment,
+                    "--skip-store-check",
+                ]
+            )
+        )
     b, p = statistics.median(base), statistics.median(pre)
     try:
         load = os.getloadavg()[0]
@@ -50,7 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         load = float("nan")
     print(f"pre-flight, cold process, median of {args.repeat} (load average {load:.1f} on {os.cpu_count()} cores)")
     print(f"  {'baseline: import verl':40s} {b:7.2f} s   1.00x")
-    print(f"  {'preflight ' + args.experiment:40s} {p:7.2f} s   {p / b:.2f}x   target < {TARGET_S:.0f} s: {'met' if p < TARGET_S else 'MISSED'}")
+    print(
+        f"  {'preflight ' + args.experiment:40s} {p:7.2f} s   {p / b:.2f}x   target < {TARGET_S:.0f} s: {'met' if p < TARGET_S else 'MISSED'}"
+    )
 
     sys.path.insert(0, str(ROOT))
     import verl  # noqa: F401  (warm: the import is paid once per worker process)

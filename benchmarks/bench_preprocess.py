@@ -5,11 +5,11 @@ way verl's example scripts work (`datasets.load_dataset` + `Dataset.map` with a 
 `to_parquet`). Each case runs in its own child process; wall time and the child's peak RSS are reported side by side.
 Env: BENCH_DAPO_UNIQUE (default 17917), BENCH_DAPO_REPEAT (default 100).
 """
+
 from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -19,11 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 UNIQUE = int(os.environ.get("BENCH_DAPO_UNIQUE", "17917"))
 REPEAT = int(os.environ.get("BENCH_DAPO_REPEAT", "100"))
-TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the form Answer: "
-            "$Answer (without quotes) where $Answer is the answer to the problem.\n\n{p}\n\nRemember to put your answer on its own "
-            'line after "Answer:".')
+TEMPLATE = (
+    "Solve the following math problem step by step. The last line of your response should be of the form Answer: "
+    "$Answer (without quotes) where $Answer is the answer to the problem.\n\n{p}\n\nRemember to put your answer on its own "
+    'line after "Answer:".'
+)
 
-BASELINE = r'''
+BASELINE = r"""
 import sys, datasets
 src, out = sys.argv[1], sys.argv[2]
 ds = datasets.load_dataset("parquet", data_files=src, split="train")
@@ -33,7 +35,7 @@ def process_fn(example, idx):  # verl examples/data_preprocess style: one Python
             "extra_info": {"split": "train", "index": example["extra_info"]["index"]}}
 ds = ds.map(process_fn, with_indices=True, remove_columns=ds.column_names)
 ds.to_parquet(out)
-'''
+"""
 
 
 def generate(path: Path) -> None:
@@ -44,8 +46,15 @@ def generate(path: Path) -> None:
     for i in range(UNIQUE):
         a, b = 3 + i % 97, 7 + i % 89
         problem = f"Let $f(x) = {a}x^2 + {b}x + {i}$. Problem {i}: find the sum of the roots of $f(x) = 0$ multiplied by ${a * b}$."
-        rows.append({"data_source": "math_dapo", "prompt": [{"content": TEMPLATE.format(p=problem), "role": "user"}], "ability": "MATH",
-                     "reward_model": {"ground_truth": str(-b * b), "style": "rule-lean"}, "extra_info": {"index": f"{i:08x}-dapo"}})
+        rows.append(
+            {
+                "data_source": "math_dapo",
+                "prompt": [{"content": TEMPLATE.format(p=problem), "role": "user"}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": str(-b * b), "style": "rule-lean"},
+                "extra_info": {"index": f"{i:08x}-dapo"},
+            }
+        )
     block = pa.Table.from_pylist(rows)
     with pq.ParquetWriter(path, block.schema) as w:
         for _ in range(REPEAT):
@@ -54,9 +63,16 @@ def generate(path: Path) -> None:
 
 def run_child(argv: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of one child process, measured by a fresh wrapper process."""
-    wrapper = ("import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
-               "print(rc, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)")
-    out = subprocess.run([sys.executable, "-c", wrapper, *argv], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    wrapper = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
+        "print(rc, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", wrapper, *argv],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     rc, wall, rss = out.stdout.strip().splitlines()[-1].split()
     if rc != "0":
         raise SystemExit(f"benchmark case failed: {' '.join(argv)}\n{out.stderr[-2000:]}")
@@ -71,9 +87,24 @@ def main() -> None:
         src = src_dir / "dapo-math-17k.parquet"
         t = time.perf_counter()
         generate(src)
-        print(f"generated {UNIQUE * REPEAT:,} rows ({src.stat().st_size / 2**20:.0f} MiB parquet) in {time.perf_counter() - t:.1f}s", flush=True)
-        ours = run_child([sys.executable, "-m", "pipeline_steps", "preprocess", "--dataset", "dapo_math", "--input", str(tmp / "snapshot"),
-                          "--output", str(tmp / "ours")])
+        print(
+            f"generated {UNIQUE * REPEAT:,} rows ({src.stat().st_size / 2**20:.0f} MiB parquet) in {time.perf_counter() - t:.1f}s",
+            flush=True,
+        )
+        ours = run_child(
+            [
+                sys.executable,
+                "-m",
+                "pipeline_steps",
+                "preprocess",
+                "--dataset",
+                "dapo_math",
+                "--input",
+                str(tmp / "snapshot"),
+                "--output",
+                str(tmp / "ours"),
+            ]
+        )
         stats = json.loads((tmp / "ours" / "stats.json").read_text())
         script = tmp / "baseline.py"
         script.write_text(BASELINE)

@@ -8,6 +8,7 @@ scoring only. Both run in this process on the same trainer, after one warm-up st
 
 Run: ``cd /work/main && PYTHONPATH=. .venv/bin/python benchmarks/bench_train_step.py [--steps 5]``
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,18 @@ def _parquet(path: Path, n: int = 16) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{
-        "data_source": "openai/gsm8k",
-        "prompt": [{"role": "user", "content": f"What is {i + 2} + {3 * i + 1}? Output the final answer after \"####\"."}],
-        "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(4 * i + 3)}, "extra_info": {"index": i},
-    } for i in range(n)]
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [
+                {"role": "user", "content": f'What is {i + 2} + {3 * i + 1}? Output the final answer after "####".'}
+            ],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(4 * i + 3)},
+            "extra_info": {"index": i},
+        }
+        for i in range(n)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -50,7 +58,9 @@ def main(argv=None) -> dict:
         model = tiny_model.build(tmp / "tiny")
         train = _parquet(tmp / "train.parquet")
         derived = train_local.derived_keys([train], [], model, tmp / "run")
-        cfg = experiment.compose(experiment.load("local_tiny", ["trainer.total_training_steps=1000", *args.override], derived=derived))
+        cfg = experiment.compose(
+            experiment.load("local_tiny", ["trainer.total_training_steps=1000", *args.override], derived=derived)
+        )
         with grpo_cpu.process_group():
             trainer = grpo_cpu.GRPOTrainer(cfg, metrics_path=tmp / "metrics.jsonl")
             trainer.train_step(1)  # warm-up (first-call allocations)
@@ -68,7 +78,13 @@ def main(argv=None) -> dict:
     print(f"  {'variant':44s} {'s/step':>8s} {'ratio':>7s}")
     print(f"  {'baseline: generation + scoring only':44s} {b:8.3f} {1.0:7.2f}")
     print(f"  {'full GRPO step (+ verl core_algos update)':44s} {f:8.3f} {f / b:7.2f}")
-    result = {"bench": "train_step", "baseline_s_per_step": b, "grpo_s_per_step": f, "ratio": f / b, "steps": args.steps}
+    result = {
+        "bench": "train_step",
+        "baseline_s_per_step": b,
+        "grpo_s_per_step": f,
+        "ratio": f / b,
+        "steps": args.steps,
+    }
     print(json.dumps(result))
     return result
 

@@ -22,6 +22,7 @@ the object and its own checksum pass, under one lock), which is why ``oss/weed``
 a real S3 server in Go) is there; fake-gcs-server's cost per resumable chunk grows with the bytes already
 received (16 MiB chunks: 256 MiB in 5.4 s, 1 GiB in 76 s), which the library's 100 MiB chunks keep small.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,17 +51,17 @@ def _child(case: str, backend: str, src: str, uri: str) -> None:
             cfg.credentials_provider = oss.credentials.EnvironmentVariableCredentialsProvider()
             cfg.region, cfg.endpoint, cfg.use_path_style = os.environ["OSS_REGION"], os.environ["OSS_ENDPOINT"], True
             cfg.readwrite_timeout = 600
-            bucket, _, key = uri[len("oss://"):].partition("/")
+            bucket, _, key = uri[len("oss://") :].partition("/")
             oss.Client(cfg).put_object(oss.PutObjectRequest(bucket=bucket, key=f"{key}/{path.name}", body=data))
         elif uri.startswith("gs://"):
             from google.auth.credentials import AnonymousCredentials
             from google.cloud import storage
 
-            bucket, _, key = uri[len("gs://"):].partition("/")
+            bucket, _, key = uri[len("gs://") :].partition("/")
             b = storage.Client(project="bench", credentials=AnonymousCredentials()).bucket(bucket)
             b.blob(f"{key}/{path.name}").upload_from_string(data, timeout=600)
         elif uri.startswith("file://"):
-            out = Path(uri[len("file://"):]) / path.name
+            out = Path(uri[len("file://") :]) / path.name
             out.parent.mkdir(parents=True, exist_ok=True)
             with open(out, "wb") as f:  # as durable as the store's copy (and as an acknowledged cloud put)
                 f.write(data)
@@ -74,13 +75,27 @@ def _child(case: str, backend: str, src: str, uri: str) -> None:
         sent = open_store(uri).upload_dir(src, uri)["bytes_uploaded"]
     elapsed = time.perf_counter() - t0
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    print(json.dumps({"seconds": elapsed, "rss_mb": usage.ru_maxrss / 1024,  # Linux: KiB
-                      "cpu_s": usage.ru_utime + usage.ru_stime, "sent": sent}))
+    print(
+        json.dumps(
+            {
+                "seconds": elapsed,
+                "rss_mb": usage.ru_maxrss / 1024,  # Linux: KiB
+                "cpu_s": usage.ru_utime + usage.ru_stime,
+                "sent": sent,
+            }
+        )
+    )
 
 
 def _run(case: str, backend: str, src: Path, uri: str, env: dict) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", case, backend, str(src), uri], cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), **env}, capture_output=True, text=True, timeout=3600)
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", case, backend, str(src), uri],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"{case}/{backend} failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -137,24 +152,41 @@ def main() -> None:
 
     mib = 1 << 20
     budgets = {"file": 100, "oss": parallel * oss_part / mib + 100, "gs": gcs_part / mib + 100}
-    print(f"\nupload of one {size_mb} MiB file. RSS budget (parts in flight x part size + 100 MB): oss {parallel} x "
-          f"{oss_part / mib:g} MiB -> {budgets['oss']:.0f} MB; gs 1 x {gcs_part / mib:g} MiB -> {budgets['gs']:.0f} MB;"
-          " file: copied by the kernel -> 100 MB")
-    hdr = f"{'backend':8s} {'naive s':>8s} {'MB/s':>6s} {'RSS':>6s} {'cpu s':>6s} | {'store s':>8s} {'MB/s':>6s} {'RSS':>6s}" \
-          f" {'cpu s':>6s} {'speed x':>7s} | {'re-up s':>7s} {'re-up %':>7s} {'sent':>5s} | targets"
+    print(
+        f"\nupload of one {size_mb} MiB file. RSS budget (parts in flight x part size + 100 MB): oss {parallel} x "
+        f"{oss_part / mib:g} MiB -> {budgets['oss']:.0f} MB; gs 1 x {gcs_part / mib:g} MiB -> {budgets['gs']:.0f} MB;"
+        " file: copied by the kernel -> 100 MB"
+    )
+    hdr = (
+        f"{'backend':8s} {'naive s':>8s} {'MB/s':>6s} {'RSS':>6s} {'cpu s':>6s} | {'store s':>8s} {'MB/s':>6s} {'RSS':>6s}"
+        f" {'cpu s':>6s} {'speed x':>7s} | {'re-up s':>7s} {'re-up %':>7s} {'sent':>5s} | targets"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name, naive, first, again in rows:
         n_tp, s_tp = size_mb / naive["seconds"], size_mb / first["seconds"]
         re_up = 100 * again["seconds"] / first["seconds"]
-        missed = [what for what, ok in (("speed", s_tp >= n_tp), ("RSS", first["rss_mb"] <= budgets[name.split("/")[0]]),
-                                        ("re-up time", re_up < 5), ("re-up bytes", again["sent"] == 0)) if not ok]
-        print(f"{name:8s} {naive['seconds']:8.2f} {n_tp:6.0f} {naive['rss_mb']:5.0f}M {naive['cpu_s']:6.2f} |"
-              f" {first['seconds']:8.2f} {s_tp:6.0f} {first['rss_mb']:5.0f}M {first['cpu_s']:6.2f} {s_tp / n_tp:7.2f} |"
-              f" {again['seconds']:7.2f} {re_up:6.1f}% {again['sent']:5d} | {'met' if not missed else 'missed: ' + ', '.join(missed)}")
-    print("\nRSS = peak RSS, cpu s = user+system CPU of the uploading process (servers not included);"
-          " speed x = store throughput / naive throughput;"
-          "\ntargets: speed x >= 1, store RSS <= budget, re-upload < 5% of the first upload's time with 0 bytes sent")
+        missed = [
+            what
+            for what, ok in (
+                ("speed", s_tp >= n_tp),
+                ("RSS", first["rss_mb"] <= budgets[name.split("/")[0]]),
+                ("re-up time", re_up < 5),
+                ("re-up bytes", again["sent"] == 0),
+            )
+            if not ok
+        ]
+        print(
+            f"{name:8s} {naive['seconds']:8.2f} {n_tp:6.0f} {naive['rss_mb']:5.0f}M {naive['cpu_s']:6.2f} |"
+            f" {first['seconds']:8.2f} {s_tp:6.0f} {first['rss_mb']:5.0f}M {first['cpu_s']:6.2f} {s_tp / n_tp:7.2f} |"
+            f" {again['seconds']:7.2f} {re_up:6.1f}% {again['sent']:5d} | {'met' if not missed else 'missed: ' + ', '.join(missed)}"
+        )
+    print(
+        "\nRSS = peak RSS, cpu s = user+system CPU of the uploading process (servers not included);"
+        " speed x = store throughput / naive throughput;"
+        "\ntargets: speed x >= 1, store RSS <= budget, re-upload < 5% of the first upload's time with 0 bytes sent"
+    )
+
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":

@@ -5,6 +5,7 @@ every exported version is scored; triggered by hand, the form names the model. T
 processed version of the named dataset in the store (``datasets/<name>/last_processed.json``) unless a parquet URI
 is given.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -23,13 +24,24 @@ from pipeline_steps.training import plan as planning
     catchup=False,
     max_active_runs=1,
     tags=["verl", "evaluation"],
-    default_args={"retries": 2, "retry_delay": timedelta(seconds=20), "retry_exponential_backoff": True,
-                  "execution_timeout": timedelta(hours=6)},
+    default_args={
+        "retries": 2,
+        "retry_delay": timedelta(seconds=20),
+        "retry_exponential_backoff": True,
+        "execution_timeout": timedelta(hours=6),
+    },
     params={
-        "model_uri": Param("", type="string", pattern="^((file|oss|gs)://[A-Za-z0-9._/-]+|/[A-Za-z0-9._/-]+)?$", title="Model URI",
-                           description="An exported or staged model (store URI or local path); empty = the exported model that triggered the run."),
+        "model_uri": Param(
+            "",
+            type="string",
+            pattern="^((file|oss|gs)://[A-Za-z0-9._/-]+|/[A-Za-z0-9._/-]+)?$",
+            title="Model URI",
+            description="An exported or staged model (store URI or local path); empty = the exported model that triggered the run.",
+        ),
         "eval_dataset": Param("aime2024", type="string", pattern="^[a-z0-9][a-z0-9_.-]{0,63}$", title="Evaluation set"),
-        "eval_data_uri": Param("", type="string", pattern="^((file|oss|gs)://[A-Za-z0-9._/-]+\\.parquet)?$", title="Evaluation parquet URI"),
+        "eval_data_uri": Param(
+            "", type="string", pattern="^((file|oss|gs)://[A-Za-z0-9._/-]+\\.parquet)?$", title="Evaluation parquet URI"
+        ),
         "k": Param(4, type="integer", minimum=1, maximum=256, title="Samples per problem"),
         "temperature": Param(1.0, type="number", minimum=0, maximum=2),
         "top_p": Param(1.0, type="number", exclusiveMinimum=0, maximum=1),
@@ -55,18 +67,37 @@ def verl_evaluate_model():
             events = [e for evs in triggering_asset_events.values() for e in evs]
             model = events[-1].asset.uri if events else ""
         if not model:
-            raise AirflowFailException("model_uri: empty and no exported-model event triggered this run; name a model to evaluate")
+            raise AirflowFailException(
+                "model_uri: empty and no exported-model event triggered this run; name a model to evaluate"
+            )
         data = params.get("eval_data_uri")
         if not data:
-            pointer = open_store(store_root).read_bytes(f"{store_root}/datasets/{params['eval_dataset']}/last_processed.json")
+            pointer = open_store(store_root).read_bytes(
+                f"{store_root}/datasets/{params['eval_dataset']}/last_processed.json"
+            )
             if pointer is None:
-                raise AirflowFailException(f"eval_dataset {params['eval_dataset']!r}: no processed version in {store_root}; "
-                                           "run verl_grpo_pipeline with it first or pass eval_data_uri")
+                raise AirflowFailException(
+                    f"eval_dataset {params['eval_dataset']!r}: no processed version in {store_root}; "
+                    "run verl_grpo_pipeline with it first or pass eval_data_uri"
+                )
             data = json.loads(pointer)["uri"].rstrip("/") + "/test.parquet"
         out = f"{planning.home() / 'work' / 'evaluations' / planning.run_key(run_id)}"
-        args = ["--model", planning.local_path(model), "--data", planning.local_path(data), "--output", out,
-                "--k", str(params["k"]), "--temperature", str(params["temperature"]), "--top-p", str(params["top_p"]),
-                "--max-new-tokens", str(params["max_new_tokens"])]
+        args = [
+            "--model",
+            planning.local_path(model),
+            "--data",
+            planning.local_path(data),
+            "--output",
+            out,
+            "--k",
+            str(params["k"]),
+            "--temperature",
+            str(params["temperature"]),
+            "--top-p",
+            str(params["top_p"]),
+            "--max-new-tokens",
+            str(params["max_new_tokens"]),
+        ]
         return {"args": args, "carry": {"model": model, "data": data}}
 
     PipelineStepOperator(task_id="evaluate", step="evaluate", request=plan(), pool="gpu", pool_slots=1)

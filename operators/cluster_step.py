@@ -16,6 +16,7 @@ GPU: an ``evaluate`` job gets one worker with the preset's ``cluster.gpus_per_no
 the entrypoint (``spec.entrypointNumGpus``), so Ray runs the step on that GPU worker; an ``export`` job is
 CPU-only: a head-only Ray cluster (no worker group) whose head runs the step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,7 +80,7 @@ def pod_paths_to_uris(value, mounts):
         norm = posixpath.normpath(value)
         for m in sorted(mounts.mounts, key=lambda m: len(m.path), reverse=True):
             if norm == m.path or norm.startswith(m.path + "/"):
-                return m.uri + norm[len(m.path):]
+                return m.uri + norm[len(m.path) :]
     return value
 
 
@@ -149,15 +150,33 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
         (``namespace``, ``kubernetes_conn_id``, ``poll_interval``, ...) and ``BaseOperator``'s.
     """
 
-    template_fields: Sequence[str] = ("request", "store_uri", "backend", "experiment", "overrides", "namespace",
-                                      "summary_dir")
+    template_fields: Sequence[str] = (
+        "request",
+        "store_uri",
+        "backend",
+        "experiment",
+        "overrides",
+        "namespace",
+        "summary_dir",
+    )
     template_fields_renderers = {"request": "json"}
     ui_color = "#e3f2e8"
 
-    def __init__(self, *, step: str, backend: str | None = "local", experiment: str | None = None, overrides=(),
-                 uri_args: Sequence[str] = (), job_kind: str | None = None, gpu: bool | None = None,
-                 cpu_head_resources: dict | None = None, summary_dir: str | None = None, resume_args: Sequence[str] = (),
-                 **kwargs):
+    def __init__(
+        self,
+        *,
+        step: str,
+        backend: str | None = "local",
+        experiment: str | None = None,
+        overrides=(),
+        uri_args: Sequence[str] = (),
+        job_kind: str | None = None,
+        gpu: bool | None = None,
+        cpu_head_resources: dict | None = None,
+        summary_dir: str | None = None,
+        resume_args: Sequence[str] = (),
+        **kwargs,
+    ):
         super().__init__(step=step, resume_args=resume_args, **kwargs)
         self.backend, self.experiment, self.overrides = backend, experiment, overrides
         self.uri_args, self.job_kind = tuple(uri_args), job_kind or step
@@ -186,7 +205,9 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
         from pipeline_steps.training import experiment
 
         if not self.experiment:
-            raise AirflowFailException(f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)")
+            raise AirflowFailException(
+                f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)"
+            )
         try:
             return experiment.load(self.experiment, normalize_overrides(self.overrides))
         except UserError as exc:
@@ -195,8 +216,10 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
     def _summary_dir(self) -> str:
         root = self.summary_dir or (f"{str(self.store_uri).rstrip('/')}/tmp/step-summaries" if self.store_uri else "")
         if "://" not in root:
-            raise AirflowFailException(f"step {self.step}: the kuberay backend needs summary_dir= or store_uri= "
-                                       "(a store URI on a bucket mount, where the job leaves its summary)")
+            raise AirflowFailException(
+                f"step {self.step}: the kuberay backend needs summary_dir= or store_uri= "
+                "(a store URI on a bucket mount, where the job leaves its summary)"
+            )
         return root.rstrip("/")
 
     def summary_uri(self, attempt_name: str) -> str:
@@ -220,8 +243,14 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
             self._entry = {"mounts": mounts, "args": args}
             base = rayjob_name(ids["dag_id"], ids["run_id"], ids["task_id"], self.job_kind)
             namespace = self.namespace or self.hook.get_namespace() or "default"  # as RayJobOperator resolves it
-            body = build_rayjob(exp, namespace=namespace, mounts=mounts,
-                                entrypoint=self._entrypoint(base), job_kind=self.job_kind, **ids)
+            body = build_rayjob(
+                exp,
+                namespace=namespace,
+                mounts=mounts,
+                entrypoint=self._entrypoint(base),
+                job_kind=self.job_kind,
+                **ids,
+            )
         except UserError as exc:
             raise AirflowFailException(f"step {self.step}: render RayJob: {exc}") from None
         body = single_gpu_worker(body) if self.gpu else cpu_only(body, self.cpu_head_resources)
@@ -248,7 +277,9 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
         try:
             record = json.loads(data)
         except ValueError:
-            raise AirflowException(f"step {self.step}: summary {uri} is not JSON; the job's write was interrupted") from None
+            raise AirflowException(
+                f"step {self.step}: summary {uri} is not JSON; the job's write was interrupted"
+            ) from None
         return record if isinstance(record, dict) else None
 
     def result(self, event: dict) -> dict:  # RayJobOperator's training XCom does not apply to a step
@@ -268,10 +299,14 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
             raise type(exc)(f"{exc}{error}") from None
         record = self.read_summary(name)
         if record is None:
-            raise AirflowException(f"step {self.step}: RayJob {name} succeeded but left no summary at "
-                                   f"{self.summary_uri(name)}; check that summary_dir is on a writable bucket mount")
+            raise AirflowException(
+                f"step {self.step}: RayJob {name} succeeded but left no summary at "
+                f"{self.summary_uri(name)}; check that summary_dir is on a writable bucket mount"
+            )
         if record.get("exit_code") != 0:
-            raise AirflowException(f"step {self.step}: RayJob {name} succeeded but the step exited {record.get('exit_code')}")
+            raise AirflowException(
+                f"step {self.step}: RayJob {name} succeeded but the step exited {record.get('exit_code')}"
+            )
         return self._finish(context, dict(record.get("summary") or {}))
 
     def _try_read(self, name: str) -> dict | None:

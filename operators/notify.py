@@ -15,6 +15,7 @@ the query of an ``AIRFLOW_CONN_*`` URI); login/password go as basic auth; extra 
 timeout. A webhook that fails is logged (scheme and host only: paths and query strings of webhooks often
 carry their secret) and never fails the callback.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,19 +33,19 @@ MAX_ERROR_CHARS = 400
 HINTS: dict[str, str] = {
     "plan": "check the trigger-form values and the dataset revision pins; a revision must exist at the run's logical date",
     "download": "check the revision pin (dataset_revisions in the trigger form) and the Hugging Face connection "
-                "(huggingface_default): the Hub must be reachable, the revision must exist and gated repositories need a token",
+    "(huggingface_default): the Hub must be reachable, the revision must exist and gated repositories need a token",
     "preprocess": "open rejected.jsonl and stats.json in the preprocess output to see which rows were rejected and why, "
-                  "then fix the data or raise --max-rejected-fraction (default 0.05) on purpose",
+    "then fix the data or raise --max-rejected-fraction (default 0.05) on purpose",
     "upload_dataset": "check the store connection (pipeline_store: credentials, bucket, endpoint) and the store URI; "
-                      "a retry resumes the upload",
+    "a retry resumes the upload",
     "stage_model": "check the store connection (pipeline_store) and the model revision pin; a retry skips what is staged",
     "collect_inputs": "check that the upstream datasets produced a train split and that the evaluation set was processed",
     "train": "check the RayJob (kubectl describe rayjob; its status message) or the Ray dashboard job logs, and the "
-             "pre-flight lines in this log (a bad override fails there); clearing the task resumes from the last checkpoint",
+    "pre-flight lines in this log (a bad override fails there); clearing the task resumes from the last checkpoint",
     "evaluate": "check the checkpoint the train task reported and the evaluation set (eval_dataset); evaluate runs on "
-                "the gpu pool, so a queued run may only need a free slot",
+    "the gpu pool, so a queued run may only need a free slot",
     "export": "check the checkpoint, the store connection (pipeline_store) and the evaluation results it reads; "
-              "a retry re-exports the same version",
+    "a retry re-exports the same version",
     "report": "check that the run directory is readable; the report shows missing inputs as not produced",
 }
 DEFAULT_HINT = "read this task's log above the error, fix the cause, then clear the task to retry"
@@ -140,8 +141,11 @@ def paragraph(context) -> str:
         detail = ", ".join(x for x in ("; ".join(about), tries) if x)
         head = f"Airflow DAG {dag_id}, run {run_id}: {where} failed" + (f" ({detail})" if detail else "")
     else:
-        head = f"Airflow DAG {dag_id}, run {run_id} failed" + (f"; last step {task_id}" if task_id else "") + (
-            f" ({'; '.join(about)})" if about else "")
+        head = (
+            f"Airflow DAG {dag_id}, run {run_id} failed"
+            + (f"; last step {task_id}" if task_id else "")
+            + (f" ({'; '.join(about)})" if about else "")
+        )
     return f"{head}. Error: {error_line(context)}. What to do: {hint_for(task_id)}."
 
 
@@ -222,7 +226,9 @@ class FailureNotifier(BaseNotifier):
             log.info("no connection %r: failure notice logged only", self.conn_id)
             return False
         except Exception as exc:
-            log.warning("connection %r could not be read (%s): failure notice logged only", self.conn_id, type(exc).__name__)
+            log.warning(
+                "connection %r could not be read (%s): failure notice logged only", self.conn_id, type(exc).__name__
+            )
             return False
         try:
             req = webhook_request(conn, self.timeout)
@@ -234,13 +240,23 @@ class FailureNotifier(BaseNotifier):
         import requests
 
         try:
-            resp = requests.post(req["url"], json={"text": text}, params=req["params"], auth=req["auth"],
-                                 timeout=req["timeout"], allow_redirects=False)
+            resp = requests.post(
+                req["url"],
+                json={"text": text},
+                params=req["params"],
+                auth=req["auth"],
+                timeout=req["timeout"],
+                allow_redirects=False,
+            )
         except requests.RequestException as exc:  # its message repeats the full URL: log the class only
-            log.warning("failure notice not delivered to %s (%s); the run is unaffected", shown(req["url"]), type(exc).__name__)
+            log.warning(
+                "failure notice not delivered to %s (%s); the run is unaffected", shown(req["url"]), type(exc).__name__
+            )
             return False
         if not 200 <= resp.status_code < 300:
-            log.warning("failure notice: %s answered HTTP %d; the run is unaffected", shown(req["url"]), resp.status_code)
+            log.warning(
+                "failure notice: %s answered HTTP %d; the run is unaffected", shown(req["url"]), resp.status_code
+            )
             return False
         log.info("failure notice posted to %s (connection %r)", shown(req["url"]), self.conn_id)
         return True

@@ -16,12 +16,12 @@ retry continues from the last checkpoint in the same checkpoint directory.
 Success is only ``jobDeploymentStatus == Complete`` with ``jobStatus == SUCCEEDED``
 (KubeRay reports ``Complete`` for FAILED and STOPPED jobs too).
 """
+
 from __future__ import annotations
 
 import asyncio
 import copy
 import importlib
-import json
 import shlex
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import cached_property
@@ -64,8 +64,10 @@ def rayjob_outcome(status: dict | None) -> str:
 
 def describe_failure(name: str, status: dict) -> str:
     """One line saying which RayJob failed, how, and why (KubeRay's reason and message)."""
-    parts = [f"RayJob {name} failed: jobDeploymentStatus={status.get('jobDeploymentStatus') or '-'}",
-             f"jobStatus={status.get('jobStatus') or '-'}"]
+    parts = [
+        f"RayJob {name} failed: jobDeploymentStatus={status.get('jobDeploymentStatus') or '-'}",
+        f"jobStatus={status.get('jobStatus') or '-'}",
+    ]
     if status.get("reason"):
         parts.append(f"reason={status['reason']}")
     if status.get("message"):
@@ -112,8 +114,9 @@ def parse_metrics(text: str | None) -> list[dict]:
 
 def format_progress(row: dict) -> str:
     data = row.get("data") or {}
-    shown = " ".join(f"{k}={data[k]:.4g}" if isinstance(data[k], float) else f"{k}={data[k]}"
-                     for k in PROGRESS_KEYS if k in data)
+    shown = " ".join(
+        f"{k}={data[k]:.4g}" if isinstance(data[k], float) else f"{k}={data[k]}" for k in PROGRESS_KEYS if k in data
+    )
     return f"step {row['step']}: {shown}".rstrip()
 
 
@@ -127,7 +130,7 @@ def new_log_lines(previous: Sequence[str], tail: Sequence[str]) -> list[str]:
     """Lines of ``tail`` not shown yet, given the previously shown tail (overlap on its last line)."""
     if previous and previous[-1] in tail:
         idx = len(tail) - 1 - list(reversed(tail)).index(previous[-1])
-        return list(tail[idx + 1:])
+        return list(tail[idx + 1 :])
     return list(tail)
 
 
@@ -267,10 +270,20 @@ class RayJobTrigger(BaseTrigger):
     :param submission_mode: the RayJob's ``spec.submissionMode``: where its log tail is read from.
     """
 
-    def __init__(self, name: str, namespace: str, kubernetes_conn_id: str | None = "kubernetes_default",
-                 cluster_context: str | None = None, poll_interval: float = 30.0, metrics_uri: str | None = None,
-                 metrics_reader: str | None = None, log_tail_lines: int = 20, last_step: int = 0,
-                 max_api_errors: int = 10, submission_mode: str = "K8sJobMode"):
+    def __init__(
+        self,
+        name: str,
+        namespace: str,
+        kubernetes_conn_id: str | None = "kubernetes_default",
+        cluster_context: str | None = None,
+        poll_interval: float = 30.0,
+        metrics_uri: str | None = None,
+        metrics_reader: str | None = None,
+        log_tail_lines: int = 20,
+        last_step: int = 0,
+        max_api_errors: int = 10,
+        submission_mode: str = "K8sJobMode",
+    ):
         super().__init__()
         self.name, self.namespace, self.submission_mode = name, namespace, submission_mode
         self._dashboard_misses = 0
@@ -279,13 +292,22 @@ class RayJobTrigger(BaseTrigger):
         self.log_tail_lines, self.last_step, self.max_api_errors = log_tail_lines, last_step, max_api_errors
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return (f"{type(self).__module__}.{type(self).__qualname__}", {
-            "name": self.name, "namespace": self.namespace, "kubernetes_conn_id": self.kubernetes_conn_id,
-            "cluster_context": self.cluster_context, "poll_interval": self.poll_interval,
-            "metrics_uri": self.metrics_uri, "metrics_reader": self.metrics_reader,
-            "log_tail_lines": self.log_tail_lines, "last_step": self.last_step, "max_api_errors": self.max_api_errors,
-            "submission_mode": self.submission_mode,
-        })
+        return (
+            f"{type(self).__module__}.{type(self).__qualname__}",
+            {
+                "name": self.name,
+                "namespace": self.namespace,
+                "kubernetes_conn_id": self.kubernetes_conn_id,
+                "cluster_context": self.cluster_context,
+                "poll_interval": self.poll_interval,
+                "metrics_uri": self.metrics_uri,
+                "metrics_reader": self.metrics_reader,
+                "log_tail_lines": self.log_tail_lines,
+                "last_step": self.last_step,
+                "max_api_errors": self.max_api_errors,
+                "submission_mode": self.submission_mode,
+            },
+        )
 
     @cached_property
     def hook(self) -> AsyncKubernetesHook:
@@ -296,7 +318,8 @@ class RayJobTrigger(BaseTrigger):
 
         async with self.hook.get_conn() as api_client:
             return await CustomObjectsApi(api_client).get_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name)
+                GROUP, VERSION, self.namespace, PLURAL, self.name
+            )
 
     async def _log_tail(self, status: dict) -> list[str]:
         """The job's log tail: the submitter pod's log in K8sJobMode (it follows the Ray job), else the
@@ -316,7 +339,9 @@ class RayJobTrigger(BaseTrigger):
 
         async with self.hook.get_conn() as api_client:
             core = CoreV1Api(api_client)
-            pods = await core.list_namespaced_pod(self.namespace, label_selector=f"batch.kubernetes.io/job-name={self.name}")
+            pods = await core.list_namespaced_pod(
+                self.namespace, label_selector=f"batch.kubernetes.io/job-name={self.name}"
+            )
             if not pods.items:
                 return []
             pod = max(pods.items, key=lambda p: str(p.metadata.creation_timestamp or ""))
@@ -331,7 +356,7 @@ class RayJobTrigger(BaseTrigger):
             async with session.get(f"{base}/api/jobs/{job_id}/logs") as resp:
                 resp.raise_for_status()
                 logs = (await resp.json()).get("logs") or ""
-        return logs.splitlines()[-self.log_tail_lines:]
+        return logs.splitlines()[-self.log_tail_lines :]
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from kubernetes_asyncio.client.exceptions import ApiException
@@ -345,15 +370,31 @@ class RayJobTrigger(BaseTrigger):
                 errors = 0
             except ApiException as exc:
                 if exc.status == 404:
-                    yield TriggerEvent(self._event("error", {}, progress, shown,
-                                                   f"RayJob {self.namespace}/{self.name} was deleted while the task waited"))
+                    yield TriggerEvent(
+                        self._event(
+                            "error",
+                            {},
+                            progress,
+                            shown,
+                            f"RayJob {self.namespace}/{self.name} was deleted while the task waited",
+                        )
+                    )
                     return
                 errors += 1
                 if errors > self.max_api_errors:
-                    yield TriggerEvent(self._event("error", {}, progress, shown,
-                                                   f"Kubernetes API kept failing for RayJob {self.name}: HTTP {exc.status} {exc.reason}"))
+                    yield TriggerEvent(
+                        self._event(
+                            "error",
+                            {},
+                            progress,
+                            shown,
+                            f"Kubernetes API kept failing for RayJob {self.name}: HTTP {exc.status} {exc.reason}",
+                        )
+                    )
                     return
-                self.log.warning("RayJob %s: API error %s (%d/%d), retrying", self.name, exc.status, errors, self.max_api_errors)
+                self.log.warning(
+                    "RayJob %s: API error %s (%d/%d), retrying", self.name, exc.status, errors, self.max_api_errors
+                )
                 await asyncio.sleep(self.poll_interval)
                 continue
             status = obj.get("status") or {}
@@ -369,18 +410,27 @@ class RayJobTrigger(BaseTrigger):
             outcome = rayjob_outcome(status)
             if outcome != "running":
                 message = None if outcome == "succeeded" else describe_failure(self.name, status)
-                yield TriggerEvent(self._event("success" if outcome == "succeeded" else "error", status, progress, shown, message))
+                yield TriggerEvent(
+                    self._event("success" if outcome == "succeeded" else "error", status, progress, shown, message)
+                )
                 return
             await asyncio.sleep(self.poll_interval)
 
     def _event(self, kind: str, status: dict, progress: ProgressTracker, tail: list[str], message: str | None) -> dict:
         return {
-            "status": kind, "backend": "kuberay", "name": self.name, "namespace": self.namespace, "message": message,
-            "job_deployment_status": status.get("jobDeploymentStatus"), "job_status": status.get("jobStatus"),
-            "reason": status.get("reason"), "dashboard_url": status.get("dashboardURL"),
+            "status": kind,
+            "backend": "kuberay",
+            "name": self.name,
+            "namespace": self.namespace,
+            "message": message,
+            "job_deployment_status": status.get("jobDeploymentStatus"),
+            "job_status": status.get("jobStatus"),
+            "reason": status.get("reason"),
+            "dashboard_url": status.get("dashboardURL"),
             "last_step": progress.last_row["step"] if progress.last_row else None,
             "last_progress": format_progress(progress.last_row) if progress.last_row else None,
-            "metrics": scalar_metrics(progress.last_row), "log_tail": list(tail),
+            "metrics": scalar_metrics(progress.last_row),
+            "log_tail": list(tail),
         }
 
     async def on_kill(self) -> None:
@@ -391,7 +441,13 @@ class RayJobTrigger(BaseTrigger):
         try:
             async with self.hook.get_conn() as api_client:
                 await CustomObjectsApi(api_client).delete_namespaced_custom_object(
-                    GROUP, VERSION, self.namespace, PLURAL, self.name, body=V1DeleteOptions(propagation_policy="Foreground"))
+                    GROUP,
+                    VERSION,
+                    self.namespace,
+                    PLURAL,
+                    self.name,
+                    body=V1DeleteOptions(propagation_policy="Foreground"),
+                )
             self.log.info("deleted RayJob %s/%s", self.namespace, self.name)
         except ApiException as exc:
             if exc.status != 404:
@@ -424,12 +480,23 @@ class RayJobOperator(BaseOperator):
     operator_extra_links = (RayDashboardLink(),)
     ui_color = "#e8f4fd"
 
-    def __init__(self, *, rayjob: dict | None = None, namespace: str | None = None,
-                 kubernetes_conn_id: str | None = "kubernetes_default", cluster_context: str | None = None,
-                 poll_interval: float = 30.0, metrics_uri: str | None = None, metrics_reader: str | None = None,
-                 checkpoint_uri: str | None = None, resume_rayjob: dict | None = None,
-                 resume_args: Sequence[str] = ("trainer.resume_mode=auto",), log_tail_lines: int = 20,
-                 dashboard_url_template: str = "http://{dashboard_url}", **kwargs):
+    def __init__(
+        self,
+        *,
+        rayjob: dict | None = None,
+        namespace: str | None = None,
+        kubernetes_conn_id: str | None = "kubernetes_default",
+        cluster_context: str | None = None,
+        poll_interval: float = 30.0,
+        metrics_uri: str | None = None,
+        metrics_reader: str | None = None,
+        checkpoint_uri: str | None = None,
+        resume_rayjob: dict | None = None,
+        resume_args: Sequence[str] = ("trainer.resume_mode=auto",),
+        log_tail_lines: int = 20,
+        dashboard_url_template: str = "http://{dashboard_url}",
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.rayjob, self.namespace, self.resume_rayjob = rayjob, namespace, resume_rayjob
         self.kubernetes_conn_id, self.cluster_context = kubernetes_conn_id, cluster_context
@@ -456,20 +523,33 @@ class RayJobOperator(BaseOperator):
         latest = attempts[-1] if attempts else None
         if latest is not None and rayjob_outcome(latest.get("status")) != "failed":
             obj = latest
-            self.log.info("re-attaching to RayJob %s (attempt %d, %s)", obj["metadata"]["name"], attempt_of(obj),
-                          (obj.get("status") or {}).get("jobDeploymentStatus") or "new")
+            self.log.info(
+                "re-attaching to RayJob %s (attempt %d, %s)",
+                obj["metadata"]["name"],
+                attempt_of(obj),
+                (obj.get("status") or {}).get("jobDeploymentStatus") or "new",
+            )
         else:
             attempt = 0
             if latest is not None:
                 attempt = attempt_of(latest) + 1
-                self.log.warning("previous attempt %s", describe_failure(latest["metadata"]["name"], latest.get("status") or {}))
-                self.log.info("deleting failed RayJob %s (and its Ray cluster); attempt %d resumes from the checkpoint",
-                              latest["metadata"]["name"], attempt)
+                self.log.warning(
+                    "previous attempt %s", describe_failure(latest["metadata"]["name"], latest.get("status") or {})
+                )
+                self.log.info(
+                    "deleting failed RayJob %s (and its Ray cluster); attempt %d resumes from the checkpoint",
+                    latest["metadata"]["name"],
+                    attempt,
+                )
                 self.hook.delete_rayjob(latest["metadata"]["name"], namespace)
                 body = resume_body or with_resume_args(body, self.resume_args)
             obj = self._create(attempt_body(body, base, attempt), namespace)
         self._push_dashboard(context, obj)
-        mode = (obj.get("spec") or {}).get("submissionMode") or (body.get("spec") or {}).get("submissionMode") or "K8sJobMode"
+        mode = (
+            (obj.get("spec") or {}).get("submissionMode")
+            or (body.get("spec") or {}).get("submissionMode")
+            or "K8sJobMode"
+        )
         self.defer(trigger=self._trigger(obj["metadata"]["name"], namespace, mode), method_name="execute_complete")
 
     def _create(self, body: dict, namespace: str) -> dict:
@@ -488,11 +568,17 @@ class RayJobOperator(BaseOperator):
         return self.hook.get_rayjob(name, namespace) or body
 
     def _trigger(self, name: str, namespace: str, submission_mode: str) -> RayJobTrigger:
-        return RayJobTrigger(name=name, namespace=namespace, submission_mode=submission_mode,
-                             kubernetes_conn_id=self.kubernetes_conn_id,
-                             cluster_context=self.cluster_context, poll_interval=self.poll_interval,
-                             metrics_uri=self.metrics_uri, metrics_reader=self.metrics_reader,
-                             log_tail_lines=self.log_tail_lines)
+        return RayJobTrigger(
+            name=name,
+            namespace=namespace,
+            submission_mode=submission_mode,
+            kubernetes_conn_id=self.kubernetes_conn_id,
+            cluster_context=self.cluster_context,
+            poll_interval=self.poll_interval,
+            metrics_uri=self.metrics_uri,
+            metrics_reader=self.metrics_reader,
+            log_tail_lines=self.log_tail_lines,
+        )
 
     def _push_dashboard(self, context, obj: dict) -> None:
         status = obj.get("status") or {}
@@ -502,10 +588,12 @@ class RayJobOperator(BaseOperator):
             if status["dashboardURL"].startswith(("http://", "https://")):  # the local backend gives a full URL
                 context["ti"].xcom_push(key=DASHBOARD_XCOM_KEY, value=status["dashboardURL"])
                 return
-            url = self.dashboard_url_template.format(dashboard_url=status["dashboardURL"],
-                                                     namespace=obj["metadata"].get("namespace", ""),
-                                                     name=obj["metadata"]["name"],
-                                                     ray_cluster=status.get("rayClusterName", ""))
+            url = self.dashboard_url_template.format(
+                dashboard_url=status["dashboardURL"],
+                namespace=obj["metadata"].get("namespace", ""),
+                name=obj["metadata"]["name"],
+                ray_cluster=status.get("rayClusterName", ""),
+            )
             context["ti"].xcom_push(key=DASHBOARD_XCOM_KEY, value=url)
 
     def execute_complete(self, context, event: dict) -> dict:
@@ -515,8 +603,13 @@ class RayJobOperator(BaseOperator):
         for line in event.get("log_tail") or []:
             self.log.info("job log | %s", line)
         if event.get("dashboard_url"):
-            self._push_dashboard(context, {"metadata": {"name": event.get("name"), "namespace": event.get("namespace") or ""},
-                                           "status": {"dashboardURL": event["dashboard_url"]}})
+            self._push_dashboard(
+                context,
+                {
+                    "metadata": {"name": event.get("name"), "namespace": event.get("namespace") or ""},
+                    "status": {"dashboardURL": event["dashboard_url"]},
+                },
+            )
         if event.get("status") != "success":
             message = event.get("message") or f"job {event.get('name')} failed"
             if event.get("reason") == "ValidationFailed":  # the spec itself is wrong: a retry cannot help

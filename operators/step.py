@@ -5,6 +5,7 @@ ends, and the command is the one a user would type in a shell or a pod. Argument
 string), so values typed into the trigger form cannot break out of their argument. Secrets reach the child only
 through its environment, built from Airflow Connections.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
@@ -55,9 +55,19 @@ class PipelineStepOperator(BaseOperator):
     template_fields: Sequence[str] = ("request", "store_uri")
     ui_color = "#e8f0fe"
 
-    def __init__(self, *, step: str, request: dict | None = None, store_uri: str = "", store_conn_id: str | None = "pipeline_store",
-                 hf_conn_id: str | None = "huggingface_default", summary_key: str | None = None,
-                 asset_alias: str | None = None, skip_unless: str | None = None, **kwargs):
+    def __init__(
+        self,
+        *,
+        step: str,
+        request: dict | None = None,
+        store_uri: str = "",
+        store_conn_id: str | None = "pipeline_store",
+        hf_conn_id: str | None = "huggingface_default",
+        summary_key: str | None = None,
+        asset_alias: str | None = None,
+        skip_unless: str | None = None,
+        **kwargs,
+    ):
         if asset_alias:
             from airflow.sdk import AssetAlias
 
@@ -86,7 +96,9 @@ class PipelineStepOperator(BaseOperator):
         args = [str(a) for a in self.request.get("args", [])]
         cmd = [sys.executable, "-m", "pipeline_steps", self.step, *args]
         self.log.info("running: python -m pipeline_steps %s %s", self.step, " ".join(args))
-        self._proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.child_env(), start_new_session=True)
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.child_env(), start_new_session=True
+        )
         last_error = ""
         for line in self._proc.stderr:  # the step's log, streamed into the task log as it runs
             line = line.rstrip()
@@ -101,7 +113,9 @@ class PipelineStepOperator(BaseOperator):
         except json.JSONDecodeError:
             summary = {}
         if rc == 2:
-            raise AirflowFailException(f"step {self.step}: {summary.get('error') or last_error} (bad input: not retried)")
+            raise AirflowFailException(
+                f"step {self.step}: {summary.get('error') or last_error} (bad input: not retried)"
+            )
         if rc != 0:
             raise AirflowException(f"step {self.step} failed with exit code {rc}: {summary.get('error') or last_error}")
         return self.finish(context, summary)
@@ -112,7 +126,9 @@ class PipelineStepOperator(BaseOperator):
         summary.pop("step", None)
         carry = self.request.get("carry", {})
         if self.asset_alias and summary.get("uri"):
-            self.emit_asset(context, summary["uri"], {**{k: carry[k] for k in ("dataset", "revision") if k in carry}, **summary})
+            self.emit_asset(
+                context, summary["uri"], {**{k: carry[k] for k in ("dataset", "revision") if k in carry}, **summary}
+            )
         result = {**carry, self.summary_key: summary}
         if self.skip_unless and not summary.get(self.skip_unless):
             from airflow.sdk.exceptions import AirflowSkipException

@@ -14,6 +14,7 @@ connection can be reused:
 The returned dict goes into the child's environment only (never XCom, logs or templates); the child names the
 connection id in its errors (``PIPELINE_STORE_CONN_ID``) and never the secret.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,12 +61,16 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
     ctype = (conn.conn_type or "").lower()
     if scheme == "oss":
         if ctype and ctype not in OSS_TYPES:
-            raise AirflowFailException(f"store connection {conn_id!r} has type {ctype!r} but {uri} needs an OSS connection (alibaba_cloud)")
+            raise AirflowFailException(
+                f"store connection {conn_id!r} has type {ctype!r} but {uri} needs an OSS connection (alibaba_cloud)"
+            )
         key_id = conn.login or _extra(extra, "access_key_id", "alibaba_cloud")
         secret = conn.password or _extra(extra, "access_key_secret", "alibaba_cloud")
         region = _extra(extra, "region", "alibaba_cloud")
         if not key_id or not secret:
-            raise AirflowFailException(f"store connection {conn_id!r}: set login/password to the OSS AccessKey id/secret")
+            raise AirflowFailException(
+                f"store connection {conn_id!r}: set login/password to the OSS AccessKey id/secret"
+            )
         if not region:
             raise AirflowFailException(f"store connection {conn_id!r}: set extra 'region' (e.g. cn-hangzhou)")
         env.update({"OSS_ACCESS_KEY_ID": key_id, "OSS_ACCESS_KEY_SECRET": secret, "OSS_REGION": region})
@@ -80,11 +85,15 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
         return env
     if scheme == "gs":
         if ctype and ctype not in GCS_TYPES:
-            raise AirflowFailException(f"store connection {conn_id!r} has type {ctype!r} but {uri} needs a Google Cloud connection")
+            raise AirflowFailException(
+                f"store connection {conn_id!r} has type {ctype!r} but {uri} needs a Google Cloud connection"
+            )
         p = "google_cloud_platform"
         key_path, keyfile = _extra(extra, "key_path", p), _extra(extra, "keyfile_dict", p)
         if key_path and keyfile:
-            raise AirflowFailException(f"store connection {conn_id!r}: set only one of extra 'key_path' and 'keyfile_dict'")
+            raise AirflowFailException(
+                f"store connection {conn_id!r}: set only one of extra 'key_path' and 'keyfile_dict'"
+            )
         if key_path:
             env["GOOGLE_APPLICATION_CREDENTIALS"] = str(key_path)
         if keyfile:
@@ -92,7 +101,9 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
                 try:
                     keyfile = json.loads(keyfile)
                 except ValueError:
-                    raise AirflowFailException(f"store connection {conn_id!r}: extra 'keyfile_dict' is not valid JSON") from None
+                    raise AirflowFailException(
+                        f"store connection {conn_id!r}: extra 'keyfile_dict' is not valid JSON"
+                    ) from None
             env["GCS_KEYFILE_JSON"] = json.dumps(keyfile)
         project = _extra(extra, "project", p) or _extra(extra, "project_id", p)
         if project:

@@ -17,14 +17,13 @@ XCom (both backends): ``checkpoint_uri``, ``checkpoint_step``, ``metrics_uri``, 
 
 verl, torch and Ray are imported inside ``execute`` only: DAG files must parse fast.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -43,7 +42,9 @@ def normalize_overrides(value) -> list[str]:
             try:
                 value = json.loads(text)
             except ValueError:
-                raise AirflowFailException(f"overrides {text[:80]!r}: not a JSON list; pass one KEY=VALUE per line or a JSON list") from None
+                raise AirflowFailException(
+                    f"overrides {text[:80]!r}: not a JSON list; pass one KEY=VALUE per line or a JSON list"
+                ) from None
         else:
             value = [line.strip() for line in text.splitlines() if line.strip()]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -67,7 +68,9 @@ def as_list(value) -> list[str]:
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError):
-                raise AirflowFailException(f"file list {text[:80]!r}: not a list literal; pass a list of URIs") from None
+                raise AirflowFailException(
+                    f"file list {text[:80]!r}: not a list literal; pass a list of URIs"
+                ) from None
     return [str(v) for v in value]
 
 
@@ -106,11 +109,32 @@ class GRPOTrainOperator(RayJobOperator):
         poll_interval, metrics_reader, ...) and ``BaseOperator``.
     """
 
-    template_fields: Sequence[str] = ("experiment", "overrides", "backend", "train_files", "val_files", "model_path",
-                                      "run_dir", "namespace", "ray_address")
+    template_fields: Sequence[str] = (
+        "experiment",
+        "overrides",
+        "backend",
+        "train_files",
+        "val_files",
+        "model_path",
+        "run_dir",
+        "namespace",
+        "ray_address",
+    )
 
-    def __init__(self, *, experiment: str, overrides=(), backend: str | None = None, train_files=(), val_files=(),
-                 model_path: str, run_dir: str, ray_address: str | None = None, check_store: bool = True, **kwargs):
+    def __init__(
+        self,
+        *,
+        experiment: str,
+        overrides=(),
+        backend: str | None = None,
+        train_files=(),
+        val_files=(),
+        model_path: str,
+        run_dir: str,
+        ray_address: str | None = None,
+        check_store: bool = True,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.experiment, self.overrides, self.backend = experiment, overrides, backend
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
@@ -191,7 +215,9 @@ class GRPOTrainOperator(RayJobOperator):
         ids = self._ids(context)
         try:
             mounts = MountMap.from_env()
-            namespace = self.namespace or self.hook.get_namespace() or "default"  # the DAG may leave it to the connection
+            namespace = (
+                self.namespace or self.hook.get_namespace() or "default"
+            )  # the DAG may leave it to the connection
             body = build_rayjob(exp, namespace=namespace, mounts=mounts, **ids)
             resume = build_rayjob(self._load("kuberay", [RESUME]), namespace=namespace, mounts=mounts, **ids)
         except UserError as exc:
@@ -211,8 +237,12 @@ class GRPOTrainOperator(RayJobOperator):
         argv += ["--train-files", *train]
         if val:
             argv += ["--val-files", *val]
-        argv += ["--model-path", local_path(str(self.model_path), "model_path"),
-                 "--output-dir", local_path(str(self.run_dir).rstrip("/"), "run_dir")]
+        argv += [
+            "--model-path",
+            local_path(str(self.model_path), "model_path"),
+            "--output-dir",
+            local_path(str(self.run_dir).rstrip("/"), "run_dir"),
+        ]
         return local_ray.job_argv(None, *argv)
 
     def _execute_local(self, context, exp):
@@ -232,12 +262,17 @@ class GRPOTrainOperator(RayJobOperator):
         if attempt and status in local_ray.LIVE | {"SUCCEEDED"}:
             attempt -= 1  # re-attach to the live or finished attempt
         elif attempt:
-            self.log.warning("previous attempt %s-a%d ended %s; attempt %d resumes from %s",
-                             base, attempt - 1, status, attempt, self.checkpoint_uri)
+            self.log.warning(
+                "previous attempt %s-a%d ended %s; attempt %d resumes from %s",
+                base,
+                attempt - 1,
+                status,
+                attempt,
+                self.checkpoint_uri,
+            )
         sid = f"{base}-a{attempt}"
         argv = self._job_argv(self.experiment, [RESUME] if attempt else [])
-        env = {"VERL_FILE_LOGGER_PATH": local_path(self.metrics_uri, "run_dir"),
-               "TOKENIZERS_PARALLELISM": "false"}
+        env = {"VERL_FILE_LOGGER_PATH": local_path(self.metrics_uri, "run_dir"), "TOKENIZERS_PARALLELISM": "false"}
         try:
             local_ray.submit_or_attach(address, sid, argv, env=env)
         except local_ray.JobAlreadyFinishedError as exc:  # raced with a failure between status and submit
@@ -248,10 +283,17 @@ class GRPOTrainOperator(RayJobOperator):
 
             ti.xcom_push(key=DASHBOARD_XCOM_KEY, value=address)
             ti.xcom_push(key="job", value=sid)  # the failure notice names the job even when the task fails
-        self.defer(trigger=LocalRayJobTrigger(address=address, submission_id=sid, poll_interval=self.poll_interval,
-                                              metrics_uri=self.metrics_uri, metrics_reader=self.metrics_reader,
-                                              log_tail_lines=self.log_tail_lines),
-                   method_name="execute_complete")
+        self.defer(
+            trigger=LocalRayJobTrigger(
+                address=address,
+                submission_id=sid,
+                poll_interval=self.poll_interval,
+                metrics_uri=self.metrics_uri,
+                metrics_reader=self.metrics_reader,
+                log_tail_lines=self.log_tail_lines,
+            ),
+            method_name="execute_complete",
+        )
 
     def on_kill(self) -> None:
         if self._local_job:

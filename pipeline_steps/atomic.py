@@ -5,6 +5,7 @@ built in a temporary sibling and swapped in with one rename, so a crash leaves
 either nothing or a complete output (plus a ``.tmp-*`` sibling that the next
 run removes).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -6,6 +6,7 @@ Modules are imported lazily so that ``--help`` and cheap steps stay fast.
 Exit codes: 0 success, 2 bad input or usage (one line on stderr), 1 anything unexpected.
 The last stdout line is always a one-line JSON summary (``{"ok": false, ...}`` on failure).
 """
+
 from __future__ import annotations
 
 import argparse

@@ -8,6 +8,7 @@ also written, with the exit code, to ``PATH``: ``{"exit_code": N, "summary": {..
 (temporary sibling + rename), so a reader sees no file or a complete one. The process exits with the step's
 own exit code, so KubeRay reports the job FAILED exactly when the step failed.
 """
+
 from __future__ import annotations
 
 import io
@@ -29,7 +30,7 @@ class _Tee(io.TextIOBase):
         self.stream, self.tail = stream, ""
 
     def write(self, s: str) -> int:
-        self.tail = (self.tail + s)[-self.KEEP:]
+        self.tail = (self.tail + s)[-self.KEEP :]
         return self.stream.write(s)
 
     def flush(self) -> None:
@@ -54,7 +55,7 @@ def split_argv(argv: list[str]) -> tuple[str, list[str]]:
     """(summary file, step argv) from ``--summary-file PATH -- STEP ARGS``; argv after ``--`` is never parsed here."""
     if "--" not in argv:
         raise UserError(f"cluster_entry: missing '--' before the step; {USAGE}")
-    head, rest = argv[: argv.index("--")], argv[argv.index("--") + 1:]
+    head, rest = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     if len(head) != 2 or head[0] != "--summary-file" or not head[1] or not rest:
         raise UserError(f"cluster_entry: expected --summary-file PATH, then '--' and the step; {USAGE}")
     return head[1], rest

@@ -1,4 +1,5 @@
 """Names shared by the Airflow side (operators, DAGs) and the step side (pipeline_steps): one home each."""
+
 from __future__ import annotations
 
 # KubeRay appends 6 characters for the RayCluster's name, which must stay within 53; so RayJob names stay within 47.

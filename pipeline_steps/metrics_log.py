@@ -4,6 +4,7 @@ verl writes it on the cluster (``trainer.logger`` with ``file``, path ``$VERL_FI
 writes the same lines through verl's own ``FileLogger``. The progress readers (both triggers) and the report read
 it here, so a torn last line from a killed writer is skipped the same way everywhere.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ ENV = "VERL_FILE_LOGGER_PATH"  # where verl's file logger writes
 @dataclass
 class MetricsLog:
     """Parsed log: ``rows`` in file order (``{"step", "data"}``), ``skipped`` line numbers that are not logger lines."""
+
     rows: list[dict] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
 

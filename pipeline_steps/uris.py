@@ -1,4 +1,5 @@
 """Store URIs as local paths, for the code that reads files directly (the local backend, the report)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,11 +15,13 @@ def local_path(uri: str, what: str) -> Path:
 
     u = parse_uri(uri)
     if u.scheme != "file":
-        raise UserError(f"{what}={uri!r}: read locally, which needs a local path or file:// URI, not {u.scheme}://; "
-                        "use the local store, or run this on the cluster backend")
+        raise UserError(
+            f"{what}={uri!r}: read locally, which needs a local path or file:// URI, not {u.scheme}://; "
+            "use the local store, or run this on the cluster backend"
+        )
     return Path(u.key)
 
 
 def strip_file_scheme(uri: str) -> str:
     """``file:///x`` -> ``/x``; other URIs unchanged (a cluster step maps them onto its bucket mounts)."""
-    return uri[len("file://"):] if uri.startswith("file://") else uri
+    return uri[len("file://") :] if uri.startswith("file://") else uri

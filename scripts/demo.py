@@ -3,6 +3,7 @@
 Local profile: SQLite Airflow metadata in ./.airflow, a local object store (file://) in ./.demo/store, an offline
 Hugging Face cache built from the shipped fixtures, a local Ray cluster, and the tiny locally built model.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,18 +36,27 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
     from pipeline_steps.local import offline_hub as local_hub
 
     env = dict(os.environ, **local_profile_env(home), AIRFLOW_HOME=str(airflow_home))
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # airflow standalone spawns `airflow ...`
+    env["PATH"] = os.pathsep.join(
+        [str(Path(sys.executable).parent), env.get("PATH", "")]
+    )  # airflow standalone spawns `airflow ...`
     local_hub.build_cache(local_hub.FIXTURES, home / "hf-cache")
     airflow = str(Path(sys.executable).with_name("airflow"))
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
-    subprocess.run([airflow, "pools", "set", "gpu", "8", "GPUs on the training cluster"], env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [airflow, "pools", "set", "gpu", "8", "GPUs on the training cluster"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return env
 
 
 def xcom(db: Path, run_id: str, task_id: str, key: str = "return_value") -> list:
     """XCom values of one task of one run, read from the SQLite metadata database."""
     with sqlite3.connect(db) as c:
-        rows = c.execute("SELECT value FROM xcom WHERE run_id=? AND task_id=? AND key=? ORDER BY map_index", (run_id, task_id, key)).fetchall()
+        rows = c.execute(
+            "SELECT value FROM xcom WHERE run_id=? AND task_id=? AND key=? ORDER BY map_index", (run_id, task_id, key)
+        ).fetchall()
     out = []
     for (v,) in rows:
         v = json.loads(v) if isinstance(v, (str, bytes)) else v
@@ -57,19 +67,27 @@ def xcom(db: Path, run_id: str, task_id: str, key: str = "return_value") -> list
 def show_run(db: Path) -> None:
     """Task states, the evaluation table, the exported model and the report of the newest run."""
     with sqlite3.connect(db) as c:
-        row = c.execute("SELECT run_id FROM dag_run WHERE dag_id='verl_grpo_pipeline' ORDER BY id DESC LIMIT 1").fetchone()
+        row = c.execute(
+            "SELECT run_id FROM dag_run WHERE dag_id='verl_grpo_pipeline' ORDER BY id DESC LIMIT 1"
+        ).fetchone()
         if not row:
             return
         run_id = row[0]
-        states = c.execute("SELECT task_id, map_index, state FROM task_instance WHERE run_id=? ORDER BY start_date", (run_id,)).fetchall()
+        states = c.execute(
+            "SELECT task_id, map_index, state FROM task_instance WHERE run_id=? ORDER BY start_date", (run_id,)
+        ).fetchall()
     print(f"\nrun {run_id}:")
     for task_id, map_index, state in states:
         print(f"  {task_id + ('' if map_index < 0 else f'[{map_index}]'):22s} {state}")
     for d in xcom(db, run_id, "upload_dataset"):
-        print(f"  dataset {d['dataset']:11s} {d['download']['commit'][:12]}  rows {d['preprocess']['rows_out']:>4}  -> {d['upload']['uri']}")
+        print(
+            f"  dataset {d['dataset']:11s} {d['download']['commit'][:12]}  rows {d['preprocess']['rows_out']:>4}  -> {d['upload']['uri']}"
+        )
     for e in xcom(db, run_id, "evaluate"):
         results_md = Path(e["evaluate"]["output"]) / "results.md"
-        print("\nevaluation:\n" + (results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1)))
+        print(
+            "\nevaluation:\n" + (results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1))
+        )
     for x in xcom(db, run_id, "export"):
         ex = x["export"]
         print(f"exported model: {ex['uri']}  promoted: {ex['promoted']} ({ex.get('reason')})")
@@ -81,19 +99,35 @@ def main() -> int:
     home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     env = prepare(home, airflow_home)
-    conf = {"experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k"], "prepare_datasets": ["dapo_math", "geometry3k"]}
+    conf = {
+        "experiment": "local_tiny",
+        "backend": "local",
+        "datasets": ["gsm8k"],
+        "prepare_datasets": ["dapo_math", "geometry3k"],
+    }
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     airflow = str(Path(sys.executable).with_name("airflow"))
     log = home / "dag-test.log"
-    print(f"running verl_grpo_pipeline on the local profile (AIRFLOW_HOME={airflow_home}); Airflow's log: {log} ...", flush=True)
+    print(
+        f"running verl_grpo_pipeline on the local profile (AIRFLOW_HOME={airflow_home}); Airflow's log: {log} ...",
+        flush=True,
+    )
     with open(log, "w") as f:
-        rc = subprocess.run([airflow, "dags", "test", "verl_grpo_pipeline", logical, "--conf", json.dumps(conf)],
-                            env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(
+            [airflow, "dags", "test", "verl_grpo_pipeline", logical, "--conf", json.dumps(conf)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        ).returncode
     show_run(airflow_home / "airflow.db")
     store = home / "store"
     print("\noutputs:")
-    for label, sub in [("datasets", "datasets"), ("staged models", "models"), ("runs (checkpoints, metrics, eval, report)", "runs"),
-                       ("exported models", "models/exported")]:
+    for label, sub in [
+        ("datasets", "datasets"),
+        ("staged models", "models"),
+        ("runs (checkpoints, metrics, eval, report)", "runs"),
+        ("exported models", "models/exported"),
+    ]:
         path = store / sub
         print(f"  {label:45s} {path}{'' if path.exists() else '  (not produced)'}")
     print(f"  {'work dir (snapshots, processed parquet)':45s} {home / 'work'}")

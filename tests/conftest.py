@@ -1,5 +1,6 @@
 """Shared fixtures: an offline Hugging Face cache built from the shipped fixtures, the tiny local model, and the
 Kubernetes API stand-in behind an Airflow connection."""
+
 from __future__ import annotations
 
 import json
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["tests.storage_servers"]  # the object-store server fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,8 +53,12 @@ def k8s_api(tmp_path, monkeypatch):
     api = StandIn(crd_file=RAYJOB_CRD)
     api.start()
     kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=K8S_NAMESPACE)
-    monkeypatch.setenv(f"AIRFLOW_CONN_{K8S_CONN_ID.upper()}", json.dumps(
-        {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config), "namespace": K8S_NAMESPACE}}))
+    monkeypatch.setenv(
+        f"AIRFLOW_CONN_{K8S_CONN_ID.upper()}",
+        json.dumps(
+            {"conn_type": "kubernetes", "extra": {"kube_config_path": str(kube_config), "namespace": K8S_NAMESPACE}}
+        ),
+    )
     try:
         yield api
     finally:
@@ -61,7 +68,14 @@ def k8s_api(tmp_path, monkeypatch):
 def run_step(*args, env=None, check=None, cwd=ROOT):
     """Run ``python -m pipeline_steps ...`` as a user would; returns (exit code, summary dict, stderr)."""
     full_env = dict(os.environ, **(env or {}))
-    p = subprocess.run([sys.executable, "-m", "pipeline_steps", *map(str, args)], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline_steps", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=600,
+    )
     lines = p.stdout.strip().splitlines()
     summary = json.loads(lines[-1]) if lines else None
     if check is not None:

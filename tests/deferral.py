@@ -4,6 +4,7 @@
 rebuilt from its ``serialize()`` output, as the triggerer does, so what does not survive serialisation fails here.
 ``run_trigger(trigger)``: run the rebuilt trigger until its first event and return that event's payload.
 """
+
 from __future__ import annotations
 
 import asyncio

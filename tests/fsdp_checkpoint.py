@@ -13,6 +13,7 @@ Usage from tests: ``build(model_dir, out_dir, steps=(1, 2))`` -> ``out_dir`` (a 
 ``cached_build(tmp_path_factory.getbasetemp(), model_dir)`` to build once per session.
 Run alone: ``python tests/fsdp_checkpoint.py --model DIR --output DIR``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,7 +44,10 @@ def _worker(rank: int, world_size: int, init_file: str, model_dir: str, out_dir:
         fsdp = model
         optim = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
         manager = FSDPCheckpointManager(
-            model=fsdp, optimizer=optim, lr_scheduler=None, processing_class=tokenizer,
+            model=fsdp,
+            optimizer=optim,
+            lr_scheduler=None,
+            processing_class=tokenizer,
             checkpoint_config={"save_contents": ["model", "optimizer", "extra"]},
         )
         torch.manual_seed(1234)  # same batch on every rank
@@ -71,10 +75,27 @@ def build(model_dir: str | Path, out_dir: str | Path, steps=(1,), world_size: in
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-        cmd = [sys.executable, "-m", "tests.fsdp_checkpoint", "--model", str(model_dir), "--output", str(out_dir),
-               "--world-size", str(world_size), "--init-file", init_file, "--steps", ",".join(map(str, steps))]
-        procs = [subprocess.Popen(cmd + ["--rank", str(r)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(world_size)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.fsdp_checkpoint",
+            "--model",
+            str(model_dir),
+            "--output",
+            str(out_dir),
+            "--world-size",
+            str(world_size),
+            "--init-file",
+            init_file,
+            "--steps",
+            ",".join(map(str, steps)),
+        ]
+        procs = [
+            subprocess.Popen(
+                cmd + ["--rank", str(r)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+            for r in range(world_size)
+        ]
         outs = []
         try:
             for p in procs:

@@ -32,6 +32,7 @@ defaulting and CEL ``x-kubernetes-validations`` rules, finalizers (DELETE remove
 object at once), watches, patch/update, authentication and RBAC, resourceVersion
 conflicts, and set-based label selectors (``in``, ``notin``, existence).
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,7 +55,12 @@ SUCCESS = [
     {"jobDeploymentStatus": "Initializing"},
     {"jobDeploymentStatus": "Running", "jobStatus": "PENDING"},
     {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
-    {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "reason": "", "message": "Job finished successfully."},
+    {
+        "jobDeploymentStatus": "Complete",
+        "jobStatus": "SUCCEEDED",
+        "reason": "",
+        "message": "Job finished successfully.",
+    },
 ]
 
 
@@ -63,8 +69,15 @@ def _now() -> str:
 
 
 def _status_body(code: int, reason: str, message: str, name: str | None = None) -> dict:
-    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-            "reason": reason, "code": code}
+    body = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
     if name:
         body["details"] = {"name": name, "group": "ray.io", "kind": "rayjobs"}
     return body
@@ -192,7 +205,9 @@ class StandIn:
             "kind": "Config",
             "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
             "users": [{"name": "tester", "user": {"token": "stand-in-token-not-a-secret"}}],
-            "contexts": [{"name": "stand-in", "context": {"cluster": "stand-in", "user": "tester", "namespace": namespace}}],
+            "contexts": [
+                {"name": "stand-in", "context": {"cluster": "stand-in", "user": "tester", "namespace": namespace}}
+            ],
             "current-context": "stand-in",
         }
         Path(path).write_text(yaml.safe_dump(cfg))
@@ -236,19 +251,32 @@ class StandIn:
                 if (obj.get("status") or {}).get("jobId") == m.group(1) and (ns, name) in self.job_logs:
                     return 200, {"logs": "".join(line + "\n" for line in self.job_logs[(ns, name)])}, "application/json"
             return 404, f"Job {m.group(1)} does not exist", "text/plain"
-        return 404, _status_body(404, "NotFound", f"the server could not find the requested resource ({path})"), "application/json"
+        return (
+            404,
+            _status_body(404, "NotFound", f"the server could not find the requested resource ({path})"),
+            "application/json",
+        )
 
     def _pods(self, ns: str) -> list[str]:
         """KubeRay's submitter pods: only K8sJobMode RayJobs have one (HTTPMode submits over HTTP)."""
-        return [f"{name}-sbmt" for (n, name), obj in self.objects.items()
-                if n == ns and (ns, name) in self.job_logs
-                and (obj.get("spec") or {}).get("submissionMode", "K8sJobMode") == "K8sJobMode"]
+        return [
+            f"{name}-sbmt"
+            for (n, name), obj in self.objects.items()
+            if n == ns
+            and (ns, name) in self.job_logs
+            and (obj.get("spec") or {}).get("submissionMode", "K8sJobMode") == "K8sJobMode"
+        ]
 
     def _pod(self, ns: str, pod: str) -> dict:
         job = pod.rsplit("-", 1)[0]
         return {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": pod, "namespace": ns, "labels": {"batch.kubernetes.io/job-name": job, "job-name": job}},
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod,
+                "namespace": ns,
+                "labels": {"batch.kubernetes.io/job-name": job, "job-name": job},
+            },
             "spec": {"containers": [{"name": "ray-job-submitter", "image": "rayproject/ray"}]},
             "status": {"phase": "Running"},
         }
@@ -264,14 +292,27 @@ class StandIn:
             if errors:
                 e = errors[0]
                 where = ".".join(str(p) for p in e.path)
-                return 422, _status_body(422, "Invalid", f'RayJob.ray.io "{name}" is invalid: {where}: {e.message}', name), "application/json"
+                return (
+                    422,
+                    _status_body(422, "Invalid", f'RayJob.ray.io "{name}" is invalid: {where}: {e.message}', name),
+                    "application/json",
+                )
         if (ns, name) in self.objects:
-            return 409, _status_body(409, "AlreadyExists", f'rayjobs.ray.io "{name}" already exists', name), "application/json"
+            return (
+                409,
+                _status_body(409, "AlreadyExists", f'rayjobs.ray.io "{name}" already exists', name),
+                "application/json",
+            )
         obj = copy.deepcopy(body)
         obj.pop("status", None)  # status is a subresource: a create never sets it
         meta = obj["metadata"]
-        meta.update(namespace=ns, uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1,
-                    resourceVersion=str(len(self.requests)))
+        meta.update(
+            namespace=ns,
+            uid=str(uuid.uuid4()),
+            creationTimestamp=_now(),
+            generation=1,
+            resourceVersion=str(len(self.requests)),
+        )
         self.objects[(ns, name)] = obj
         self.creates.append(copy.deepcopy(obj))
         script = self.scripts.get(name)
@@ -280,7 +321,8 @@ class StandIn:
             script = self.scripts.get(base, self.default_script) if base else self.default_script
         obj["_script"] = [dict(s) for s in script]  # private to the stand-in; stripped from responses
         obj["_metrics"] = self.metrics_files.get(name) or next(
-            (p for k, p in self.metrics_files.items() if name.startswith(k + "-")), None)
+            (p for k, p in self.metrics_files.items() if name.startswith(k + "-")), None
+        )
         return 201, self._public(obj), "application/json"
 
     def _advance(self, ns: str, obj: dict) -> None:
@@ -326,12 +368,18 @@ class StandIn:
 
     def _list(self, ns: str, selector: str):
         try:
-            items = [self._public(o) for (n, _), o in sorted(self.objects.items())
-                     if n == ns and _match(o["metadata"].get("labels") or {}, selector)]
+            items = [
+                self._public(o)
+                for (n, _), o in sorted(self.objects.items())
+                if n == ns and _match(o["metadata"].get("labels") or {}, selector)
+            ]
         except ValueError as exc:
             return 400, _status_body(400, "BadRequest", str(exc)), "application/json"
-        return 200, {"apiVersion": "ray.io/v1", "kind": "RayJobList", "metadata": {"resourceVersion": "1"},
-                     "items": items}, "application/json"
+        return (
+            200,
+            {"apiVersion": "ray.io/v1", "kind": "RayJobList", "metadata": {"resourceVersion": "1"}, "items": items},
+            "application/json",
+        )
 
     def _delete(self, ns: str, name: str):
         obj = self.objects.pop((ns, name), None)
@@ -339,8 +387,17 @@ class StandIn:
             return 404, _status_body(404, "NotFound", f'rayjobs.ray.io "{name}" not found', name), "application/json"
         self.deletes.append(name)
         self.job_logs.pop((ns, name), None)  # the cluster and submitter go with it
-        return 200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-                     "details": {"name": name, "group": "ray.io", "kind": "rayjobs", "uid": obj["metadata"]["uid"]}}, "application/json"
+        return (
+            200,
+            {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "metadata": {},
+                "status": "Success",
+                "details": {"name": name, "group": "ray.io", "kind": "rayjobs", "uid": obj["metadata"]["uid"]},
+            },
+            "application/json",
+        )
 
     @staticmethod
     def _public(obj: dict) -> dict:

@@ -32,6 +32,7 @@ and presigned URLs (query-string auth), ACLs, versioning, OSS-only APIs (append,
 symlink, restore, tagging differences), server-side encryption, request time skew
 and exact OSS error ``EC`` codes.
 """
+
 from __future__ import annotations
 
 import base64
@@ -55,8 +56,10 @@ from alibabacloud_oss_v2.crc import Crc64
 os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", str(100 * 1024))
 
 _NS_RE = re.compile(rb'\sxmlns="[^"]*"')
-_AUTH_RE = re.compile(r"OSS4-HMAC-SHA256 Credential=([^/]+)/(\d{8})/([^/]+)/([^/]+)/aliyun_v4_request"
-                      r"(?:,\s*AdditionalHeaders=([^,]*))?,\s*Signature=([0-9a-f]+)")
+_AUTH_RE = re.compile(
+    r"OSS4-HMAC-SHA256 Credential=([^/]+)/(\d{8})/([^/]+)/([^/]+)/aliyun_v4_request"
+    r"(?:,\s*AdditionalHeaders=([^,]*))?,\s*Signature=([0-9a-f]+)"
+)
 
 
 def crc64(data: bytes, crc: int | None = None) -> int:
@@ -92,8 +95,11 @@ class MotoS3:
 
     def forward(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes):
         # authenticated by the OSS layer; moto only needs to see a signed request (else it applies anonymous ACLs)
-        headers = {**headers, "Authorization": "AWS4-HMAC-SHA256 Credential=test/20000101/us-east-1/s3/aws4_request, "
-                                                "SignedHeaders=host, Signature=0"}
+        headers = {
+            **headers,
+            "Authorization": "AWS4-HMAC-SHA256 Credential=test/20000101/us-east-1/s3/aws4_request, "
+            "SignedHeaders=host, Signature=0",
+        }
         with self._lock:
             resp = self._app.open(method=method, path=path, query_string=query, headers=headers, data=body)
             return resp.status_code, list(resp.headers.items()), resp.get_data() if method != "HEAD" else b""
@@ -187,8 +193,14 @@ class OssTestServer:
     :param port: 0 picks a free port on 127.0.0.1
     """
 
-    def __init__(self, access_key_id: str, access_key_secret: str, region: str = "cn-test", port: int = 0,
-                 s3_url: str | None = None):
+    def __init__(
+        self,
+        access_key_id: str,
+        access_key_secret: str,
+        region: str = "cn-test",
+        port: int = 0,
+        s3_url: str | None = None,
+    ):
         self.s3 = HttpS3(s3_url) if s3_url else MotoS3()
         self.credentials = {access_key_id: access_key_secret}
         self.region = region
@@ -243,7 +255,9 @@ class OssTestServer:
             self._crc_cache[ck] = crc64(b"") if crc is None else crc
         return self._crc_cache[ck]
 
-    def _check_auth(self, method: str, raw_path: str, raw_query: str, headers: dict[str, str]) -> tuple[int, str, str] | None:
+    def _check_auth(
+        self, method: str, raw_path: str, raw_query: str, headers: dict[str, str]
+    ) -> tuple[int, str, str] | None:
         auth = headers.get("authorization", "")
         m = _AUTH_RE.fullmatch(auth.strip())
         if not m:
@@ -260,21 +274,32 @@ class OssTestServer:
         pairs = sorted(p.partition("=")[::2] for p in raw_query.split("&") if p) if raw_query else []
         canonical_query = "&".join(f"{k}={v}" if v else k for k, v in pairs)
         signed = sorted(
-            (k, v) for k, v in headers.items()
+            (k, v)
+            for k, v in headers.items()
             if k.startswith("x-oss-") or k in ("content-type", "content-md5") or k in additional_list
         )
         canonical_headers = "".join(f"{k}:{v}\n" for k, v in signed)
         payload = headers.get("x-oss-content-sha256", "UNSIGNED-PAYLOAD")
-        canonical = f"{method}\n{canonical_uri}\n{canonical_query}\n{canonical_headers}\n{';'.join(additional_list)}\n{payload}"
+        canonical = (
+            f"{method}\n{canonical_uri}\n{canonical_query}\n{canonical_headers}\n{';'.join(additional_list)}\n{payload}"
+        )
         scope = f"{date}/{region}/{product}/aliyun_v4_request"
-        sts = "\n".join(["OSS4-HMAC-SHA256", headers.get("x-oss-date", ""), scope, hashlib.sha256(canonical.encode()).hexdigest()])
+        sts = "\n".join(
+            ["OSS4-HMAC-SHA256", headers.get("x-oss-date", ""), scope, hashlib.sha256(canonical.encode()).hexdigest()]
+        )
         if os.environ.get("OSS_TEST_SERVER_DEBUG"):
             print("canonical:", repr(canonical), headers)
         if region != self.region or not hmac.compare_digest(_signature(secret, date, region, product, sts), signature):
-            return 403, "SignatureDoesNotMatch", "The request signature we calculated does not match the signature you provided."
+            return (
+                403,
+                "SignatureDoesNotMatch",
+                "The request signature we calculated does not match the signature you provided.",
+            )
         return None
 
-    def handle(self, method: str, target: str, headers: dict[str, str], body: bytes) -> tuple[int, dict[str, str], bytes]:
+    def handle(
+        self, method: str, target: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, dict[str, str], bytes]:
         parts = urlsplit(target)
         raw_path, raw_query = parts.path, parts.query
         self.requests.append((method, target))
@@ -305,8 +330,11 @@ class OssTestServer:
                     out_headers["Content-Length"] = v
                 continue
             out_headers["x-oss-" + lk[6:] if lk.startswith("x-amz-") else k] = v
-        is_object_data = bool(key) and method in ("GET", "HEAD") and status < 300 and not (
-            {"uploadId", "uploads", "acl", "tagging"} & set(query)
+        is_object_data = (
+            bool(key)
+            and method in ("GET", "HEAD")
+            and status < 300
+            and not ({"uploadId", "uploads", "acl", "tagging"} & set(query))
         )
         crc = None
         if status < 300 and key:
@@ -361,7 +389,13 @@ class OssTestServer:
     @staticmethod
     def _error_xml(code: str, message: str, request_id: str) -> bytes:
         root = ET.Element("Error")
-        for tag, text in (("Code", code), ("Message", message), ("RequestId", request_id), ("HostId", "127.0.0.1"), ("EC", "0002-00000000")):
+        for tag, text in (
+            ("Code", code),
+            ("Message", message),
+            ("RequestId", request_id),
+            ("HostId", "127.0.0.1"),
+            ("EC", "0002-00000000"),
+        ):
             ET.SubElement(root, tag).text = text
         return b'<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root)
 
@@ -394,8 +428,11 @@ class OssTestServer:
                 try:
                     status, out_headers, out_body = server.handle(self.command, self.path, headers, body)
                 except Exception as exc:  # surface as a 500 so the client's retry/err path runs
-                    status, out_headers, out_body = 500, {"Content-Type": "application/xml"}, server._error_xml(
-                        "InternalError", f"{exc.__class__.__name__}: {exc}", "0")
+                    status, out_headers, out_body = (
+                        500,
+                        {"Content-Type": "application/xml"},
+                        server._error_xml("InternalError", f"{exc.__class__.__name__}: {exc}", "0"),
+                    )
                 self.send_response(status)
                 for k, v in out_headers.items():
                     self.send_header(k, v)

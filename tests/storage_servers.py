@@ -8,6 +8,7 @@
 
 Import the fixtures into a test module: ``from tests.storage_servers import gcs_server, oss_server``.
 """
+
 from __future__ import annotations
 
 import os
@@ -68,9 +69,25 @@ class GcsServer:
         self.root.mkdir(parents=True)
         self.log = open(tmp / "fake-gcs.log", "wb")
         self.proc = subprocess.Popen(
-            [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(self.root),
-             "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.url, "-log-level", "error"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                str(_get_binary_path()),
+                "-scheme",
+                "http",
+                "-backend",
+                "filesystem",
+                "-filesystem-root",
+                str(self.root),
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.port),
+                "-external-url",
+                self.url,
+                "-log-level",
+                "error",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         _wait_http(f"{self.url}/storage/v1/b", self.proc)
 
@@ -80,8 +97,12 @@ class GcsServer:
     def create_bucket(self, name: str) -> None:
         import json
 
-        req = urllib.request.Request(f"{self.url}/storage/v1/b?project=test-project", data=json.dumps({"name": name}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            f"{self.url}/storage/v1/b?project=test-project",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
         urllib.request.urlopen(req, timeout=10).read()
 
     def stop(self) -> None:
@@ -95,17 +116,33 @@ class SeaweedServer:
 
     def __init__(self, tmp: Path):
         # every gRPC port explicit: weed's default is port + 10000, past 65535 for an ephemeral port
-        ports = {f"-{service}.port{grpc}": free_port() for service in ("s3", "master", "volume", "filer") for grpc in ("", ".grpc")}
+        ports = {
+            f"-{service}.port{grpc}": free_port()
+            for service in ("s3", "master", "volume", "filer")
+            for grpc in ("", ".grpc")
+        }
         self.url = f"http://127.0.0.1:{ports['-s3.port']}"
         data = tmp / "seaweed-data"
         data.mkdir(parents=True)
         self.log = open(tmp / "seaweed.log", "wb")
         weed = Path(sys.executable).with_name("weed")
         self.proc = subprocess.Popen(
-            [str(weed), "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-             *(f"{flag}={port}" for flag, port in ports.items()),
-             "-master.telemetry=false", "-s3.iam=false", "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            [
+                str(weed),
+                "server",
+                f"-dir={data}",
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-s3",
+                *(f"{flag}={port}" for flag, port in ports.items()),
+                "-master.telemetry=false",
+                "-s3.iam=false",
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-volume.preStopSeconds=0",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
         )
         _wait_http(self.url + "/", self.proc, timeout=60)
 
@@ -122,13 +159,20 @@ class OssServer:
         self.log = open(tmp / f"oss-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.oss_test_server", OSS_KEY_ID, OSS_SECRET, str(self.port), *buckets],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
             env={**os.environ, "OSS_TEST_SERVER_PART_DELAY": str(part_delay), "OSS_TEST_SERVER_S3_URL": s3_url or ""},
         )
         _wait_http(self.endpoint + "/", self.proc, timeout=60)
 
     def env(self, key_id: str = OSS_KEY_ID, secret: str = OSS_SECRET) -> dict[str, str]:
-        return {"OSS_ACCESS_KEY_ID": key_id, "OSS_ACCESS_KEY_SECRET": secret, "OSS_REGION": OSS_REGION, "OSS_ENDPOINT": self.endpoint}
+        return {
+            "OSS_ACCESS_KEY_ID": key_id,
+            "OSS_ACCESS_KEY_SECRET": secret,
+            "OSS_REGION": OSS_REGION,
+            "OSS_ENDPOINT": self.endpoint,
+        }
 
     def client(self):
         """An SDK client with the right credentials, to inspect or tamper with the bucket in tests."""
@@ -188,5 +232,11 @@ def run_step(args: list[str], env: dict[str, str], timeout: float = 120) -> subp
     """``python -m pipeline_steps ...`` in a clean subprocess with ``env`` on top of a minimal environment."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("OSS_", "GOOGLE_", "STORAGE_EMULATOR", "GCS_"))}
     base.update(env)
-    return subprocess.run([sys.executable, "-m", "pipeline_steps", *args], cwd=ROOT, env=base, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline_steps", *args],
+        cwd=ROOT,
+        env=base,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

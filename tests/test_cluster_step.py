@@ -15,6 +15,7 @@ KubeRay backend: no Kubernetes API server, KubeRay or GPU can run here, so
   records ``xcom_push`` calls.
 The vLLM generator (GPU) is not exercised: the cluster evaluate here generates with ``--generator hf``.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,13 +31,13 @@ import pyarrow.parquet as pq
 import pytest
 from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
-from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE
 
 from operators.cluster_step import PipelineStepJobOperator, map_uri_args, pod_paths_to_uris
 from operators.rayjob import JobFailed
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob import rayjob_name
+from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE
 from tests.deferral import deferred, run_trigger
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,15 +65,25 @@ def context():
 
 def run_entrypoint(entrypoint: str) -> subprocess.CompletedProcess:
     """What Ray's job supervisor does with ``spec.entrypoint``: one /bin/sh parses it (HTTPMode)."""
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return subprocess.run(["/bin/sh", "-c", entrypoint], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
 
 
 def aime_parquet(path: Path, n: int = 2) -> Path:
-    rows = [{"data_source": "aime2024", "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"Find {i} + {i}.")}],
-             "ability": "MATH", "reward_model": {"style": "rule-lean", "ground_truth": str(2 * i)},
-             "extra_info": {"split": "test", "index": i, "id": f"2024-I-{i + 1}"}} for i in range(n)]
+    rows = [
+        {
+            "data_source": "aime2024",
+            "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"Find {i} + {i}.")}],
+            "ability": "MATH",
+            "reward_model": {"style": "rule-lean", "ground_truth": str(2 * i)},
+            "extra_info": {"split": "test", "index": i, "id": f"2024-I-{i + 1}"},
+        }
+        for i in range(n)
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
@@ -85,7 +96,9 @@ def cluster(k8s_api, tmp_path, monkeypatch):
     store.mkdir()
     mnt.parent.mkdir()
     mnt.symlink_to(store, target_is_directory=True)
-    monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": str(mnt)}]))
+    monkeypatch.setenv(
+        "PIPELINE_MOUNTS", json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": str(mnt)}])
+    )
     monkeypatch.delenv("PIPELINE_TRAIN_IMAGE", raising=False)
     return {"api": k8s_api, "store": store, "mnt": mnt}
 
@@ -93,18 +106,52 @@ def cluster(k8s_api, tmp_path, monkeypatch):
 def make_op(dag_id: str, task_id: str, **kw) -> PipelineStepJobOperator:
     kw.setdefault("namespace", NS)
     with DAG(dag_id, schedule=None):
-        return PipelineStepJobOperator(task_id=task_id, kubernetes_conn_id=CONN, poll_interval=0.01, experiment=PRESET, **kw)
+        return PipelineStepJobOperator(
+            task_id=task_id, kubernetes_conn_id=CONN, poll_interval=0.01, experiment=PRESET, **kw
+        )
 
 
 # -- pure helpers ------------------------------------------------------------------------------------------
 def test_map_uri_args_maps_only_named_flags_in_every_form():
-    mounts = MountMap.from_config([{"uri": "gs://bkt", "claim": "c", "path": "/mnt/gs"},
-                                   {"uri": "file:///data/store", "claim": "nfs", "path": "/mnt/nfs"}])
-    args = ["--model", "gs://bkt/models/m", "--data=gs://bkt/d/test.parquet", "--files", "gs://bkt/a", "file:///data/store/b",
-            "--store-root", "gs://bkt", "--output", "/data/store/runs/r/eval", "--k", "4", "--note", "gs://bkt/x"]
+    mounts = MountMap.from_config(
+        [
+            {"uri": "gs://bkt", "claim": "c", "path": "/mnt/gs"},
+            {"uri": "file:///data/store", "claim": "nfs", "path": "/mnt/nfs"},
+        ]
+    )
+    args = [
+        "--model",
+        "gs://bkt/models/m",
+        "--data=gs://bkt/d/test.parquet",
+        "--files",
+        "gs://bkt/a",
+        "file:///data/store/b",
+        "--store-root",
+        "gs://bkt",
+        "--output",
+        "/data/store/runs/r/eval",
+        "--k",
+        "4",
+        "--note",
+        "gs://bkt/x",
+    ]
     out = map_uri_args(args, ("--model", "--data", "--files", "--output"), mounts)
-    assert out == ["--model", "/mnt/gs/models/m", "--data=/mnt/gs/d/test.parquet", "--files", "/mnt/gs/a", "/mnt/nfs/b",
-                   "--store-root", "gs://bkt", "--output", "/mnt/nfs/runs/r/eval", "--k", "4", "--note", "gs://bkt/x"]
+    assert out == [
+        "--model",
+        "/mnt/gs/models/m",
+        "--data=/mnt/gs/d/test.parquet",
+        "--files",
+        "/mnt/gs/a",
+        "/mnt/nfs/b",
+        "--store-root",
+        "gs://bkt",
+        "--output",
+        "/mnt/nfs/runs/r/eval",
+        "--k",
+        "4",
+        "--note",
+        "gs://bkt/x",
+    ]
     with pytest.raises(AirflowFailException, match=r"^--model 'oss://other/m': .*outside every mounted bucket"):
         map_uri_args(["--model", "oss://other/m"], ("--model",), mounts)
     with pytest.raises(AirflowFailException, match=r"^--output '/home/u/work/x': .*not a store URI on a mount"):
@@ -114,27 +161,74 @@ def test_map_uri_args_maps_only_named_flags_in_every_form():
 
 
 def test_pod_paths_in_a_summary_become_store_uris():
-    mounts = MountMap.from_config([{"uri": "gs://bkt", "claim": "c", "path": "/mnt/gs"},
-                                   {"uri": "gs://bkt2/pre", "claim": "d", "path": "/mnt/gs/inner"}])
-    summary = {"results": "/mnt/gs/runs/r/eval/results.json", "nested": ["/mnt/gs/inner/x", {"p": "/mnt/gs"}],
-               "local": "/tmp/work/x", "other": "/mnt/gsx/y", "n": 3, "none": None}
+    mounts = MountMap.from_config(
+        [
+            {"uri": "gs://bkt", "claim": "c", "path": "/mnt/gs"},
+            {"uri": "gs://bkt2/pre", "claim": "d", "path": "/mnt/gs/inner"},
+        ]
+    )
+    summary = {
+        "results": "/mnt/gs/runs/r/eval/results.json",
+        "nested": ["/mnt/gs/inner/x", {"p": "/mnt/gs"}],
+        "local": "/tmp/work/x",
+        "other": "/mnt/gsx/y",
+        "n": 3,
+        "none": None,
+    }
     assert pod_paths_to_uris(summary, mounts) == {
-        "results": "gs://bkt/runs/r/eval/results.json", "nested": ["gs://bkt2/pre/x", {"p": "gs://bkt"}],
-        "local": "/tmp/work/x", "other": "/mnt/gsx/y", "n": 3, "none": None}
+        "results": "gs://bkt/runs/r/eval/results.json",
+        "nested": ["gs://bkt2/pre/x", {"p": "gs://bkt"}],
+        "local": "/tmp/work/x",
+        "other": "/mnt/gsx/y",
+        "n": 3,
+        "none": None,
+    }
 
 
 def test_cluster_entry_writes_summary_and_keeps_exit_code(tmp_path):
     out = tmp_path / "s" / "summary.json"
-    p = subprocess.run([sys.executable, "-m", "pipeline_steps.cluster_entry", "--summary-file", str(out), "--",
-                        "evaluate", "--model", "m", "--data", "d", "--output", str(tmp_path / "o"), "--k", "0"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=120)
-    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == "error: --k 0: must be at least 1 (samples per problem)"
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline_steps.cluster_entry",
+            "--summary-file",
+            str(out),
+            "--",
+            "evaluate",
+            "--model",
+            "m",
+            "--data",
+            "d",
+            "--output",
+            str(tmp_path / "o"),
+            "--k",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ),
+        timeout=120,
+    )
+    assert (
+        p.returncode == 2
+        and p.stderr.strip().splitlines()[-1] == "error: --k 0: must be at least 1 (samples per problem)"
+    )
     assert json.loads(p.stdout.strip().splitlines()[-1])["ok"] is False  # the job log still shows the summary
-    assert json.loads(out.read_text()) == {"exit_code": 2, "summary": {
-        "ok": False, "step": "evaluate", "error": "--k 0: must be at least 1 (samples per problem)"}}
+    assert json.loads(out.read_text()) == {
+        "exit_code": 2,
+        "summary": {"ok": False, "step": "evaluate", "error": "--k 0: must be at least 1 (samples per problem)"},
+    }
     assert [f.name for f in out.parent.iterdir()] == ["summary.json"]  # no temporary sibling left
-    p = subprocess.run([sys.executable, "-m", "pipeline_steps.cluster_entry", "evaluate", "--k", "1"],
-                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ), timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline_steps.cluster_entry", "evaluate", "--k", "1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ),
+        timeout=60,
+    )
     assert p.returncode == 2 and p.stderr.startswith("error: cluster_entry: missing '--'")
 
 
@@ -150,9 +244,29 @@ def test_operator_rejects_bad_backend_and_missing_summary_location(cluster):
 # -- local backend -----------------------------------------------------------------------------------------
 def test_local_backend_runs_the_real_step_and_fails_bad_input_without_retry(tiny_model, tmp_path):
     data = aime_parquet(tmp_path / "aime.parquet")
-    args = ["--model", str(tiny_model), "--data", str(data), "--output", str(tmp_path / "eval"), "--k", "2",
-            "--max-new-tokens", "4", "--max-problems", "1", "--seed", "3"]
-    op = make_op("t_local", "evaluate", step="evaluate", backend="local", request={"args": args, "carry": {"dataset": "aime2024"}})
+    args = [
+        "--model",
+        str(tiny_model),
+        "--data",
+        str(data),
+        "--output",
+        str(tmp_path / "eval"),
+        "--k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--max-problems",
+        "1",
+        "--seed",
+        "3",
+    ]
+    op = make_op(
+        "t_local",
+        "evaluate",
+        step="evaluate",
+        backend="local",
+        request={"args": args, "carry": {"dataset": "aime2024"}},
+    )
     out = op.execute(context())
     assert set(out) == {"dataset", "evaluate"} and out["dataset"] == "aime2024"
     ev = out["evaluate"]
@@ -169,20 +283,63 @@ def test_kuberay_evaluate_runs_as_gpu_rayjob_and_returns_the_local_xcom_shape(cl
     shutil.copytree(tiny_model, store / "models" / "tiny")
     aime_parquet(store / "datasets" / "aime2024" / "test.parquet")
     run_dir = "runs/gsm8k/it's $(touch pwned) `id`"  # a run folder with shell metacharacters stays one argument
-    args = ["--model", f"file://{store}/models/tiny", "--data", f"{store}/datasets/aime2024/test.parquet",  # plain path: planning.local_path
-            "--output", f"file://{store}/{run_dir}/eval", "--k", "2", "--max-new-tokens", "4", "--max-problems", "1",
-            "--seed", "3", "--generator", "hf"]
-    op = make_op("t_eval", "evaluate", step="evaluate", backend="kuberay", store_uri=f"file://{store}",
-                 uri_args=EVAL_URI_ARGS, request={"args": args, "carry": {"dataset": "aime2024"}})
+    args = [
+        "--model",
+        f"file://{store}/models/tiny",
+        "--data",
+        f"{store}/datasets/aime2024/test.parquet",  # plain path: planning.local_path
+        "--output",
+        f"file://{store}/{run_dir}/eval",
+        "--k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--max-problems",
+        "1",
+        "--seed",
+        "3",
+        "--generator",
+        "hf",
+    ]
+    op = make_op(
+        "t_eval",
+        "evaluate",
+        step="evaluate",
+        backend="kuberay",
+        store_uri=f"file://{store}",
+        uri_args=EVAL_URI_ARGS,
+        request={"args": args, "carry": {"dataset": "aime2024"}},
+    )
     trigger = deferred(op, context())
     name = rayjob_name("t_eval", RUN_ID, "evaluate", "evaluate")
     assert trigger.name == name and len(api.creates) == 1
     body = api.creates[0]
     argv = shlex.split(body["spec"]["entrypoint"])
-    assert argv == ["python3", "-m", "pipeline_steps.cluster_entry", "--summary-file", f"{mnt}/tmp/step-summaries/{name}.json",
-                    "--", "evaluate", "--model", f"{mnt}/models/tiny", "--data", f"{mnt}/datasets/aime2024/test.parquet",
-                    "--output", f"{mnt}/{run_dir}/eval", "--k", "2", "--max-new-tokens", "4", "--max-problems", "1",
-                    "--seed", "3", "--generator", "hf"]
+    assert argv == [
+        "python3",
+        "-m",
+        "pipeline_steps.cluster_entry",
+        "--summary-file",
+        f"{mnt}/tmp/step-summaries/{name}.json",
+        "--",
+        "evaluate",
+        "--model",
+        f"{mnt}/models/tiny",
+        "--data",
+        f"{mnt}/datasets/aime2024/test.parquet",
+        "--output",
+        f"{mnt}/{run_dir}/eval",
+        "--k",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--max-problems",
+        "1",
+        "--seed",
+        "3",
+        "--generator",
+        "hf",
+    ]
     workers = body["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert len(workers) == 1 and workers[0]["replicas"] == 1
     assert workers[0]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
@@ -198,10 +355,22 @@ def test_kuberay_evaluate_runs_as_gpu_rayjob_and_returns_the_local_xcom_shape(cl
     out = op.execute_complete(context(), event)
 
     # the same step run by the local backend gives the same XCom, with local paths where the cluster gives URIs
-    local_args = ["--model", str(store / "models" / "tiny"), "--data", str(store / "datasets/aime2024/test.parquet"),
-                  "--output", str(tmp_path / "local-eval"), *args[6:]]
-    local = make_op("t_eval", "evaluate", step="evaluate", backend="local",
-                    request={"args": local_args, "carry": {"dataset": "aime2024"}}).execute(context())
+    local_args = [
+        "--model",
+        str(store / "models" / "tiny"),
+        "--data",
+        str(store / "datasets/aime2024/test.parquet"),
+        "--output",
+        str(tmp_path / "local-eval"),
+        *args[6:],
+    ]
+    local = make_op(
+        "t_eval",
+        "evaluate",
+        step="evaluate",
+        backend="local",
+        request={"args": local_args, "carry": {"dataset": "aime2024"}},
+    ).execute(context())
     assert set(out) == set(local) == {"dataset", "evaluate"} and set(out["evaluate"]) == set(local["evaluate"])
     assert out["evaluate"]["results"] == f"file://{store}/{run_dir}/eval/results.json"
     assert out["evaluate"]["output"] == f"file://{store}/{run_dir}/eval"
@@ -216,19 +385,48 @@ def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_
 
     api, store, mnt = cluster["api"], cluster["store"], cluster["mnt"]
     name = rayjob_name("t_export", RUN_ID, "export", "export")
-    api.script(name, [{"jobDeploymentStatus": "Initializing"},
-                      {"jobDeploymentStatus": "Failed", "reason": "DeadlineExceeded",
-                       "message": "The RayJob has passed the activeDeadlineSeconds"}])
+    api.script(
+        name,
+        [
+            {"jobDeploymentStatus": "Initializing"},
+            {
+                "jobDeploymentStatus": "Failed",
+                "reason": "DeadlineExceeded",
+                "message": "The RayJob has passed the activeDeadlineSeconds",
+            },
+        ],
+    )
     api.script(name[:44].rstrip("-") + "-r1", SUCCESS)
-    args = ["--checkpoint-dir", f"file://{store}/runs/r/checkpoints", "--output", "/tmp/export-work",
-            "--store-root", f"file://{store}", "--experiment", PRESET, "--lineage", f"file://{store}/runs/r/lineage.json",
-            "--eval-results", f"file://{store}/runs/r/eval/results.json", "--base-results", f"file://{store}/runs/r/eval/base_results.json"]
+    args = [
+        "--checkpoint-dir",
+        f"file://{store}/runs/r/checkpoints",
+        "--output",
+        "/tmp/export-work",
+        "--store-root",
+        f"file://{store}",
+        "--experiment",
+        PRESET,
+        "--lineage",
+        f"file://{store}/runs/r/lineage.json",
+        "--eval-results",
+        f"file://{store}/runs/r/eval/results.json",
+        "--base-results",
+        f"file://{store}/runs/r/eval/base_results.json",
+    ]
 
     def op():
-        return make_op("t_export", "export", step="export", backend="kuberay", store_uri=f"file://{store}",
-                       uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
-                       cpu_head_resources={"cpu": "16", "memory": "128Gi"}, skip_unless="promoted",
-                       asset_alias="verl-exported-models", request={"args": args, "carry": {}})
+        return make_op(
+            "t_export",
+            "export",
+            step="export",
+            backend="kuberay",
+            store_uri=f"file://{store}",
+            uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
+            cpu_head_resources={"cpu": "16", "memory": "128Gi"},
+            skip_unless="promoted",
+            asset_alias="verl-exported-models",
+            request={"args": args, "carry": {}},
+        )
 
     first = op()
     event = run_trigger(deferred(first, context()))
@@ -237,13 +435,20 @@ def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_
     body = api.creates[0]
     assert "workerGroupSpecs" not in body["spec"]["rayClusterSpec"] and "entrypointNumGpus" not in body["spec"]
     head = body["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert head["resources"] == {"requests": {"cpu": "16", "memory": "128Gi"}, "limits": {"cpu": "16", "memory": "128Gi"}}
+    assert head["resources"] == {
+        "requests": {"cpu": "16", "memory": "128Gi"},
+        "limits": {"cpu": "16", "memory": "128Gi"},
+    }
     argv = shlex.split(body["spec"]["entrypoint"])
     assert argv[argv.index("--checkpoint-dir") + 1] == f"{mnt}/runs/r/checkpoints"
-    assert argv[argv.index("--store-root") + 1] == f"file://{store}"  # not a uri_arg: the step uploads through the store
+    assert (
+        argv[argv.index("--store-root") + 1] == f"file://{store}"
+    )  # not a uri_arg: the step uploads through the store
     # a stale summary of the failed attempt must not be read for the retry
     (store / "tmp" / "step-summaries").mkdir(parents=True)
-    (store / "tmp" / "step-summaries" / f"{name}.json").write_text(json.dumps({"exit_code": 0, "summary": {"promoted": True}}))
+    (store / "tmp" / "step-summaries" / f"{name}.json").write_text(
+        json.dumps({"exit_code": 0, "summary": {"promoted": True}})
+    )
 
     retry = op()
     trigger = deferred(retry, context())
@@ -256,15 +461,32 @@ def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_
         retry.execute_complete(context(), event)
     # A real successful export needs a trained FSDP checkpoint; the test writes the summary file that the job's
     # cluster_entry would have written at its pod path (pod paths inside, as the step reports them).
-    (mnt / "tmp" / "step-summaries" / f"{trigger.name}.json").write_text(json.dumps({"exit_code": 0, "summary": {
-        "ok": True, "step": "export", "promoted": False, "reason": "avg@k 0.1 does not beat the base's 0.2 by more than 0.0",
-        "uri": f"{mnt}/models/exported/{PRESET}/v1", "output": "/tmp/export-work"}}))
+    (mnt / "tmp" / "step-summaries" / f"{trigger.name}.json").write_text(
+        json.dumps(
+            {
+                "exit_code": 0,
+                "summary": {
+                    "ok": True,
+                    "step": "export",
+                    "promoted": False,
+                    "reason": "avg@k 0.1 does not beat the base's 0.2 by more than 0.0",
+                    "uri": f"{mnt}/models/exported/{PRESET}/v1",
+                    "output": "/tmp/export-work",
+                },
+            }
+        )
+    )
     ctx = context()
     with pytest.raises(AirflowSkipException, match="step export: avg@k 0.1 does not beat"):
         retry.execute_complete(ctx, event)
-    assert ctx["ti"].pushed["return_value"] == {"export": {
-        "promoted": False, "reason": "avg@k 0.1 does not beat the base's 0.2 by more than 0.0",
-        "uri": f"file://{store}/models/exported/{PRESET}/v1", "output": "/tmp/export-work"}}
+    assert ctx["ti"].pushed["return_value"] == {
+        "export": {
+            "promoted": False,
+            "reason": "avg@k 0.1 does not beat the base's 0.2 by more than 0.0",
+            "uri": f"file://{store}/models/exported/{PRESET}/v1",
+            "output": "/tmp/export-work",
+        }
+    }
     from airflow.sdk import AssetAlias
 
     events = ctx["outlet_events"][AssetAlias("verl-exported-models")].asset_alias_events
@@ -274,14 +496,44 @@ def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_
 def test_kuberay_step_bad_input_fails_with_kuberay_reason_and_step_error_without_retry(cluster):
     api, store = cluster["api"], cluster["store"]
     name = rayjob_name("t_badexport", RUN_ID, "export", "export")
-    api.script(name, [{"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
-                      {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed",
-                       "message": "Job entrypoint command failed with exit code 2"}])
-    args = ["--checkpoint-dir", f"file://{store}/runs/r/checkpoints", "--output", "/tmp/export-work",
-            "--store-root", f"file://{store}", "--experiment", PRESET, "--lineage", f"file://{store}/runs/r/lineage.json",
-            "--eval-results", f"file://{store}/runs/r/eval/results.json", "--base-results", f"file://{store}/runs/r/eval/base_results.json"]
-    op = make_op("t_badexport", "export", step="export", backend="kuberay", store_uri=f"file://{store}", namespace=None,
-                 uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"), request={"args": args})
+    api.script(
+        name,
+        [
+            {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
+            {
+                "jobDeploymentStatus": "Complete",
+                "jobStatus": "FAILED",
+                "reason": "AppFailed",
+                "message": "Job entrypoint command failed with exit code 2",
+            },
+        ],
+    )
+    args = [
+        "--checkpoint-dir",
+        f"file://{store}/runs/r/checkpoints",
+        "--output",
+        "/tmp/export-work",
+        "--store-root",
+        f"file://{store}",
+        "--experiment",
+        PRESET,
+        "--lineage",
+        f"file://{store}/runs/r/lineage.json",
+        "--eval-results",
+        f"file://{store}/runs/r/eval/results.json",
+        "--base-results",
+        f"file://{store}/runs/r/eval/base_results.json",
+    ]
+    op = make_op(
+        "t_badexport",
+        "export",
+        step="export",
+        backend="kuberay",
+        store_uri=f"file://{store}",
+        namespace=None,
+        uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
+        request={"args": args},
+    )
     trigger = deferred(op, context())
     assert api.creates[0]["metadata"]["namespace"] == NS  # no namespace= given: the connection's
     job = run_entrypoint(api.creates[0]["spec"]["entrypoint"])  # the real export step: its lineage file is missing
@@ -291,4 +543,8 @@ def test_kuberay_step_bad_input_fails_with_kuberay_reason_and_step_error_without
         op.execute_complete(context(), event)
     message = str(exc.value)
     assert message.startswith(f"RayJob {name} failed: jobDeploymentStatus=Complete, jobStatus=FAILED, reason=AppFailed")
-    assert "step export: --lineage" in message and "file not found" in message and message.endswith("(bad input: not retried)")
+    assert (
+        "step export: --lineage" in message
+        and "file not found" in message
+        and message.endswith("(bad input: not retried)")
+    )

@@ -1,4 +1,5 @@
 """The DAG file: parses fast without heavy imports, has the whole chain, and its trigger form rejects bad values."""
+
 import copy
 import subprocess
 import sys
@@ -21,8 +22,14 @@ runpy.run_path({str(DAG_FILE)!r})
 dt = time.process_time() - t
 print(dt, ",".join(sorted({{m.split('.')[0] for m in set(sys.modules) - before}})))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={"PATH": "/usr/bin:/bin", "AIRFLOW__CORE__LOAD_EXAMPLES": "False"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "AIRFLOW__CORE__LOAD_EXAMPLES": "False"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     seconds, modules = out.stdout.strip().splitlines()[-1].split(" ", 1)
     assert not HEAVY & set(modules.split(",")), modules
@@ -81,7 +88,18 @@ def test_trigger_form_rejects_bad_values(dag, conf, field):
 
 def test_trigger_form_accepts_a_full_form(dag):
     params = copy.deepcopy(dag.params)
-    params.update({"experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k", "dapo_math"], "smoke": True,
-                   "dataset_revisions": {"gsm8k": "a" * 40}, "learning_rate": 1e-6, "rollout_n": 8, "nnodes": 2,
-                   "verl_overrides": ["actor_rollout_ref.actor.clip_ratio_high=0.28"], "store_uri": "oss://bucket/verl"})
+    params.update(
+        {
+            "experiment": "local_tiny",
+            "backend": "local",
+            "datasets": ["gsm8k", "dapo_math"],
+            "smoke": True,
+            "dataset_revisions": {"gsm8k": "a" * 40},
+            "learning_rate": 1e-6,
+            "rollout_n": 8,
+            "nnodes": 2,
+            "verl_overrides": ["actor_rollout_ref.actor.clip_ratio_high=0.28"],
+            "store_uri": "oss://bucket/verl",
+        }
+    )
     assert params.validate()["rollout_n"] == 8

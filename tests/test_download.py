@@ -1,10 +1,10 @@
 """Download step against a Hugging Face cache built from the shipped fixtures, with the real snapshot_download
 running offline (HF_HUB_OFFLINE=1): no machine here reaches the Hub."""
+
 import json
 
-from tests.conftest import run_step
-
 from pipeline_steps import cli
+from tests.conftest import run_step
 
 
 def step(capsys, *argv):
@@ -14,8 +14,12 @@ def step(capsys, *argv):
 
 
 def test_downloads_every_builtin_dataset_at_main(offline_hub, tmp_path, capsys):
-    for name, repo in [("gsm8k", "openai/gsm8k"), ("dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k"),
-                       ("geometry3k", "hiyouga/geometry3k"), ("aime2024", "Maxwell-Jia/AIME_2024")]:
+    for name, repo in [
+        ("gsm8k", "openai/gsm8k"),
+        ("dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k"),
+        ("geometry3k", "hiyouga/geometry3k"),
+        ("aime2024", "Maxwell-Jia/AIME_2024"),
+    ]:
         rc, s, _ = step(capsys, "download", "--dataset", name, "--dest", tmp_path)
         assert rc == 0, s
         newest = offline_hub["index"][repo][-1]["commit"]
@@ -47,8 +51,12 @@ def test_unknown_dataset_and_user_registry(offline_hub, tmp_path, capsys):
     rc, s, _ = step(capsys, "download", "--dataset", "nope", "--dest", tmp_path)
     assert rc == 2 and "not a known dataset" in s["error"]
     reg = tmp_path / "datasets.yaml"
-    reg.write_text("gsm8k_v1:\n  repo_id: openai/gsm8k\n  preprocessor: gsm8k\n  config: main\n  allow_patterns: ['main/*']\n")
-    rc, s, _ = step(capsys, "download", "--dataset", "gsm8k_v1", "--revision", "v1", "--registry", reg, "--dest", tmp_path)
+    reg.write_text(
+        "gsm8k_v1:\n  repo_id: openai/gsm8k\n  preprocessor: gsm8k\n  config: main\n  allow_patterns: ['main/*']\n"
+    )
+    rc, s, _ = step(
+        capsys, "download", "--dataset", "gsm8k_v1", "--revision", "v1", "--registry", reg, "--dest", tmp_path
+    )
     assert rc == 0 and s["commit"] == offline_hub["index"]["openai/gsm8k"][0]["commit"]
     reg.write_text("bad:\n  repo_id: x/y\n  preprocessor: nonexistent\n")
     rc, s, _ = step(capsys, "download", "--dataset", "bad", "--registry", reg, "--dest", tmp_path)
@@ -57,5 +65,7 @@ def test_unknown_dataset_and_user_registry(offline_hub, tmp_path, capsys):
 
 def test_token_is_never_logged(offline_hub, tmp_path):
     secret = "hf_SECRETtoken1234567890"
-    rc, s, err = run_step("download", "--dataset", "gsm8k", "--dest", tmp_path, env={"HF_TOKEN": secret, "PIPELINE_LOG_LEVEL": "DEBUG"})
+    rc, s, err = run_step(
+        "download", "--dataset", "gsm8k", "--dest", tmp_path, env={"HF_TOKEN": secret, "PIPELINE_LOG_LEVEL": "DEBUG"}
+    )
     assert rc == 0 and secret not in err and secret not in json.dumps(s)

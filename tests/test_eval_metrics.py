@@ -3,6 +3,7 @@
 The scoring tests run verl's real reward code (``default_compute_score`` -> ``math_dapo``)
 on hand-written responses, so they also pin what "correct" means for AIME rows.
 """
+
 import math
 import random
 
@@ -77,7 +78,11 @@ def test_problem_metrics_and_aggregate():
 
 
 def test_verl_scoring_of_crafted_aime_generations():
-    row = {"data_source": "aime2024", "reward_model": {"ground_truth": "204"}, "extra_info": {"index": 0, "id": "2024-I-1"}}
+    row = {
+        "data_source": "aime2024",
+        "reward_model": {"ground_truth": "204"},
+        "extra_info": {"index": 0, "id": "2024-I-1"},
+    }
     texts = [
         "We compute carefully.\nAnswer: 204",  # Minerva-style line: correct
         "so the total is \\boxed{204}",  # no Answer line: verl falls back to \\boxed{}

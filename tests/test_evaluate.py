@@ -3,6 +3,7 @@
 Also a real verl FSDP checkpoint as ``--model`` (merged by verl's merger). The vLLM generator is
 not exercised (no GPU and no vLLM here).
 """
+
 import json
 
 import pyarrow as pa
@@ -18,13 +19,16 @@ K, TOKENS = 3, 6
 
 
 def aime_rows(n=2):
-    return [{
-        "data_source": "aime2024",
-        "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"Find {i} + {i}.")}],
-        "ability": "MATH",
-        "reward_model": {"style": "rule-lean", "ground_truth": str(2 * i)},
-        "extra_info": {"split": "test", "index": i, "id": f"2024-I-{i + 1}"},
-    } for i in range(n)]
+    return [
+        {
+            "data_source": "aime2024",
+            "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"Find {i} + {i}.")}],
+            "ability": "MATH",
+            "reward_model": {"style": "rule-lean", "ground_truth": str(2 * i)},
+            "extra_info": {"split": "test", "index": i, "id": f"2024-I-{i + 1}"},
+        }
+        for i in range(n)
+    ]
 
 
 @pytest.fixture
@@ -44,8 +48,26 @@ def run_cli(argv, capsys):
 
 
 def eval_args(model, data, out, *extra, k=K):
-    return ["evaluate", "--model", model, "--data", data, "--output", out, "--k", k, "--temperature", 1.0,
-            "--top-p", 0.9, "--max-new-tokens", TOKENS, "--seed", 7, *extra]
+    return [
+        "evaluate",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--output",
+        out,
+        "--k",
+        k,
+        "--temperature",
+        1.0,
+        "--top-p",
+        0.9,
+        "--max-new-tokens",
+        TOKENS,
+        "--seed",
+        7,
+        *extra,
+    ]
 
 
 def test_evaluate_tiny_model_for_real_with_cached_base(tiny_model, aime, tmp_path, capsys, monkeypatch):
@@ -55,7 +77,9 @@ def test_evaluate_tiny_model_for_real_with_cached_base(tiny_model, aime, tmp_pat
     real = evaluate.GENERATORS["hf"]
     monkeypatch.setitem(evaluate.GENERATORS, "hf", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
     cache = tmp_path / "base-cache"
-    code, s, err = run_cli(eval_args(tiny_model, aime, tmp_path / "out", "--base-model", tiny_model, "--baseline-cache", cache), capsys)
+    code, s, err = run_cli(
+        eval_args(tiny_model, aime, tmp_path / "out", "--base-model", tiny_model, "--baseline-cache", cache), capsys
+    )
     assert code == 0, err
     assert len(calls) == 2 and len(list(cache.glob("*.json"))) == 1
     res = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -72,23 +96,50 @@ def test_evaluate_tiny_model_for_real_with_cached_base(tiny_model, aime, tmp_pat
     # the base is the same model with the same seed: identical generations, zero gain
     assert res["base"]["overall"] == res["overall"] and res["gain"]["avg@k"] == 0.0
     assert res["model"]["content_sha256"] == res["base"]["model"]["content_sha256"]
-    assert res["sampling"] == {"k": K, "temperature": 1.0, "top_p": 0.9, "max_new_tokens": TOKENS, "seed": 7,
-                               "max_problems": 0, "generator": "hf"}
+    assert res["sampling"] == {
+        "k": K,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "max_new_tokens": TOKENS,
+        "seed": 7,
+        "max_problems": 0,
+        "generator": "hf",
+    }
     md = (tmp_path / "out" / "results.md").read_text()
     assert "| avg@3 |" in md and "| 2024-I-2 | 2 |" in md
     assert json.loads((tmp_path / "out" / "base_results.json").read_text())["overall"] == res["base"]["overall"]
 
     # second run: base comes from the cache (one generation call), results are reproducible
     calls.clear()
-    code, s2, err = run_cli(eval_args(tiny_model, aime, tmp_path / "out2", "--base-model", tiny_model, "--baseline-cache", cache), capsys)
+    code, s2, err = run_cli(
+        eval_args(tiny_model, aime, tmp_path / "out2", "--base-model", tiny_model, "--baseline-cache", cache), capsys
+    )
     assert code == 0, err
     assert len(calls) == 1
     assert (tmp_path / "out2" / "generations.jsonl").read_text() == (tmp_path / "out" / "generations.jsonl").read_text()
 
 
 def test_greedy_gives_identical_samples(tiny_model, aime, tmp_path, capsys):
-    code, s, err = run_cli(["evaluate", "--model", tiny_model, "--data", aime, "--output", tmp_path / "g", "--k", 2,
-                            "--temperature", 0, "--max-new-tokens", 4, "--max-problems", 1], capsys)
+    code, s, err = run_cli(
+        [
+            "evaluate",
+            "--model",
+            tiny_model,
+            "--data",
+            aime,
+            "--output",
+            tmp_path / "g",
+            "--k",
+            2,
+            "--temperature",
+            0,
+            "--max-new-tokens",
+            4,
+            "--max-problems",
+            1,
+        ],
+        capsys,
+    )
     assert code == 0, err
     gens = [json.loads(line) for line in (tmp_path / "g" / "generations.jsonl").read_text().splitlines()]
     assert len(gens) == 1 and gens[0]["responses"][0] == gens[0]["responses"][1]
@@ -108,27 +159,46 @@ def test_checkpoint_dir_is_merged_and_evaluated(tiny_model, aime, tmp_path, tmp_
     assert res["model"]["content_sha256"] == export.dir_sha256(export.merge_checkpoint(actor, tmp_path / "m"))
 
 
-@pytest.mark.parametrize("mutate,argv_extra,needle", [
-    (None, ["--k", "0"], "--k 0: must be at least 1"),
-    (None, ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
-    (lambda r: r[1]["reward_model"].update(ground_truth=""), [], "row 1 has no reward_model.ground_truth"),
-    (lambda r: r[0].update(prompt=[]), [], "row 0 prompt is not a list of chat messages"),
-    (lambda r: r[0].update(data_source="nobody_knows"), [], "has no reward function in verl"),
-])
+@pytest.mark.parametrize(
+    "mutate,argv_extra,needle",
+    [
+        (None, ["--k", "0"], "--k 0: must be at least 1"),
+        (None, ["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+        (lambda r: r[1]["reward_model"].update(ground_truth=""), [], "row 1 has no reward_model.ground_truth"),
+        (lambda r: r[0].update(prompt=[]), [], "row 0 prompt is not a list of chat messages"),
+        (lambda r: r[0].update(data_source="nobody_knows"), [], "has no reward function in verl"),
+    ],
+)
 def test_bad_input_is_one_clear_line_and_no_output(tiny_model, tmp_path, capsys, mutate, argv_extra, needle):
     rows = aime_rows()
     if mutate:
         mutate(rows)
     data = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
-    argv = ["evaluate", "--model", tiny_model, "--data", data, "--output", tmp_path / "o", "--k", 1, "--max-new-tokens", 2]
+    argv = [
+        "evaluate",
+        "--model",
+        tiny_model,
+        "--data",
+        data,
+        "--output",
+        tmp_path / "o",
+        "--k",
+        1,
+        "--max-new-tokens",
+        2,
+    ]
     code, s, err = run_cli(argv + argv_extra, capsys)
     assert code == 2 and needle in s["error"], s
     assert not (tmp_path / "o").exists()
 
 
 def test_missing_inputs(tmp_path, capsys, aime):
-    code, s, _ = run_cli(["evaluate", "--model", tmp_path, "--data", aime, "--output", tmp_path / "o", "--k", 1], capsys)
+    code, s, _ = run_cli(
+        ["evaluate", "--model", tmp_path, "--data", aime, "--output", tmp_path / "o", "--k", 1], capsys
+    )
     assert code == 2 and "neither a Hugging Face model directory" in s["error"]
-    code, s, _ = run_cli(["evaluate", "--model", tmp_path, "--data", tmp_path / "nope.parquet", "--output", tmp_path / "o"], capsys)
+    code, s, _ = run_cli(
+        ["evaluate", "--model", tmp_path, "--data", tmp_path / "nope.parquet", "--output", tmp_path / "o"], capsys
+    )
     assert code == 2 and "file not found" in s["error"]

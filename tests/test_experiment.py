@@ -1,5 +1,6 @@
 """Experiment presets: loading, merge order, override parsing, and Hydra quoting checked against verl's real
 Hydra composition (verl.trainer.config/ppo_trainer, on CPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,21 @@ from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment
 
 PRESETS = ["local_tiny", "gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
-TRICKY = ["it's", 'say "hi"', "a;b $(id) `id`", "${oc.env:HOME}", "\\${x}", "\\\\${x}", "end\\", "q\\'", "new\nline", "", "1e-6", "true", "null"]
+TRICKY = [
+    "it's",
+    'say "hi"',
+    "a;b $(id) `id`",
+    "${oc.env:HOME}",
+    "\\${x}",
+    "\\\\${x}",
+    "end\\",
+    "q\\'",
+    "new\nline",
+    "",
+    "1e-6",
+    "true",
+    "null",
+]
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -21,8 +36,16 @@ def test_presets_load_with_pipeline_sections(name):
     assert exp.verl["trainer.nnodes"] == cluster["nnodes"]
     if cluster["gpus_per_node"]:
         assert exp.verl["trainer.n_gpus_per_node"] == cluster["gpus_per_node"]
-        for key in ("image", "head", "worker", "tolerations", "node_selector", "active_deadline_seconds",
-                    "ttl_seconds_after_finished", "kueue_queue"):
+        for key in (
+            "image",
+            "head",
+            "worker",
+            "tolerations",
+            "node_selector",
+            "active_deadline_seconds",
+            "ttl_seconds_after_finished",
+            "kueue_queue",
+        ):
             assert key in cluster, key
 
 
@@ -33,7 +56,10 @@ def test_seed_workflow_settings():
     assert g3.verl["actor_rollout_ref.rollout.mode"] == "async"
     d = experiment.load("dapo_qwen3_4b")
     assert d.spec["cluster"]["gpus_per_node"] == 4 and d.spec["datasets"]["val"] == ["aime2024"]
-    assert (d.verl["actor_rollout_ref.actor.clip_ratio_low"], d.verl["actor_rollout_ref.actor.clip_ratio_high"]) == (0.2, 0.28)
+    assert (d.verl["actor_rollout_ref.actor.clip_ratio_low"], d.verl["actor_rollout_ref.actor.clip_ratio_high"]) == (
+        0.2,
+        0.28,
+    )
     assert d.verl["actor_rollout_ref.actor.use_kl_loss"] is False and d.verl["algorithm.use_kl_in_reward"] is False
     assert d.verl["data.max_response_length"] == 16384
     g32 = experiment.load("gsm8k_qwen2_5_32b")
@@ -64,11 +90,14 @@ def test_merge_order_preset_then_cluster_then_derived_then_user():
     assert a.digest() != b.digest() and a.digest() == experiment.load("gspo").digest()
 
 
-@pytest.mark.parametrize("text,match", [
-    ("no_equals_sign", "expected KEY=VALUE"),
-    ("bad key=1", "is not a dotted config key"),
-    ("a..b=1", "is not a dotted config key"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("no_equals_sign", "expected KEY=VALUE"),
+        ("bad key=1", "is not a dotted config key"),
+        ("a..b=1", "is not a dotted config key"),
+    ],
+)
 def test_parse_override_rejects_bad_input(text, match):
     with pytest.raises(UserError, match=match):
         experiment.parse_override(text)

@@ -3,6 +3,7 @@ own FSDPCheckpointManager) merged by verl's merger, checked with transformers, c
 the real file:// store and gated. Nothing is mocked; the Hugging Face Hub push is not exercised
 (no Hub access here).
 """
+
 import json
 import shutil
 
@@ -55,7 +56,10 @@ def test_merged_weights_equal_source_weights(ckpt, tmp_path):
         changed += not torch.equal(tensor, base[key].to(torch.bfloat16))
     assert changed > len(got) // 2  # the optimizer step moved the weights: we did not merge the base model
     info = export.check_model(merged)
-    assert info["generated_tokens"] >= 1 and info["parameters"] == sum(p.numel() for p in base.values()) - base["lm_head.weight"].numel()
+    assert (
+        info["generated_tokens"] >= 1
+        and info["parameters"] == sum(p.numel() for p in base.values()) - base["lm_head.weight"].numel()
+    )
 
 
 def test_missing_fsdp_config_says_how_to_fix(ckpt, tmp_path, capsys):
@@ -86,18 +90,49 @@ def test_bad_checkpoint_dirs_give_one_clear_line(ckpt, tmp_path):
 
 
 def _results(avg, eval_sha="e" * 64):
-    return {"overall": {"avg@k": avg, "k": 2, "problems": 2, "samples_scored": 4, "maj@k": avg, "pass@k": {"1": avg, "2": avg}},
-            "eval_set": {"sha256": eval_sha, "name": "aime2024", "rows": 2},
-            "sampling": {"k": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},
-            "model": {}, "scorer": "verl.utils.reward_score.default_compute_score"}
+    return {
+        "overall": {
+            "avg@k": avg,
+            "k": 2,
+            "problems": 2,
+            "samples_scored": 4,
+            "maj@k": avg,
+            "pass@k": {"1": avg, "2": avg},
+        },
+        "eval_set": {"sha256": eval_sha, "name": "aime2024", "rows": 2},
+        "sampling": {"k": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},
+        "model": {},
+        "scorer": "verl.utils.reward_score.default_compute_score",
+    }
 
 
 LINEAGE = {
     "base_model": {"name": "local/tiny", "revision": "rev-0a1b2c"},
-    "datasets": [{"name": "gsm8k", "role": "train", "repo_id": "openai/gsm8k", "revision": "e53f048", "content_hash": "c0ffee" * 4},
-                 {"name": "aime2024", "role": "eval", "repo_id": "Maxwell-Jia/AIME_2024", "revision": "v1", "content_hash": "beef" * 6}],
-    "experiment": {"name": "local_tiny", "preset_sha256": "ab" * 32, "overrides": ["trainer.total_training_steps=3"], "overrides_sha256": "cd" * 32},
-    "verl_version": "0.9.1", "dag_id": "verl_grpo_pipeline", "run_id": "manual__2026-11-22T03:00:00+00:00",
+    "datasets": [
+        {
+            "name": "gsm8k",
+            "role": "train",
+            "repo_id": "openai/gsm8k",
+            "revision": "e53f048",
+            "content_hash": "c0ffee" * 4,
+        },
+        {
+            "name": "aime2024",
+            "role": "eval",
+            "repo_id": "Maxwell-Jia/AIME_2024",
+            "revision": "v1",
+            "content_hash": "beef" * 6,
+        },
+    ],
+    "experiment": {
+        "name": "local_tiny",
+        "preset_sha256": "ab" * 32,
+        "overrides": ["trainer.total_training_steps=3"],
+        "overrides_sha256": "cd" * 32,
+    },
+    "verl_version": "0.9.1",
+    "dag_id": "verl_grpo_pipeline",
+    "run_id": "manual__2026-11-22T03:00:00+00:00",
 }
 
 
@@ -108,10 +143,26 @@ def _write(tmp_path, name, obj):
 
 
 def _export_args(cks, tmp_path, store_root, avg, step=None, extra=()):
-    args = ["export", "--checkpoint-dir", str(cks), "--output", str(tmp_path / f"out{step}"), "--store-root", store_root,
-            "--experiment", "local_tiny", "--lineage", _write(tmp_path, "lineage.json", LINEAGE),
-            "--eval-results", _write(tmp_path, f"results{avg}.json", _results(avg)),
-            "--base-results", _write(tmp_path, "base.json", _results(0.25)), "--keep", "1", *extra]
+    args = [
+        "export",
+        "--checkpoint-dir",
+        str(cks),
+        "--output",
+        str(tmp_path / f"out{step}"),
+        "--store-root",
+        store_root,
+        "--experiment",
+        "local_tiny",
+        "--lineage",
+        _write(tmp_path, "lineage.json", LINEAGE),
+        "--eval-results",
+        _write(tmp_path, f"results{avg}.json", _results(avg)),
+        "--base-results",
+        _write(tmp_path, "base.json", _results(0.25)),
+        "--keep",
+        "1",
+        *extra,
+    ]
     return args + (["--step", str(step)] if step is not None else [])
 
 
@@ -128,9 +179,21 @@ def test_export_end_to_end_card_upload_promotion_retry(ckpt, tmp_path, capsys):
     paths = {f["path"] for f in manifest["files"]}
     assert {"README.md", "export.json", "config.json", "model.safetensors", "tokenizer.json"} <= paths
     card = store.read_bytes(f"{s['uri']}/README.md").decode()
-    for needle in ["rev-0a1b2c", "c0ffee" * 4, "beef" * 6, "e53f048", "ab" * 32, "cd" * 32, "trainer.total_training_steps=3",
-                   "0.9.1", "verl_grpo_pipeline", "manual__2026-11-22T03:00:00+00:00", "| avg@2 | 50.0% | 25.0% | +25.0 pt |",
-                   "base_model: local/tiny", "promoted to latest"]:
+    for needle in [
+        "rev-0a1b2c",
+        "c0ffee" * 4,
+        "beef" * 6,
+        "e53f048",
+        "ab" * 32,
+        "cd" * 32,
+        "trainer.total_training_steps=3",
+        "0.9.1",
+        "verl_grpo_pipeline",
+        "manual__2026-11-22T03:00:00+00:00",
+        "| avg@2 | 50.0% | 25.0% | +25.0 pt |",
+        "base_model: local/tiny",
+        "promoted to latest",
+    ]:
         assert needle in card, needle
     latest = json.loads(store.read_bytes(f"{store_root}/models/exported/local_tiny/latest.json"))
     assert latest["version"] == s["version"] and latest["avg@k"] == 0.5
@@ -144,8 +207,12 @@ def test_export_end_to_end_card_upload_promotion_retry(ckpt, tmp_path, capsys):
     code, worse, err = run_cli(_export_args(ckpt["checkpoints"], tmp_path, store_root, 0.4, step=1), capsys)
     assert code == 0 and not worse["promoted"] and "stays a candidate" in worse["reason"]
     assert worse["deleted_versions"] == [] or s["version"] not in worse["deleted_versions"]
-    assert json.loads(store.read_bytes(f"{store_root}/models/exported/local_tiny/latest.json"))["version"] == s["version"]
-    code, failed, err = run_cli(_export_args(ckpt["checkpoints"], tmp_path, store_root, 0.4, step=1, extra=["--fail-on-no-promotion"]), capsys)
+    assert (
+        json.loads(store.read_bytes(f"{store_root}/models/exported/local_tiny/latest.json"))["version"] == s["version"]
+    )
+    code, failed, err = run_cli(
+        _export_args(ckpt["checkpoints"], tmp_path, store_root, 0.4, step=1, extra=["--fail-on-no-promotion"]), capsys
+    )
     assert code == 2 and "not promoted" in failed["error"]
     versions = [u.rsplit("/", 1)[-1] for u in store.list_versions(f"{store_root}/models/exported/local_tiny")]
     assert s["version"] in versions and len(versions) <= 2  # keep=1 plus the protected latest
@@ -184,7 +251,10 @@ def test_eval_results_of_another_model_are_rejected(ckpt, tmp_path, capsys):
     assert code == 2 and "scored a different model" in s["error"] and not (tmp_path / "store").exists()
     # the hash evaluate records for this checkpoint is accepted
     step, actor = export.resolve_checkpoint(ckpt["checkpoints"])
-    res["model"] = {"content_sha256": export.dir_sha256(export.merge_checkpoint(actor, tmp_path / "m")), "source": "checkpoint"}
+    res["model"] = {
+        "content_sha256": export.dir_sha256(export.merge_checkpoint(actor, tmp_path / "m")),
+        "source": "checkpoint",
+    }
     argv[argv.index("--eval-results") + 1] = _write(tmp_path, "same.json", res)
     code, s, err = run_cli(argv, capsys)
     assert code == 0 and s["promoted"], err

@@ -3,6 +3,7 @@ version, RayJobs against the KubeRay v1.7.0 CRD schema (../shared/kuberay), each
 `kubectl kustomize` (offline, no cluster) and its output validated, RBAC exactly as the operator needs,
 and no literal secret anywhere. No API server runs here: the published schemas are the stand-in for its
 admission checks; CSI drivers, Kueue's own CRD and the Helm chart's schema are checked on paper."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,10 @@ SECRET_PATTERNS = [
     (r"AIza[0-9A-Za-z_-]{35}", "Google API key"),
     (r"-----BEGIN [A-Z ]*PRIVATE KEY-----", "private key"),
     (r"\"private_key\"\s*:", "service-account key file"),
-    (r"(?i)(password|passwd|secret|token|akSecret|access_?key(_id)?|api_?key)\s*[:=]\s*[\"']?[A-Za-z0-9/+_=.-]{16,}", "credential assignment"),
+    (
+        r"(?i)(password|passwd|secret|token|akSecret|access_?key(_id)?|api_?key)\s*[:=]\s*[\"']?[A-Za-z0-9/+_=.-]{16,}",
+        "credential assignment",
+    ),
 ]
 
 
@@ -71,8 +75,16 @@ def test_every_manifest_validates(crd_schema):
         for doc in docs_of(f):
             validate_doc(doc, crd_schema, str(f))
             kinds.add(doc["kind"])
-    assert {"Namespace", "Role", "RoleBinding", "PersistentVolume", "PersistentVolumeClaim", "ServiceAccount",
-            "RayJob", "LocalQueue"} <= kinds
+    assert {
+        "Namespace",
+        "Role",
+        "RoleBinding",
+        "PersistentVolume",
+        "PersistentVolumeClaim",
+        "ServiceAccount",
+        "RayJob",
+        "LocalQueue",
+    } <= kinds
 
 
 def test_a_broken_manifest_is_caught(crd_schema):
@@ -131,13 +143,22 @@ def test_overlay_builds_validates_and_backs_its_mounts(cloud, kubectl, crd_schem
 def test_kueue_component_adds_the_local_queue(kubectl, tmp_path, crd_schema):
     overlay = tmp_path / "with-kueue"
     overlay.mkdir()
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(K8S / "base", overlay)],
-        "components": [os.path.relpath(K8S / "components" / "kueue", overlay)],
-    }))
-    p = subprocess.run([kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
-                       capture_output=True, text=True, timeout=120)
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(K8S / "base", overlay)],
+                "components": [os.path.relpath(K8S / "components" / "kueue", overlay)],
+            }
+        )
+    )
+    p = subprocess.run(
+        [kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     docs = [d for d in yaml.safe_load_all(p.stdout) if d]
     queues = [d for d in docs if d["kind"] == "LocalQueue"]
@@ -148,7 +169,9 @@ def test_kueue_component_adds_the_local_queue(kubectl, tmp_path, crd_schema):
 
 def test_rbac_is_exactly_what_the_operator_needs():
     docs = {d["kind"]: d for d in docs_of(K8S / "base" / "rbac.yaml")}
-    rules = sorted((tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["Role"]["rules"])
+    rules = sorted(
+        (tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["Role"]["rules"]
+    )
     assert rules == [
         (("",), ("pods", "pods/log"), ("get", "list")),
         (("ray.io",), ("rayjobs",), ("create", "delete", "get", "list", "watch")),
@@ -157,8 +180,13 @@ def test_rbac_is_exactly_what_the_operator_needs():
     binding = docs["RoleBinding"]
     assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
     values = yaml.safe_load((K8S / "airflow" / "values.yaml").read_text())
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": values["workers"]["serviceAccount"]["name"],
-                                    "namespace": values["config"]["kubernetes_executor"]["namespace"]}]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": values["workers"]["serviceAccount"]["name"],
+            "namespace": values["config"]["kubernetes_executor"]["namespace"],
+        }
+    ]
 
 
 def test_helm_values_take_secrets_by_name_only():
@@ -198,15 +226,20 @@ def test_no_literal_secrets_anywhere():
         assert not scan(text), f"{f}: looks like a literal secret ({scan(text)})"
         if f.suffix == ".yaml":
             for doc in yaml.safe_load_all(text):
-                assert not (isinstance(doc, dict) and doc.get("kind") == "Secret"), f"{f}: a Secret object; create it by hand instead"
+                assert not (isinstance(doc, dict) and doc.get("kind") == "Secret"), (
+                    f"{f}: a Secret object; create it by hand instead"
+                )
 
 
-@pytest.mark.parametrize("planted", [
-    "token: hf_" + "a1B2" * 9,
-    "akSecret: " + "Zx9" * 8,
-    "id: LTAI" + "5tQx" * 4,
-    '{"type": "service_account", "private_key": "x"}',
-    "AWS_SECRET_ACCESS_KEY=" + "abcd" * 10,
-])
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "token: hf_" + "a1B2" * 9,
+        "akSecret: " + "Zx9" * 8,
+        "id: LTAI" + "5tQx" * 4,
+        '{"type": "service_account", "private_key": "x"}',
+        "AWS_SECRET_ACCESS_KEY=" + "abcd" * 10,
+    ],
+)
 def test_the_secret_scan_catches_planted_values(planted):
     assert scan(planted)

@@ -8,6 +8,7 @@ re-submitting the same id attaches instead of submitting twice; shell metacharac
 an argument stay inside it; stopping a job mid-run and starting a new attempt on the same
 run directory resumes from the checkpoint; shutdown leaves no Ray process behind.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,9 @@ def cluster():
     saved = os.environ.pop("RAY_ADDRESS", None)
     temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray puts Unix sockets here
     try:
-        address = local_ray.ensure_cluster(port=_free_port(), dashboard_port=_free_port(), num_cpus=1, temp_dir=temp_dir)
+        address = local_ray.ensure_cluster(
+            port=_free_port(), dashboard_port=_free_port(), num_cpus=1, temp_dir=temp_dir
+        )
         # a second call finds the same cluster instead of starting another
         assert local_ray.ensure_cluster(temp_dir=temp_dir) == address
         yield {"address": address, "temp_dir": temp_dir}
@@ -80,14 +83,28 @@ def _argv(assets, out: Path, steps: int, reward: Path | None = None) -> list[str
     from pipeline_steps.local import ray_cluster as local_ray
 
     return local_ray.job_argv(
-        None, "train-local", "--experiment", "local_tiny", "--train-files", str(assets["train"]),
-        "--model-path", str(assets["model"]), "--output-dir", str(out),
-        "--override", f"trainer.total_training_steps={steps}", "--override", "trainer.save_freq=1",
-        "--override", f"reward.custom_reward_function.path={reward or assets['reward']}",
+        None,
+        "train-local",
+        "--experiment",
+        "local_tiny",
+        "--train-files",
+        str(assets["train"]),
+        "--model-path",
+        str(assets["model"]),
+        "--output-dir",
+        str(out),
+        "--override",
+        f"trainer.total_training_steps={steps}",
+        "--override",
+        "trainer.save_freq=1",
+        "--override",
+        f"reward.custom_reward_function.path={reward or assets['reward']}",
     )
 
 
-HOLDING_REWARD = VARIED_REWARD.replace("def compute_score(", "def _varied(") + """
+HOLDING_REWARD = (
+    VARIED_REWARD.replace("def compute_score(", "def _varied(")
+    + """
 import os, time
 
 
@@ -97,6 +114,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         time.sleep(0.1)
     return _varied(data_source, solution_str, ground_truth, extra_info)
 """
+)
 
 
 ENV = {"PIPELINE_LOG_LEVEL": "INFO"}
@@ -129,7 +147,9 @@ def test_submit_poll_attach_and_quoting(cluster, assets):
     assert s == "SUCCEEDED", logs[-3000:]
     assert seen <= {"PENDING", "RUNNING"}
     assert _jobs_with_id(address, sid) == 1
-    assert local_ray.submit_or_attach(address, sid, _argv(assets, out, 2), env=ENV) == sid  # attach to the succeeded job
+    assert (
+        local_ray.submit_or_attach(address, sid, _argv(assets, out, 2), env=ENV) == sid
+    )  # attach to the succeeded job
     assert _jobs_with_id(address, sid) == 1
 
     assert out.is_dir(), "the output dir must be used verbatim"

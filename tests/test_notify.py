@@ -7,6 +7,7 @@ unreachable there, which the notice must survive). The last test runs ``airflow 
 (written to a temporary dags folder, SQLite metadata DB) so the real task runner calls the callback with its real
 context and real XCom.
 """
+
 from __future__ import annotations
 
 import base64
@@ -87,13 +88,27 @@ def step_context(task_id="preprocess", dataset="gsm8k", error=None, try_number=3
 
     from operators.step import PipelineStepOperator
 
-    op = PipelineStepOperator(task_id=task_id, step=task_id.replace("_", "-"),
-                              request={"args": ["--dataset", dataset], "carry": {"dataset": dataset, "role": "train"}})
-    ti = RuntimeTaskInstance.model_construct(id=uuid.uuid4(), task=op, dag_id="verl_grpo_pipeline", run_id="manual__2026-03-01",
-                                             task_id=task_id, try_number=try_number, map_index=1, max_tries=retries,
-                                             rendered_map_index=rendered, start_date=pendulum.now("UTC"))
+    op = PipelineStepOperator(
+        task_id=task_id,
+        step=task_id.replace("_", "-"),
+        request={"args": ["--dataset", dataset], "carry": {"dataset": dataset, "role": "train"}},
+    )
+    ti = RuntimeTaskInstance.model_construct(
+        id=uuid.uuid4(),
+        task=op,
+        dag_id="verl_grpo_pipeline",
+        run_id="manual__2026-03-01",
+        task_id=task_id,
+        try_number=try_number,
+        map_index=1,
+        max_tries=retries,
+        rendered_map_index=rendered,
+        start_date=pendulum.now("UTC"),
+    )
     if error is None:
-        error = AirflowFailException(f"step {task_id}: 12% of rows rejected (threshold 5%)\n  File \"x.py\", line 3\nsecond line")
+        error = AirflowFailException(
+            f'step {task_id}: 12% of rows rejected (threshold 5%)\n  File "x.py", line 3\nsecond line'
+        )
     return {"ti": ti, "task_instance": ti, "task": op, "run_id": ti.run_id, "exception": error}
 
 
@@ -114,7 +129,9 @@ def test_rendered_map_index_wins_and_dag_level_context_works(no_webhook):
 
     from airflow.sdk import DAG
 
-    text = notify.paragraph({"dag": DAG("verl_grpo_pipeline", schedule=None), "run_id": "scheduled__x", "reason": "task_failure"})
+    text = notify.paragraph(
+        {"dag": DAG("verl_grpo_pipeline", schedule=None), "run_id": "scheduled__x", "reason": "task_failure"}
+    )
     assert text.startswith("Airflow DAG verl_grpo_pipeline, run scheduled__x failed.")
     assert "Error: the DAG run failed (task_failure)." in text
 
@@ -130,9 +147,14 @@ def test_every_task_of_the_pipeline_has_its_own_hint():
 
 
 def test_webhook_from_env_connection_receives_the_paragraph(hook, monkeypatch, caplog):
-    monkeypatch.setenv("AIRFLOW_CONN_PIPELINE_WEBHOOK", f"http://bot:{SECRET}@127.0.0.1:{hook.port}/hooks/T0/{SECRET}?token={SECRET}")
-    ctx = step_context(task_id="download", dataset="aime2024",
-                       error=RuntimeError("Repository Not Found for url: https://huggingface.co/api/datasets/x"))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_PIPELINE_WEBHOOK", f"http://bot:{SECRET}@127.0.0.1:{hook.port}/hooks/T0/{SECRET}?token={SECRET}"
+    )
+    ctx = step_context(
+        task_id="download",
+        dataset="aime2024",
+        error=RuntimeError("Repository Not Found for url: https://huggingface.co/api/datasets/x"),
+    )
     with caplog.at_level(logging.INFO, logger="operators.notify"):
         notify.notify_failure(ctx)
     assert len(hook.requests) == 1
@@ -154,7 +176,9 @@ def test_registered_secrets_are_masked_in_log_and_webhook(hook, monkeypatch, cap
 
     monkeypatch.setenv("AIRFLOW_CONN_PIPELINE_WEBHOOK", f"http://127.0.0.1:{hook.port}/x")
     mask_secret("oss-key-ABCDEF123456")  # as Airflow does for every connection password it hands out
-    ctx = step_context(task_id="upload_dataset", error=RuntimeError("403 for access key oss-key-ABCDEF123456 on bucket b"))
+    ctx = step_context(
+        task_id="upload_dataset", error=RuntimeError("403 for access key oss-key-ABCDEF123456 on bucket b")
+    )
     with caplog.at_level(logging.INFO, logger="operators.notify"):
         notify.notify_failure(ctx)
     (text,) = hook.texts()
@@ -162,7 +186,10 @@ def test_registered_secrets_are_masked_in_log_and_webhook(hook, monkeypatch, cap
 
 
 def test_webhook_url_in_extra_and_another_conn_id(hook, monkeypatch):
-    monkeypatch.setenv("AIRFLOW_CONN_TEAM_HOOK", json.dumps({"conn_type": "http", "extra": {"url": f"http://127.0.0.1:{hook.port}/in"}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_TEAM_HOOK",
+        json.dumps({"conn_type": "http", "extra": {"url": f"http://127.0.0.1:{hook.port}/in"}}),
+    )
     notify.FailureNotifier(conn_id="team_hook")(step_context(task_id="train", error=RuntimeError("RayJob r-1 failed")))
     assert [r["path"] for r in hook.requests] == ["/in"]
     assert "Ray dashboard" in hook.texts()[0]
@@ -186,9 +213,18 @@ def test_failing_webhook_is_logged_never_raised(hook, monkeypatch, caplog, mode)
         hook.delay = 3.0
     else:
         hook.close()  # nothing listens on the port any more
-    monkeypatch.setenv("AIRFLOW_CONN_PIPELINE_WEBHOOK",
-                       json.dumps({"conn_type": "http", "host": "127.0.0.1", "port": port, "schema": f"x/{SECRET}",
-                                   "extra": {"timeout": 0.5, "token": SECRET}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_PIPELINE_WEBHOOK",
+        json.dumps(
+            {
+                "conn_type": "http",
+                "host": "127.0.0.1",
+                "port": port,
+                "schema": f"x/{SECRET}",
+                "extra": {"timeout": 0.5, "token": SECRET},
+            }
+        ),
+    )
     t0 = time.monotonic()
     with caplog.at_level(logging.INFO, logger="operators.notify"):
         notify.notify_failure(step_context())  # must not raise
@@ -204,7 +240,8 @@ def test_real_task_runner_calls_it_with_xcom_and_posts(hook, tmp_path):
     """``airflow dags test`` of a probe DAG: a mapped step that fails on bad input and a train task that pushed its job."""
     dags, home = tmp_path / "dags", tmp_path / "home"
     dags.mkdir()
-    (dags / "notify_probe.py").write_text(textwrap.dedent(f"""
+    (dags / "notify_probe.py").write_text(
+        textwrap.dedent(f"""
         import pendulum
         from airflow.sdk import dag, task
         from operators.notify import notify_failure
@@ -214,7 +251,7 @@ def test_real_task_runner_calls_it_with_xcom_and_posts(hook, tmp_path):
              on_failure_callback=notify_failure, default_args={{"on_failure_callback": notify_failure, "retries": 0}})
         def notify_probe():
             PipelineStepOperator.partial(task_id="download", step="download", hf_conn_id=None, store_conn_id=None).expand(
-                request=[{{"args": ["--dataset", "nosuch", "--dest", {str(tmp_path / 'snap')!r}], "carry": {{"dataset": "nosuch"}}}}])
+                request=[{{"args": ["--dataset", "nosuch", "--dest", {str(tmp_path / "snap")!r}], "carry": {{"dataset": "nosuch"}}}}])
 
             @task(task_id="train")
             def train(ti=None):
@@ -224,9 +261,15 @@ def test_real_task_runner_calls_it_with_xcom_and_posts(hook, tmp_path):
             train()
 
         dag = notify_probe()
-    """))
-    env = {**os.environ, "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW_CONN_PIPELINE_WEBHOOK": f"http://127.0.0.1:{hook.port}/hooks/{SECRET}?token={SECRET}"}
+    """)
+    )
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW_CONN_PIPELINE_WEBHOOK": f"http://127.0.0.1:{hook.port}/hooks/{SECRET}?token={SECRET}",
+    }
     airflow = str(Path(sys.executable).with_name("airflow"))
     p = subprocess.run([airflow, "db", "migrate"], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]

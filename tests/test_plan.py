@@ -1,4 +1,5 @@
 """Run planning: revisions as of a date (from the fixture cache's dated revision index), pins, smoke mode, overrides."""
+
 from datetime import datetime, timezone
 
 import pytest
@@ -24,10 +25,22 @@ def test_revision_as_of_date(offline_hub):
 def test_plan_resolves_pins_and_smoke(offline_hub, monkeypatch, tmp_path):
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     monkeypatch.delenv("PIPELINE_STORE_URI", raising=False)
-    run = plan.plan({"experiment": "local_tiny", "smoke": True, "dataset_revisions": {"aime2024": "v1"},
-                     "prepare_datasets": ["dapo_math"]}, at("2026-10-20"), "backfill__2026-10-20T00:00:00+00:00", "d")
+    run = plan.plan(
+        {
+            "experiment": "local_tiny",
+            "smoke": True,
+            "dataset_revisions": {"aime2024": "v1"},
+            "prepare_datasets": ["dapo_math"],
+        },
+        at("2026-10-20"),
+        "backfill__2026-10-20T00:00:00+00:00",
+        "d",
+    )
     items = {d["dataset"]: d for d in run["datasets"]}
-    assert items["gsm8k"]["role"] == "train" and items["gsm8k"]["revision"] == offline_hub["index"]["openai/gsm8k"][1]["commit"]
+    assert (
+        items["gsm8k"]["role"] == "train"
+        and items["gsm8k"]["revision"] == offline_hub["index"]["openai/gsm8k"][1]["commit"]
+    )
     assert items["aime2024"]["role"] == "eval" and items["aime2024"]["revision"] == "v1"
     assert items["aime2024"]["resolved"] == {"source": "pinned"}
     assert items["dapo_math"]["role"] == "prepare"
@@ -38,7 +51,14 @@ def test_plan_resolves_pins_and_smoke(offline_hub, monkeypatch, tmp_path):
 
 
 def test_form_hyperparameters_become_overrides_user_last():
-    out = plan.overrides({"learning_rate": 1e-6, "rollout_n": 8, "kl_coef": 0.001, "smoke": True,
-                          "verl_overrides": ["actor_rollout_ref.rollout.n=4"]})
+    out = plan.overrides(
+        {
+            "learning_rate": 1e-6,
+            "rollout_n": 8,
+            "kl_coef": 0.001,
+            "smoke": True,
+            "verl_overrides": ["actor_rollout_ref.rollout.n=4"],
+        }
+    )
     assert out[0] == "actor_rollout_ref.actor.optim.lr=1e-06" and "actor_rollout_ref.actor.use_kl_loss=true" in out
     assert "trainer.total_training_steps=1" in out and out[-1] == "actor_rollout_ref.rollout.n=4"

@@ -1,20 +1,23 @@
 """Pre-flight: verl 0.9.1's real Hydra config, validate_config and registries on CPU, plus our checks; the
 store check runs against the real local store (file:// URIs, manifests written by its upload_dir)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-from tests.conftest import run_step
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment, preflight
+from tests.conftest import run_step
 
 CLUSTER_PRESETS = ["gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
 
 
 def check(name="local_tiny", overrides=(), derived=None, check_store=False):
-    return preflight.preflight(experiment.load(name, overrides=list(overrides), derived=derived), check_store=check_store)
+    return preflight.preflight(
+        experiment.load(name, overrides=list(overrides), derived=derived), check_store=check_store
+    )
 
 
 @pytest.mark.parametrize("name", ["local_tiny"] + CLUSTER_PRESETS)
@@ -26,19 +29,43 @@ def test_every_preset_passes(name):
     assert out["train_batch_size"] == exp.verl["data.train_batch_size"]
 
 
-@pytest.mark.parametrize("override,match", [
-    ("trainer.nnodes=two", r"^trainer.nnodes='two': expected an integer"),
-    ("actor_rollout_ref.actor.clip_ratio_high=wide", r"^actor_rollout_ref.actor.clip_ratio_high='wide': expected float"),
-    ("actor_rollout_ref.actor.use_kl_loss=1", r"^actor_rollout_ref.actor.use_kl_loss=1: expected bool"),
-    ("actor_rollout_ref.rollout.n=2.5", r"^actor_rollout_ref.rollout.n=2.5: expected int"),
-    ("algorithm.adv_estimator=grpoo", r"^algorithm.adv_estimator='grpoo' is not an advantage estimator verl knows; choose one of \[.*'grpo'"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=gspoo", r"^actor_rollout_ref.actor.policy_loss.loss_mode='gspoo' is not a policy loss"),
-    ("actor_rollout_ref.rollout.name=vlm", r"^actor_rollout_ref.rollout.name='vlm' is not a rollout engine"),
-    ("actor_rollout_ref.actor.optim.lrr=1e-6", r"'actor_rollout_ref.actor.optim.lrr'.*did you mean actor_rollout_ref.actor.optim.lr\?"),
-    ("data.train_batch_size=3", r"^actor_rollout_ref.actor.ppo_mini_batch_size=2 must divide data.train_batch_size=3"),
-    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", r"ppo_micro_batch_size_per_gpu=3 must divide the per-GPU mini-batch 8"),
-    ("actor_rollout_ref.actor.loss_agg_mode=token-meen", r"^verl's validate_config rejected the config: .*token-meen"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("trainer.nnodes=two", r"^trainer.nnodes='two': expected an integer"),
+        (
+            "actor_rollout_ref.actor.clip_ratio_high=wide",
+            r"^actor_rollout_ref.actor.clip_ratio_high='wide': expected float",
+        ),
+        ("actor_rollout_ref.actor.use_kl_loss=1", r"^actor_rollout_ref.actor.use_kl_loss=1: expected bool"),
+        ("actor_rollout_ref.rollout.n=2.5", r"^actor_rollout_ref.rollout.n=2.5: expected int"),
+        (
+            "algorithm.adv_estimator=grpoo",
+            r"^algorithm.adv_estimator='grpoo' is not an advantage estimator verl knows; choose one of \[.*'grpo'",
+        ),
+        (
+            "actor_rollout_ref.actor.policy_loss.loss_mode=gspoo",
+            r"^actor_rollout_ref.actor.policy_loss.loss_mode='gspoo' is not a policy loss",
+        ),
+        ("actor_rollout_ref.rollout.name=vlm", r"^actor_rollout_ref.rollout.name='vlm' is not a rollout engine"),
+        (
+            "actor_rollout_ref.actor.optim.lrr=1e-6",
+            r"'actor_rollout_ref.actor.optim.lrr'.*did you mean actor_rollout_ref.actor.optim.lr\?",
+        ),
+        (
+            "data.train_batch_size=3",
+            r"^actor_rollout_ref.actor.ppo_mini_batch_size=2 must divide data.train_batch_size=3",
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+            r"ppo_micro_batch_size_per_gpu=3 must divide the per-GPU mini-batch 8",
+        ),
+        (
+            "actor_rollout_ref.actor.loss_agg_mode=token-meen",
+            r"^verl's validate_config rejected the config: .*token-meen",
+        ),
+    ],
+)
 def test_bad_config_is_one_line_naming_the_key(override, match):
     with pytest.raises(UserError, match=match) as err:
         check(overrides=[override])
@@ -47,22 +74,42 @@ def test_bad_config_is_one_line_naming_the_key(override, match):
 
 def test_batch_sizes_must_divide_over_nodes_and_gpus():
     # 256 prompts x 16 = 4096 responses over 3 x 8 = 24 GPUs does not divide
-    with pytest.raises(UserError, match=r"data.train_batch_size x actor_rollout_ref.rollout.n = 256 x 16 = 4096 .* 3 x 8 = 24 GPUs"):
+    with pytest.raises(
+        UserError, match=r"data.train_batch_size x actor_rollout_ref.rollout.n = 256 x 16 = 4096 .* 3 x 8 = 24 GPUs"
+    ):
         check("gsm8k_qwen2_5_3b", overrides=["trainer.nnodes=3"])
     with pytest.raises(UserError, match=r"tensor_model_parallel_size=8 does not divide .* = 12 GPUs"):
-        check("gsm8k_qwen2_5_32b", overrides=["trainer.n_gpus_per_node=6", "data.train_batch_size=480",
-                                              "actor_rollout_ref.actor.ppo_mini_batch_size=120"])
+        check(
+            "gsm8k_qwen2_5_32b",
+            overrides=[
+                "trainer.n_gpus_per_node=6",
+                "data.train_batch_size=480",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=120",
+            ],
+        )
     with pytest.raises(UserError, match=r"ppo_mini_batch_size x rollout.n = 4 x 4 = 16 does not divide over 32"):
-        check("local_tiny", overrides=["trainer.n_gpus_per_node=32", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                                        "data.train_batch_size=8"])
+        check(
+            "local_tiny",
+            overrides=[
+                "trainer.n_gpus_per_node=32",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "data.train_batch_size=8",
+            ],
+        )
     with pytest.raises(UserError, match=r"^trainer.nnodes=0: must be a positive integer"):
         check("local_tiny", overrides=["trainer.nnodes=0"])
 
 
 def test_missing_required_key_is_named_but_unused_sections_are_ignored():
     with pytest.raises(UserError, match=r"^actor_rollout_ref.rollout.name is required but not set"):
-        preflight.preflight(experiment.Experiment("bare", {"backend": "local"}, {
-            k: v for k, v in experiment.load("local_tiny").verl.items() if k != "actor_rollout_ref.rollout.name"}), check_store=False)
+        preflight.preflight(
+            experiment.Experiment(
+                "bare",
+                {"backend": "local"},
+                {k: v for k, v in experiment.load("local_tiny").verl.items() if k != "actor_rollout_ref.rollout.name"},
+            ),
+            check_store=False,
+        )
     # reward.reward_model.rollout.name is also '???' in verl's defaults, but no reward model is enabled: fine
     assert check()["rollout"] == "hf"
 
@@ -92,17 +139,29 @@ def staged(tmp_path):
 
 
 def test_staged_inputs_pass(staged):
-    out = check(derived={"data.train_files": [f"{staged['ds']}/train.parquet"], "data.val_files": [f"{staged['ds']}/test.parquet"],
-                         "actor_rollout_ref.model.path": staged["model"]}, check_store=True)
-    assert out["staged"] == {"data.train_files": [staged["ds"]], "data.val_files": [staged["ds"]],
-                             "actor_rollout_ref.model.path": [staged["model"]]}
+    out = check(
+        derived={
+            "data.train_files": [f"{staged['ds']}/train.parquet"],
+            "data.val_files": [f"{staged['ds']}/test.parquet"],
+            "actor_rollout_ref.model.path": staged["model"],
+        },
+        check_store=True,
+    )
+    assert out["staged"] == {
+        "data.train_files": [staged["ds"]],
+        "data.val_files": [staged["ds"]],
+        "actor_rollout_ref.model.path": [staged["model"]],
+    }
 
 
 def test_unstaged_inputs_fail_naming_the_key(staged):
     from pipeline_steps.store import open_store
 
-    ok = {"data.train_files": [f"{staged['ds']}/train.parquet"], "data.val_files": [f"{staged['ds']}/test.parquet"],
-          "actor_rollout_ref.model.path": staged["model"]}
+    ok = {
+        "data.train_files": [f"{staged['ds']}/train.parquet"],
+        "data.val_files": [f"{staged['ds']}/test.parquet"],
+        "actor_rollout_ref.model.path": staged["model"],
+    }
     with pytest.raises(UserError, match=r"^data.train_files='.*/nope.parquet': version .* has no file 'nope.parquet'"):
         check(derived={**ok, "data.train_files": [f"{staged['ds']}/nope.parquet"]}, check_store=True)
     # files present but no manifest: an interrupted upload is not staged
@@ -121,8 +180,14 @@ def test_unstaged_inputs_fail_naming_the_key(staged):
 
 
 def test_cli_exits_2_with_one_line_naming_the_key():
-    code, summary, stderr = run_step("preflight", "--experiment", "local_tiny", "--skip-store-check",
-                                     "--override", "actor_rollout_ref.actor.optim.lrr=1e-6")
+    code, summary, stderr = run_step(
+        "preflight",
+        "--experiment",
+        "local_tiny",
+        "--skip-store-check",
+        "--override",
+        "actor_rollout_ref.actor.optim.lrr=1e-6",
+    )
     assert code == 2
     assert summary["ok"] is False and "actor_rollout_ref.actor.optim.lrr" in summary["error"]
     assert stderr.count("\n") == 1 and stderr.startswith("error: ") and "Traceback" not in stderr

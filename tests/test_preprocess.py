@@ -3,16 +3,16 @@
 Inputs are the shipped fixtures downloaded from an offline Hugging Face cache (same file layout and columns as
 the real repositories), plus bad inputs made by the tests.
 """
-import base64
+
 import json
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tests.conftest import run_step
 
 from pipeline_steps import cli
+from tests.conftest import run_step
 
 DATASETS = ["gsm8k", "dapo_math", "geometry3k", "aime2024"]
 
@@ -31,7 +31,9 @@ def processed(hub_cache, tmp_path_factory):
     out = {}
     for name in DATASETS:
         _, dl, _ = run_step("download", "--dataset", name, "--dest", root / "snap", env=env, check=0)
-        _, pp, _ = run_step("preprocess", "--dataset", name, "--input", dl["path"], "--output", root / name, env=env, check=0)
+        _, pp, _ = run_step(
+            "preprocess", "--dataset", name, "--input", dl["path"], "--output", root / name, env=env, check=0
+        )
         out[name] = {"download": dl, "preprocess": pp, "dir": root / name}
     return out
 
@@ -68,7 +70,9 @@ def image_processor_for(tokenizer):
         def get_attributes(cls):
             return ["image_processor", "tokenizer"]
 
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]}
+    )
     return ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer)
 
 
@@ -80,8 +84,16 @@ def test_every_row_loads_in_rlhfdataset_and_scores_1(processed, tiny_model):
     from verl.utils.reward_score import default_compute_score
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    text_cfg = OmegaConf.create({"prompt_key": "prompt", "max_prompt_length": 1024, "filter_overlong_prompts": True,
-                                 "return_raw_chat": True, "truncation": "error", "image_key": "images"})
+    text_cfg = OmegaConf.create(
+        {
+            "prompt_key": "prompt",
+            "max_prompt_length": 1024,
+            "filter_overlong_prompts": True,
+            "return_raw_chat": True,
+            "truncation": "error",
+            "image_key": "images",
+        }
+    )
     for name, info in processed.items():
         vision = name == "geometry3k"
         cfg = OmegaConf.merge(text_cfg, {"filter_overlong_prompts": not vision})
@@ -97,7 +109,9 @@ def test_every_row_loads_in_rlhfdataset_and_scores_1(processed, tiny_model):
                 if vision:  # every <image> became an image entry, in order, decodable
                     parts = item["raw_prompt"][-1]["content"]
                     images = [p["image"] for p in parts if p["type"] == "image"]
-                    assert len(images) == len(table["images"][i].as_py()) and all(isinstance(im, Image.Image) for im in images)
+                    assert len(images) == len(table["images"][i].as_py()) and all(
+                        isinstance(im, Image.Image) for im in images
+                    )
                 gt = item["reward_model"]["ground_truth"]
                 score = default_compute_score(item["data_source"], model_answer(item["data_source"], gt), gt)
                 score = score["score"] if isinstance(score, dict) else score
@@ -107,7 +121,12 @@ def test_every_row_loads_in_rlhfdataset_and_scores_1(processed, tiny_model):
 
 
 def test_data_sources_route_to_the_right_scorers(processed):
-    expected = {"gsm8k": "openai/gsm8k", "dapo_math": "math_dapo", "geometry3k": "hiyouga/geometry3k", "aime2024": "aime2024"}
+    expected = {
+        "gsm8k": "openai/gsm8k",
+        "dapo_math": "math_dapo",
+        "geometry3k": "hiyouga/geometry3k",
+        "aime2024": "aime2024",
+    }
     for name, ds in expected.items():
         for path in processed[name]["preprocess"]["splits"].values():
             assert set(pq.read_table(path, columns=["data_source"])["data_source"].to_pylist()) == {ds}
@@ -154,19 +173,41 @@ def test_aime_is_30_problems_with_string_answers(processed, hub_cache, tmp_path,
 
 def test_output_is_byte_identical_on_rerun(processed, tmp_path, capsys):
     info = processed["geometry3k"]
-    rc, again, _ = step(capsys, "preprocess", "--dataset", "geometry3k", "--input", info["download"]["path"], "--output", tmp_path / "again")
+    rc, again, _ = step(
+        capsys,
+        "preprocess",
+        "--dataset",
+        "geometry3k",
+        "--input",
+        info["download"]["path"],
+        "--output",
+        tmp_path / "again",
+    )
     assert rc == 0 and again["content_hash"] == info["preprocess"]["content_hash"]
     for split in again["splits"]:
         assert (tmp_path / "again" / f"{split}.parquet").read_bytes() == (info["dir"] / f"{split}.parquet").read_bytes()
 
 
 def test_tool_agent_variant(processed, tmp_path, capsys):
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", processed["gsm8k"]["download"]["path"],
-                    "--output", tmp_path / "tool", "--variant", "tool_agent")
+    rc, s, _ = step(
+        capsys,
+        "preprocess",
+        "--dataset",
+        "gsm8k",
+        "--input",
+        processed["gsm8k"]["download"]["path"],
+        "--output",
+        tmp_path / "tool",
+        "--variant",
+        "tool_agent",
+    )
     assert rc == 0
     for r in pq.read_table(s["splits"]["train"]).to_pylist():
         assert r["agent_name"] == "tool_agent" and r["extra_info"]["need_tools_kwargs"] is True
-        assert r["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"] == r["reward_model"]["ground_truth"]
+        assert (
+            r["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"]
+            == r["reward_model"]["ground_truth"]
+        )
 
 
 def write_parquet(path: Path, rows):
@@ -175,33 +216,67 @@ def write_parquet(path: Path, rows):
 
 
 def test_gsm8k_bad_answers_are_counted_rejections(tmp_path, capsys):
-    good = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i+1}\n#### {i+1}"} for i in range(40)]
-    bad = [{"question": "Q1", "answer": ""}, {"question": "Q2", "answer": "no marker"}, {"question": "Q3", "answer": "#### seven"}]
+    good = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(40)]
+    bad = [
+        {"question": "Q1", "answer": ""},
+        {"question": "Q2", "answer": "no marker"},
+        {"question": "Q3", "answer": "#### seven"},
+    ]
     write_parquet(tmp_path / "in" / "main" / "train-00000-of-00001.parquet", good + bad)
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "in", "--output", tmp_path / "out", "--max-rejected-fraction", "0.1")
+    rc, s, _ = step(
+        capsys,
+        "preprocess",
+        "--dataset",
+        "gsm8k",
+        "--input",
+        tmp_path / "in",
+        "--output",
+        tmp_path / "out",
+        "--max-rejected-fraction",
+        "0.1",
+    )
     assert rc == 0 and s["rows_out"] == 40 and s["rejected"] == 3
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["rejected_by_reason"] == {"empty_answer": 1, "missing_final_answer": 1, "non_numeric_answer": 1}
     # the same input over the default 5% threshold fails and writes nothing
-    rc, s, err = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "in", "--output", tmp_path / "strict", "--max-rejected-fraction", "0.01")
+    rc, s, err = step(
+        capsys,
+        "preprocess",
+        "--dataset",
+        "gsm8k",
+        "--input",
+        tmp_path / "in",
+        "--output",
+        tmp_path / "strict",
+        "--max-rejected-fraction",
+        "0.01",
+    )
     assert rc == 2 and "above --max-rejected-fraction" in s["error"] and not (tmp_path / "strict").exists()
 
 
 def test_renamed_columns_exit_2_naming_them(tmp_path, capsys):
     write_parquet(tmp_path / "in" / "main" / "train-00000-of-00001.parquet", [{"query": "q", "response": "#### 1"}])
-    rc, s, err = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "in", "--output", tmp_path / "out")
+    rc, s, err = step(
+        capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "in", "--output", tmp_path / "out"
+    )
     assert rc == 2 and "missing columns ['question', 'answer']" in s["error"] and not (tmp_path / "out").exists()
 
 
 def test_empty_dataset_exit_2(tmp_path, capsys):
-    pq.write_table(pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
-                   (tmp_path / "in" / "main").mkdir(parents=True) or tmp_path / "in" / "main" / "train-00000-of-00001.parquet")
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "in", "--output", tmp_path / "out")
+    pq.write_table(
+        pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+        (tmp_path / "in" / "main").mkdir(parents=True) or tmp_path / "in" / "main" / "train-00000-of-00001.parquet",
+    )
+    rc, s, _ = step(
+        capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "in", "--output", tmp_path / "out"
+    )
     assert rc == 2 and "no rows" in s["error"] and not (tmp_path / "out").exists()
 
 
 def test_geometry_rejects_bad_images_and_placeholders(processed, tmp_path, capsys):
-    src = pq.read_table(Path(processed["geometry3k"]["download"]["path"]) / "data" / "train-00000-of-00001.parquet").to_pylist()
+    src = pq.read_table(
+        Path(processed["geometry3k"]["download"]["path"]) / "data" / "train-00000-of-00001.parquet"
+    ).to_pylist()
     img = src[0]["images"][0]
     rows = [dict(r) for r in src]
     rows[0] = dict(rows[0], problem=rows[0]["problem"].replace("<image>", ""))  # image without placeholder
@@ -209,35 +284,94 @@ def test_geometry_rejects_bad_images_and_placeholders(processed, tmp_path, capsy
     rows[2] = dict(rows[2], images=[{"bytes": b"not a png", "path": None}])  # unreadable
     rows[3] = dict(rows[3], images=[{"bytes": None, "path": "x.png"}])  # missing
     write_parquet(tmp_path / "in" / "data" / "train-00000-of-00001.parquet", rows)
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "geometry3k", "--input", tmp_path / "in", "--output", tmp_path / "out", "--max-rejected-fraction", "1")
+    rc, s, _ = step(
+        capsys,
+        "preprocess",
+        "--dataset",
+        "geometry3k",
+        "--input",
+        tmp_path / "in",
+        "--output",
+        tmp_path / "out",
+        "--max-rejected-fraction",
+        "1",
+    )
     assert rc == 0 and s["rows_out"] == len(rows) - 4
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
-    assert stats["rejected_by_reason"] == {"image_without_placeholder": 1, "missing_image": 1, "placeholder_without_image": 1, "unreadable_image": 1}
+    assert stats["rejected_by_reason"] == {
+        "image_without_placeholder": 1,
+        "missing_image": 1,
+        "placeholder_without_image": 1,
+        "unreadable_image": 1,
+    }
     assert img["bytes"][:4] == b"\x89PNG"
 
 
 def test_jsonl_custom_rows_and_bad_lines(tmp_path, capsys, tiny_model):
-    lines = [json.dumps({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"What is {i}*2?"},
-                                      {"role": "assistant", "content": "reference"}], "rollout_extra": {"solution": str(2 * i)}}).encode()
-             for i in range(30)]
-    lines += [b"\xff\xfe not utf-8", b'{"messages": [{"role": "user", "content": "trunc', json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()]
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": f"What is {i}*2?"},
+                    {"role": "assistant", "content": "reference"},
+                ],
+                "rollout_extra": {"solution": str(2 * i)},
+            }
+        ).encode()
+        for i in range(30)
+    ]
+    lines += [
+        b"\xff\xfe not utf-8",
+        b'{"messages": [{"role": "user", "content": "trunc',
+        json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+    ]
     f = tmp_path / "train.jsonl"
     f.write_bytes(b"\n".join(lines) + b"\n")
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "jsonl", "--input", f, "--output", tmp_path / "out", "--max-rejected-fraction", "0.2")
+    rc, s, _ = step(
+        capsys,
+        "preprocess",
+        "--dataset",
+        "jsonl",
+        "--input",
+        f,
+        "--output",
+        tmp_path / "out",
+        "--max-rejected-fraction",
+        "0.2",
+    )
     assert rc == 0 and s["rows_out"] == 30 and s["rejected"] == 3, s
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["rejected_by_reason"] == {"invalid_json": 1, "missing_solution": 1, "not_utf8": 1}
     rows = pq.read_table(s["splits"]["train"]).to_pylist()
-    assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user"] and rows[3]["reward_model"]["ground_truth"] == "6"
+    assert [m["role"] for m in rows[0]["prompt"]] == ["system", "user"] and rows[3]["reward_model"][
+        "ground_truth"
+    ] == "6"
     from verl.utils.reward_score import default_compute_score
+
     assert default_compute_score(rows[3]["data_source"], "Answer: 6", "6")["score"] == 1.0
 
 
 def test_limit_and_bad_flags(processed, tmp_path, capsys):
     path = processed["gsm8k"]["download"]["path"]
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", path, "--output", tmp_path / "o", "--limit", "3")
+    rc, s, _ = step(
+        capsys, "preprocess", "--dataset", "gsm8k", "--input", path, "--output", tmp_path / "o", "--limit", "3"
+    )
     assert rc == 0 and pq.read_table(s["splits"]["train"]).num_rows == 3
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "missing", "--output", tmp_path / "o2")
+    rc, s, _ = step(
+        capsys, "preprocess", "--dataset", "gsm8k", "--input", tmp_path / "missing", "--output", tmp_path / "o2"
+    )
     assert rc == 2 and "no such file" in s["error"]
-    rc, s, _ = step(capsys, "preprocess", "--dataset", "gsm8k", "--input", path, "--output", tmp_path / "o3", "--max-rejected-fraction", "2")
+    rc, s, _ = step(
+        capsys,
+        "preprocess",
+        "--dataset",
+        "gsm8k",
+        "--input",
+        path,
+        "--output",
+        tmp_path / "o3",
+        "--max-rejected-fraction",
+        "2",
+    )
     assert rc == 2 and "between 0 and 1" in s["error"]

@@ -3,6 +3,7 @@
 Gate cases: better, worse, equal within margin, no previous latest (compared with the base),
 incomparable evaluations. Retention keeps the newest N and never deletes the latest.
 """
+
 import json
 
 import pytest
@@ -14,7 +15,14 @@ from pipeline_steps.store import open_store
 
 def results(avg, k=4, eval_sha="e" * 64, temperature=1.0):
     return {
-        "overall": {"avg@k": avg, "k": k, "problems": 3, "samples_scored": 3 * k, "maj@k": avg, "pass@k": {str(k): avg}},
+        "overall": {
+            "avg@k": avg,
+            "k": k,
+            "problems": 3,
+            "samples_scored": 3 * k,
+            "maj@k": avg,
+            "pass@k": {str(k): avg},
+        },
         "eval_set": {"sha256": eval_sha, "name": "aime"},
         "sampling": {"k": k, "temperature": temperature, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},
         "model": {"content_sha256": "m" * 64},

@@ -11,6 +11,7 @@ The operator is driven for real, the way Airflow runs a deferrable task:
 ``execute`` -> ``TaskDeferred`` -> the trigger's async generator (``run()``) -> ``execute_complete``.
 The context is empty (no task instance), so the dashboard-link XCom push is not exercised here.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
-from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
 
 from operators.rayjob import GROUP_LABEL, JobFailed, RayJobOperator, RayJobTrigger
+from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
 from tests.deferral import deferred, run_trigger
 from tests.k8s_api_stand_in import SUCCESS
 
@@ -36,24 +37,45 @@ def api(k8s_api):
 
 def rayjob_body(name: str, ckpt: str) -> dict:
     """A minimal RayJob of the shape render_rayjob produces (verl entrypoint with quoted Hydra overrides)."""
-    args = ["python3", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=grpo",
-            f"trainer.default_local_dir={ckpt}", "trainer.resume_mode=disable"]
+    args = [
+        "python3",
+        "-m",
+        "verl.trainer.main_ppo",
+        "algorithm.adv_estimator=grpo",
+        f"trainer.default_local_dir={ckpt}",
+        "trainer.resume_mode=disable",
+    ]
     return {
-        "apiVersion": "ray.io/v1", "kind": "RayJob",
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "verl-grpo"}},
         "spec": {
-            "entrypoint": shlex.join(args), "jobId": f"{name}-job", "shutdownAfterJobFinishes": True,
-            "ttlSecondsAfterFinished": 60, "activeDeadlineSeconds": 3600,
-            "rayClusterSpec": {"headGroupSpec": {"rayStartParams": {}, "template": {"spec": {"containers": [
-                {"name": "ray-head", "image": "verlai/verl:latest"}]}}}},
+            "entrypoint": shlex.join(args),
+            "jobId": f"{name}-job",
+            "shutdownAfterJobFinishes": True,
+            "ttlSecondsAfterFinished": 60,
+            "activeDeadlineSeconds": 3600,
+            "rayClusterSpec": {
+                "headGroupSpec": {
+                    "rayStartParams": {},
+                    "template": {"spec": {"containers": [{"name": "ray-head", "image": "verlai/verl:latest"}]}},
+                }
+            },
         },
     }
 
 
 def make_op(name: str, tmp_path: Path, **kw) -> RayJobOperator:
-    return RayJobOperator(task_id="train", rayjob=rayjob_body(name, "/mnt/ckpt/run1"), namespace=NS,
-                          kubernetes_conn_id=CONN, poll_interval=0.01, metrics_uri=str(tmp_path / "metrics.jsonl"),
-                          checkpoint_uri=str(tmp_path / "ckpt"), **kw)
+    return RayJobOperator(
+        task_id="train",
+        rayjob=rayjob_body(name, "/mnt/ckpt/run1"),
+        namespace=NS,
+        kubernetes_conn_id=CONN,
+        poll_interval=0.01,
+        metrics_uri=str(tmp_path / "metrics.jsonl"),
+        checkpoint_uri=str(tmp_path / "ckpt"),
+        **kw,
+    )
 
 
 def defer(op: RayJobOperator) -> RayJobTrigger:
@@ -63,22 +85,42 @@ def defer(op: RayJobOperator) -> RayJobTrigger:
 
 
 def metrics_row(step: int, score: float) -> dict:
-    return {"step": step, "data": {"critic/score/mean": score, "actor/entropy": 1.5 - step / 10,
-                                   "response_length/mean": 12.0, "perf/throughput": 100.0 + step,
-                                   "timing_s/step": 2.5, "training/global_step": step}}
+    return {
+        "step": step,
+        "data": {
+            "critic/score/mean": score,
+            "actor/entropy": 1.5 - step / 10,
+            "response_length/mean": 12.0,
+            "perf/throughput": 100.0 + step,
+            "timing_s/step": 2.5,
+            "training/global_step": step,
+        },
+    }
 
 
 def test_success_reports_progress_and_returns_xcom(api, tmp_path, capsys):
     metrics = tmp_path / "metrics.jsonl"
-    api.script("grpo-ok", [
-        {"jobDeploymentStatus": "Initializing"},
-        {"jobDeploymentStatus": "Running", "jobStatus": "PENDING"},
-        {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "log": ["loading model", "step:1 - score:0.25"],
-         "metrics": [metrics_row(1, 0.25)]},
-        {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "log": ["step:2 - score:0.5"],
-         "metrics": [metrics_row(2, 0.5)]},
-        {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "log": ["training done"]},
-    ], metrics_file=metrics)
+    api.script(
+        "grpo-ok",
+        [
+            {"jobDeploymentStatus": "Initializing"},
+            {"jobDeploymentStatus": "Running", "jobStatus": "PENDING"},
+            {
+                "jobDeploymentStatus": "Running",
+                "jobStatus": "RUNNING",
+                "log": ["loading model", "step:1 - score:0.25"],
+                "metrics": [metrics_row(1, 0.25)],
+            },
+            {
+                "jobDeploymentStatus": "Running",
+                "jobStatus": "RUNNING",
+                "log": ["step:2 - score:0.5"],
+                "metrics": [metrics_row(2, 0.5)],
+            },
+            {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "log": ["training done"]},
+        ],
+        metrics_file=metrics,
+    )
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("2")
     op = make_op("grpo-ok", tmp_path)
@@ -98,16 +140,38 @@ def test_success_reports_progress_and_returns_xcom(api, tmp_path, capsys):
     assert created["metadata"]["labels"][GROUP_LABEL] == "grpo-ok" and created["metadata"]["namespace"] == NS
 
 
-@pytest.mark.parametrize("final, expect", [
-    ({"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed",
-      "message": "Job entrypoint command failed with exit code 1"}, ["jobStatus=FAILED", "exit code 1"]),
-    ({"jobDeploymentStatus": "Complete", "jobStatus": "STOPPED", "message": "Job was stopped"}, ["jobStatus=STOPPED"]),
-    ({"jobDeploymentStatus": "Failed", "jobStatus": "RUNNING", "reason": "DeadlineExceeded",
-      "message": "The RayJob has passed the activeDeadlineSeconds. DeadlineExceeded"}, ["reason=DeadlineExceeded", "activeDeadlineSeconds"]),
-])
+@pytest.mark.parametrize(
+    "final, expect",
+    [
+        (
+            {
+                "jobDeploymentStatus": "Complete",
+                "jobStatus": "FAILED",
+                "reason": "AppFailed",
+                "message": "Job entrypoint command failed with exit code 1",
+            },
+            ["jobStatus=FAILED", "exit code 1"],
+        ),
+        (
+            {"jobDeploymentStatus": "Complete", "jobStatus": "STOPPED", "message": "Job was stopped"},
+            ["jobStatus=STOPPED"],
+        ),
+        (
+            {
+                "jobDeploymentStatus": "Failed",
+                "jobStatus": "RUNNING",
+                "reason": "DeadlineExceeded",
+                "message": "The RayJob has passed the activeDeadlineSeconds. DeadlineExceeded",
+            },
+            ["reason=DeadlineExceeded", "activeDeadlineSeconds"],
+        ),
+    ],
+)
 def test_terminal_failures_fail_with_reason_and_message(api, tmp_path, final, expect):
-    api.script("grpo-bad", [{"jobDeploymentStatus": "Initializing"},
-                            {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}, final])
+    api.script(
+        "grpo-bad",
+        [{"jobDeploymentStatus": "Initializing"}, {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}, final],
+    )
     op = make_op("grpo-bad", tmp_path)
     event = run_trigger(defer(op))
     assert event["status"] == "error"
@@ -118,8 +182,16 @@ def test_terminal_failures_fail_with_reason_and_message(api, tmp_path, final, ex
 
 
 def test_validation_failed_fails_without_retry(api, tmp_path):
-    api.script("grpo-invalid", [{"jobDeploymentStatus": "ValidationFailed", "reason": "ValidationFailed",
-                                 "message": "The RayJob spec is invalid: entrypoint must be set in K8sJobMode"}])
+    api.script(
+        "grpo-invalid",
+        [
+            {
+                "jobDeploymentStatus": "ValidationFailed",
+                "reason": "ValidationFailed",
+                "message": "The RayJob spec is invalid: entrypoint must be set in K8sJobMode",
+            }
+        ],
+    )
     op = make_op("grpo-invalid", tmp_path)
     event = run_trigger(defer(op))
     with pytest.raises(AirflowFailException, match="reason=ValidationFailed.*entrypoint must be set"):
@@ -127,12 +199,15 @@ def test_validation_failed_fails_without_retry(api, tmp_path):
 
 
 def test_worker_dies_mid_wait_and_retry_reattaches_without_second_create(api, tmp_path):
-    api.script("grpo-crash", [
-        {"jobDeploymentStatus": "Initializing"},
-        {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
-        {"wait_for": "worker-restarted"},
-        *SUCCESS[-1:],
-    ])
+    api.script(
+        "grpo-crash",
+        [
+            {"jobDeploymentStatus": "Initializing"},
+            {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
+            {"wait_for": "worker-restarted"},
+            *SUCCESS[-1:],
+        ],
+    )
 
     async def wait_until_running_then_die(trigger):
         task = asyncio.ensure_future(trigger.run().__anext__())
@@ -191,8 +266,13 @@ def test_killed_deferred_task_trigger_deletes_rayjob_and_waiter_reports_it(api, 
 
 
 def test_retry_after_failed_attempt_resumes_from_checkpoint(api, tmp_path):
-    api.script("grpo-resume", [{"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
-                               {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "message": "worker OOM"}])
+    api.script(
+        "grpo-resume",
+        [
+            {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
+            {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "message": "worker OOM"},
+        ],
+    )
     api.script("grpo-resume-r1", SUCCESS)
     first = make_op("grpo-resume", tmp_path)
     event = run_trigger(defer(first))

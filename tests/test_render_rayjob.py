@@ -3,6 +3,7 @@ jsonschema), keeps k8s/templates/rayjob.yaml's structure, and quotes every entry
 /bin/sh (what Ray's job supervisor runs the entrypoint with) hands verl exactly the argv we meant.
 No Kubernetes API server runs here: the CRD's openAPIV3Schema is the stand-in for its validation.
 Set REGEN_EXAMPLES=1 to rewrite k8s/examples/ after an intended change."""
+
 from __future__ import annotations
 
 import json
@@ -131,15 +132,17 @@ def test_render_keeps_the_template_structure():
     _, job = render(mounts=GKE, bucket="gs://verl-store")
     want, got = shape(template), shape(job)
     # filled lists that are empty in the template gain their element structure; everything else is equal
-    for path in (("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0, "env"),
-                 ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0, "volumeMounts"),
-                 ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "volumes"),
-                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "containers", 0, "env"),
-                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "tolerations"),
-                 ("spec", "rayClusterSpec", "headGroupSpec", "template", "metadata", "annotations"),
-                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "metadata", "annotations"),
-                 ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "nodeSelector"),
-                 ("metadata", "annotations")):
+    for path in (
+        ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0, "env"),
+        ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "containers", 0, "volumeMounts"),
+        ("spec", "rayClusterSpec", "headGroupSpec", "template", "spec", "volumes"),
+        ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "containers", 0, "env"),
+        ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "tolerations"),
+        ("spec", "rayClusterSpec", "headGroupSpec", "template", "metadata", "annotations"),
+        ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "metadata", "annotations"),
+        ("spec", "rayClusterSpec", "workerGroupSpecs", 0, "template", "spec", "nodeSelector"),
+        ("metadata", "annotations"),
+    ):
         a, b = want, got
         for p in path[:-1]:
             a, b = a[p], b[p]
@@ -169,7 +172,12 @@ def test_untrusted_values_cannot_leave_their_argument(tmp_path, crd_schema):
     entry = job["spec"]["entrypoint"]
     argv = shlex.split(entry)
     expected = render_rayjob.entrypoint_argv(
-        exp, ACK, {"trainer.default_local_dir": ACK.to_pod_path(exp.verl["trainer.default_local_dir"]), "trainer.resume_mode": "auto"}
+        exp,
+        ACK,
+        {
+            "trainer.default_local_dir": ACK.to_pod_path(exp.verl["trainer.default_local_dir"]),
+            "trainer.resume_mode": "auto",
+        },
     )
     assert argv == expected
     # the real shell Ray's job supervisor uses (subprocess(..., shell=True) -> /bin/sh -c) gives the same argv
@@ -185,7 +193,9 @@ def test_untrusted_values_cannot_leave_their_argument(tmp_path, crd_schema):
 
 
 def test_store_uris_map_to_the_mount_and_resume_is_forced():
-    exp, job = render(overrides=["trainer.resume_mode=disable", "trainer.default_local_dir=oss://verl-store/elsewhere/ckpt"])
+    exp, job = render(
+        overrides=["trainer.resume_mode=disable", "trainer.default_local_dir=oss://verl-store/elsewhere/ckpt"]
+    )
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
     kv = dict(a.split("=", 1) for a in argv[3:])
@@ -197,7 +207,9 @@ def test_store_uris_map_to_the_mount_and_resume_is_forced():
     env_vars = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
     assert env_vars["VERL_FILE_LOGGER_PATH"] == "/mnt/store/elsewhere/metrics.jsonl"
     pod = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]["spec"]
-    assert {"name": "verl-store", "persistentVolumeClaim": {"claimName": "verl-store", "readOnly": False}} in pod["volumes"]
+    assert {"name": "verl-store", "persistentVolumeClaim": {"claimName": "verl-store", "readOnly": False}} in pod[
+        "volumes"
+    ]
     assert {"name": "verl-store", "mountPath": "/mnt/store", "readOnly": False} in pod["containers"][0]["volumeMounts"]
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert head["volumes"] == [v for v in pod["volumes"] if v["name"] != "dshm"]
@@ -205,8 +217,10 @@ def test_store_uris_map_to_the_mount_and_resume_is_forced():
 
 def test_gcs_fuse_mount_annotates_the_pods():
     _, job = render(mounts=GKE, bucket="gs://verl-store")
-    for tpl in (job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"],
-                job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]):
+    for tpl in (
+        job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"],
+        job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"],
+    ):
         assert tpl["metadata"]["annotations"] == {"gke-gcsfuse/volumes": "true"}
         assert tpl["spec"]["serviceAccountName"] == "verl-ray"
 
@@ -230,11 +244,14 @@ def test_name_job_id_and_labels_are_deterministic_and_valid(crd_schema):
     assert len(names) == 4
 
 
-@pytest.mark.parametrize("ids", [
-    ("d" * 250, "r" * 250, "t" * 250, "train"),
-    ("__", "::", "..", "9-evaluate"),
-    ("DAG With Spaces", "scheduled__2026-01-01T00:00:00+00:00", "group.task", "EVAL"),
-])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        ("d" * 250, "r" * 250, "t" * 250, "train"),
+        ("__", "::", "..", "9-evaluate"),
+        ("DAG With Spaces", "scheduled__2026-01-01T00:00:00+00:00", "group.task", "EVAL"),
+    ],
+)
 def test_names_and_labels_for_awkward_ids(ids):
     name = rayjob_name(*ids)
     assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 47
@@ -248,7 +265,9 @@ def test_kueue_queue_label_and_evaluate_entrypoint(crd_schema):
     exp = experiment.load("gspo", derived=derived("gs://verl-store", "gspo", "gsm8k"))
     exp.spec["cluster"]["kueue_queue"] = "verl-gpu"
     argv = ["python3", "-m", "pipeline_steps", "evaluate", "--model", "/mnt/store/x y", "--note", "$(id);`id`"]
-    job = build_rayjob(exp, dag_id="d", run_id="r", task_id="evaluate", mounts=GKE, entrypoint=argv, job_kind="evaluate")
+    job = build_rayjob(
+        exp, dag_id="d", run_id="r", task_id="evaluate", mounts=GKE, entrypoint=argv, job_kind="evaluate"
+    )
     validate(job, crd_schema)
     assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "verl-gpu"
     assert job["metadata"]["labels"]["app.kubernetes.io/component"] == "evaluate"
@@ -258,7 +277,9 @@ def test_kueue_queue_label_and_evaluate_entrypoint(crd_schema):
 
 def test_secrets_only_by_reference():
     exp = experiment.load("gsm8k_qwen2_5_3b", derived=derived("oss://verl-store", "gsm8k_qwen2_5_3b", "gsm8k"))
-    exp.spec["cluster"]["secrets"].append({"env": "OSS_ACCESS_KEY_SECRET", "secret": "oss-credentials", "key": "akSecret"})
+    exp.spec["cluster"]["secrets"].append(
+        {"env": "OSS_ACCESS_KEY_SECRET", "secret": "oss-credentials", "key": "akSecret"}
+    )
     job = build_rayjob(exp, dag_id="d", run_id="r", task_id="t", mounts=ACK)
     for group in (job["spec"]["rayClusterSpec"]["headGroupSpec"], job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]):
         env = group["template"]["spec"]["containers"][0]["env"]
@@ -273,14 +294,17 @@ def test_secrets_only_by_reference():
         build_rayjob(exp, dag_id="d", run_id="r", task_id="t", mounts=ACK)
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"mounts": MountMap()}, r"outside every mounted bucket"),
-    ({"bucket": "gs://other-bucket"}, r"gs://other-bucket.*outside every mounted bucket"),
-    ({"overrides": ["trainer.default_local_dir=/local/ckpt"]}, r"trainer.default_local_dir='/local/ckpt'"),
-    ({"overrides": ["trainer.nnodes=two"]}, r"trainer.nnodes='two': must be an integer"),
-    ({"overrides": ["data.val_files=oss://verl-store/../../etc/passwd"]}, r"climbs out of its mount"),
-    ({"namespace": "Bad_NS"}, r"--namespace 'Bad_NS'"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"mounts": MountMap()}, r"outside every mounted bucket"),
+        ({"bucket": "gs://other-bucket"}, r"gs://other-bucket.*outside every mounted bucket"),
+        ({"overrides": ["trainer.default_local_dir=/local/ckpt"]}, r"trainer.default_local_dir='/local/ckpt'"),
+        ({"overrides": ["trainer.nnodes=two"]}, r"trainer.nnodes='two': must be an integer"),
+        ({"overrides": ["data.val_files=oss://verl-store/../../etc/passwd"]}, r"climbs out of its mount"),
+        ({"namespace": "Bad_NS"}, r"--namespace 'Bad_NS'"),
+    ],
+)
 def test_bad_input_is_one_line_naming_it(change, match):
     with pytest.raises(UserError, match=match) as err:
         render(**change)
@@ -290,9 +314,23 @@ def test_bad_input_is_one_line_naming_it(change, match):
 def test_cli_writes_the_rayjob_and_rejects_bad_input(tmp_path, crd_schema):
     out = tmp_path / "rayjob.yaml"
     env = dict(os.environ, PIPELINE_MOUNTS=(ROOT / "k8s/overlays/ack/mounts.json").read_text())
-    base = [sys.executable, "-m", "pipeline_steps", "render-rayjob", "--experiment", "gsm8k_qwen2_5_3b",
-            "--output", str(out), "--checkpoint-uri", "oss://verl-store/runs/x/checkpoints", "--namespace", "verl-pipeline"]
-    p = subprocess.run(base + ["--override", "trainer.experiment_name=a'b$(id)"], capture_output=True, text=True, env=env, timeout=120)
+    base = [
+        sys.executable,
+        "-m",
+        "pipeline_steps",
+        "render-rayjob",
+        "--experiment",
+        "gsm8k_qwen2_5_3b",
+        "--output",
+        str(out),
+        "--checkpoint-uri",
+        "oss://verl-store/runs/x/checkpoints",
+        "--namespace",
+        "verl-pipeline",
+    ]
+    p = subprocess.run(
+        base + ["--override", "trainer.experiment_name=a'b$(id)"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert p.returncode == 0, p.stderr
     summary = json.loads(p.stdout.strip().splitlines()[-1])
     job = yaml.safe_load(out.read_text())
@@ -300,11 +338,19 @@ def test_cli_writes_the_rayjob_and_rejects_bad_input(tmp_path, crd_schema):
     assert summary["name"] == job["metadata"]["name"] and summary["replicas"] == 1
     assert 'trainer.experiment_name="a\'b$(id)"' in shlex.split(job["spec"]["entrypoint"])
     out.unlink()
-    p = subprocess.run(base + ["--override", "data.train_files=gs://not-mounted/x.parquet"], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        base + ["--override", "data.train_files=gs://not-mounted/x.parquet"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 2
     assert p.stderr.count("\n") == 1 and "data.train_files" in p.stderr and "gs://not-mounted" in p.stderr
     assert not out.exists()  # no partial output that looks complete
-    p = subprocess.run(base + ["--mounts", "@/nonexistent/mounts.json"], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        base + ["--mounts", "@/nonexistent/mounts.json"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert p.returncode == 2 and "--mounts '@/nonexistent/mounts.json': file not found" in p.stderr
 
 
@@ -312,36 +358,48 @@ def test_cli_writes_the_rayjob_and_rejects_bad_input(tmp_path, crd_schema):
 
 
 def test_mountmap_longest_prefix_and_forms(monkeypatch):
-    mm = MountMap.from_config({
-        "gs://bucket": {"claim": "store", "path": "/mnt/store"},
-        "gs://bucket/models": {"claim": "models", "path": "/mnt/models", "readOnly": True},
-    })
+    mm = MountMap.from_config(
+        {
+            "gs://bucket": {"claim": "store", "path": "/mnt/store"},
+            "gs://bucket/models": {"claim": "models", "path": "/mnt/models", "readOnly": True},
+        }
+    )
     assert mm.to_pod_path("gs://bucket/datasets/x/train.parquet") == "/mnt/store/datasets/x/train.parquet"
     assert mm.to_pod_path("gs://bucket/models/qwen/main") == "/mnt/models/qwen/main"
     assert mm.to_pod_path("gs://bucket/modelsX/a") == "/mnt/store/modelsX/a"  # a prefix ends at a '/'
     assert mm.to_pod_path("gs://bucket") == "/mnt/store"
     assert mm.to_pod_path("/mnt/store/already/a/path") == "/mnt/store/already/a/path"
     volumes, mounts = mm.volumes()
-    assert volumes == [{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
-                       {"name": "store", "persistentVolumeClaim": {"claimName": "store", "readOnly": False}}]
+    assert volumes == [
+        {"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        {"name": "store", "persistentVolumeClaim": {"claimName": "store", "readOnly": False}},
+    ]
     assert [m["mountPath"] for m in mounts] == ["/mnt/models", "/mnt/store"]
-    monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "oss://b", "claim": "c", "path": "/m", "subPath": "runs"}]))
+    monkeypatch.setenv(
+        "PIPELINE_MOUNTS", json.dumps([{"uri": "oss://b", "claim": "c", "path": "/m", "subPath": "runs"}])
+    )
     env = MountMap.from_env()
     assert env.to_pod_path("oss://b/x") == "/m/x"
     assert env.volumes()[1][0]["subPath"] == "runs"
     assert len(MountMap.from_config(None)) == 0
 
 
-@pytest.mark.parametrize("config,match", [
-    ([{"uri": "bucket", "claim": "c", "path": "/m"}], r"must look like scheme://bucket"),
-    ([{"uri": "gs://b", "claim": "Bad_Claim", "path": "/m"}], r"not a valid PersistentVolumeClaim name"),
-    ([{"uri": "gs://b", "claim": "c", "path": "relative"}], r"normalised absolute directory"),
-    ([{"uri": "gs://b", "claim": "c", "path": "/dev/shm"}], r"reserved"),
-    ([{"uri": "gs://b", "claim": "c", "path": "/m", "token": "x"}], r"unknown keys \['token'\]"),
-    ([{"uri": "gs://b", "claim": "c", "path": "/m"}, {"uri": "gs://b/", "claim": "d", "path": "/n"}], r"listed twice"),
-    ([{"uri": "gs://b", "claim": "c", "path": "/m"}, {"uri": "gs://a", "claim": "d", "path": "/m"}], r"same path"),
-    ("gs://b", r"expected a list"),
-])
+@pytest.mark.parametrize(
+    "config,match",
+    [
+        ([{"uri": "bucket", "claim": "c", "path": "/m"}], r"must look like scheme://bucket"),
+        ([{"uri": "gs://b", "claim": "Bad_Claim", "path": "/m"}], r"not a valid PersistentVolumeClaim name"),
+        ([{"uri": "gs://b", "claim": "c", "path": "relative"}], r"normalised absolute directory"),
+        ([{"uri": "gs://b", "claim": "c", "path": "/dev/shm"}], r"reserved"),
+        ([{"uri": "gs://b", "claim": "c", "path": "/m", "token": "x"}], r"unknown keys \['token'\]"),
+        (
+            [{"uri": "gs://b", "claim": "c", "path": "/m"}, {"uri": "gs://b/", "claim": "d", "path": "/n"}],
+            r"listed twice",
+        ),
+        ([{"uri": "gs://b", "claim": "c", "path": "/m"}, {"uri": "gs://a", "claim": "d", "path": "/m"}], r"same path"),
+        ("gs://b", r"expected a list"),
+    ],
+)
 def test_mountmap_rejects_bad_config(config, match):
     with pytest.raises(UserError, match=match):
         MountMap.from_config(config)
@@ -352,7 +410,11 @@ def test_mountmap_bad_env_and_uris(monkeypatch):
     with pytest.raises(UserError, match=r"\$PIPELINE_MOUNTS: not valid JSON"):
         MountMap.from_env()
     mm = MountMap.from_config([{"uri": "gs://b/p", "claim": "c", "path": "/m"}])
-    for bad, match in [("gs://b/other/x", "outside every mounted bucket"), ("gs://b/p/../../etc", "climbs out"),
-                       ("/etc/passwd", "not a store URI on a mount"), ("gs://b/pp", "outside every mounted bucket")]:
+    for bad, match in [
+        ("gs://b/other/x", "outside every mounted bucket"),
+        ("gs://b/p/../../etc", "climbs out"),
+        ("/etc/passwd", "not a store URI on a mount"),
+        ("gs://b/pp", "outside every mounted bucket"),
+    ]:
         with pytest.raises(UserError, match=match):
             mm.to_pod_path(bad)

@@ -5,6 +5,7 @@ The run directory is built with the real writers where they are cheap: metrics l
 (verl's reward code on crafted generations). The lineage file is crafted in the shape
 :mod:`pipeline_steps.training.plan` writes. Expected figures are computed from those inputs in the test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,10 +15,10 @@ import random
 from pathlib import Path
 
 import pytest
-from tests.conftest import run_step
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.steps import report
+from tests.conftest import run_step
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KEYS = ("critic/score/mean", "actor/entropy", "response_length/mean", "perf/throughput", "timing_s/step")
@@ -40,9 +41,14 @@ def write_metrics(path: Path, steps: int, seed: int = 0, drop: tuple[str, ...] =
         logger = FileLogger("p", "e")
         logger.log(data={"val-core/openai/gsm8k/reward/mean@1": rng.random()}, step=0)
         for step in range(1, steps + 1):
-            data = {"critic/score/mean": rng.uniform(-1, 1), "actor/entropy": rng.uniform(3, 6),
-                    "response_length/mean": rng.uniform(5, 50), "perf/throughput": rng.uniform(100, 900),
-                    "timing_s/step": rng.uniform(0.5, 3), "actor/pg_loss": float("nan")}
+            data = {
+                "critic/score/mean": rng.uniform(-1, 1),
+                "actor/entropy": rng.uniform(3, 6),
+                "response_length/mean": rng.uniform(5, 50),
+                "perf/throughput": rng.uniform(100, 900),
+                "timing_s/step": rng.uniform(0.5, 3),
+                "actor/pg_loss": float("nan"),
+            }
             data = {k: v for k, v in data.items() if k not in drop}
             logger.log(data=data, step=step)
             logged[step] = data
@@ -62,22 +68,42 @@ def eval_results(k: int, correct_per_problem: list[int], model: str) -> dict:
     rows, gens = [], []
     for i, c in enumerate(correct_per_problem):
         answer = str(10 + i)
-        rows.append({"data_source": "openai/gsm8k", "reward_model": {"ground_truth": answer}, "extra_info": {"index": i}})
+        rows.append(
+            {"data_source": "openai/gsm8k", "reward_model": {"ground_truth": answer}, "extra_info": {"index": i}}
+        )
         gens.append([f"so #### {answer}"] * c + ["so #### -1"] * (k - c))
     res = evaluate.score(rows, gens)
-    res.update({"model": {"path": model, "step": 3 if "ckpt" in model else None}, "eval_set": {"name": "gsm8k-test", "sha256": "e" * 64},
-                "sampling": {"k": k, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24}})
+    res.update(
+        {
+            "model": {"path": model, "step": 3 if "ckpt" in model else None},
+            "eval_set": {"name": "gsm8k-test", "sha256": "e" * 64},
+            "sampling": {"k": k, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 24},
+        }
+    )
     return res
 
 
 LINEAGE = {
     "base_model": {"name": "tiny", "revision": "rev-base-0001", "uri": "file:///store/models/tiny/local"},
-    "datasets": [{"name": "gsm8k", "role": "train", "repo_id": "openai/gsm8k", "revision": "a1b2c3d4e5",
-                  "content_hash": "f" * 64, "uri": "file:///store/datasets/gsm8k/a1b2c3d4e5/ffff"},
-                 {"name": "mine", "role": "train", "repo_id": "<img src=x onerror=alert(1)>"}],  # a registry file's text
-    "experiment": {"name": "local_tiny", "preset_sha256": "9" * 64,
-                   "overrides": ["trainer.total_training_steps=1", "data.note=<b>a|b</b>"]},
-    "dag_id": "verl_grpo_pipeline", "run_id": "manual__2026-01-02", "run_uri": "file:///store/runs/local_tiny/r1",
+    "datasets": [
+        {
+            "name": "gsm8k",
+            "role": "train",
+            "repo_id": "openai/gsm8k",
+            "revision": "a1b2c3d4e5",
+            "content_hash": "f" * 64,
+            "uri": "file:///store/datasets/gsm8k/a1b2c3d4e5/ffff",
+        },
+        {"name": "mine", "role": "train", "repo_id": "<img src=x onerror=alert(1)>"},
+    ],  # a registry file's text
+    "experiment": {
+        "name": "local_tiny",
+        "preset_sha256": "9" * 64,
+        "overrides": ["trainer.total_training_steps=1", "data.note=<b>a|b</b>"],
+    },
+    "dag_id": "verl_grpo_pipeline",
+    "run_id": "manual__2026-01-02",
+    "run_uri": "file:///store/runs/local_tiny/r1",
 }
 
 
@@ -91,8 +117,16 @@ def full_run(tmp_path_factory):
     (run / "eval" / "results.json").write_text(json.dumps(res))
     (run / "eval" / "base_results.json").write_text(json.dumps(base))
     (run / "lineage.json").write_text(json.dumps(LINEAGE))
-    (run / "train_summary.json").write_text(json.dumps({"last_step": 6, "resumed_from_step": 2, "experiment": "local_tiny",
-                                                         "checkpoint_dir": "/runs/r1/checkpoints/global_step_6"}))
+    (run / "train_summary.json").write_text(
+        json.dumps(
+            {
+                "last_step": 6,
+                "resumed_from_step": 2,
+                "experiment": "local_tiny",
+                "checkpoint_dir": "/runs/r1/checkpoints/global_step_6",
+            }
+        )
+    )
     return {"dir": run, "logged": logged, "res": res, "base": base}
 
 
@@ -111,7 +145,13 @@ def assert_png(path: Path) -> None:
 
 def test_full_report_has_plots_numbers_lineage_and_links(full_run):
     run, logged = full_run["dir"], full_run["logged"]
-    out = report.run(args(run, dashboard_url="http://admin:pw@127.0.0.1:8265/#/jobs", exported_uri="file:///store/models/exported/x/v1"))
+    out = report.run(
+        args(
+            run,
+            dashboard_url="http://admin:pw@127.0.0.1:8265/#/jobs",
+            exported_uri="file:///store/models/exported/x/v1",
+        )
+    )
 
     assert out["report"] == str(run / "report" / "report.md")
     names = [Path(p).name for p in out["plots"]]
@@ -130,18 +170,32 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
 
     o, b = full_run["res"]["overall"], full_run["base"]["overall"]
     k = o["k"]
-    avg_row = f"| avg@{k} | {100 * o['avg@k']:.1f}% | {100 * b['avg@k']:.1f}% | {100 * (o['avg@k'] - b['avg@k']):+.1f} pt |"
-    maj_row = f"| maj@{k} | {100 * o['maj@k']:.1f}% | {100 * b['maj@k']:.1f}% | {100 * (o['maj@k'] - b['maj@k']):+.1f} pt |"
+    avg_row = (
+        f"| avg@{k} | {100 * o['avg@k']:.1f}% | {100 * b['avg@k']:.1f}% | {100 * (o['avg@k'] - b['avg@k']):+.1f} pt |"
+    )
+    maj_row = (
+        f"| maj@{k} | {100 * o['maj@k']:.1f}% | {100 * b['maj@k']:.1f}% | {100 * (o['maj@k'] - b['maj@k']):+.1f} pt |"
+    )
     assert avg_row in md and maj_row in md
     for j, v in o["pass@k"].items():
         assert f"| pass@{j} | {100 * v:.1f}% | {100 * b['pass@k'][j]:.1f}% |" in md
     up = sum(p["correct"] > q["correct"] for p, q in zip(full_run["res"]["problems"], full_run["base"]["problems"]))
     assert f"{up} problem(s) with more correct samples than the base" in md
 
-    for text in ("a1b2c3d4e5", "f" * 64, "9" * 64, "rev-base-0001", "openai/gsm8k", "manual__2026-01-02", "trainer.total_training_steps=1"):
+    for text in (
+        "a1b2c3d4e5",
+        "f" * 64,
+        "9" * 64,
+        "rev-base-0001",
+        "openai/gsm8k",
+        "manual__2026-01-02",
+        "trainer.total_training_steps=1",
+    ):
         assert text in md, text
     assert "data.note=<b>a|b</b>" in md  # the override as typed, inside a code span
-    assert "<http://127.0.0.1:8265/#/jobs>" in md and "admin" not in md and ":pw@" not in md  # no credentials in the link
+    assert (
+        "<http://127.0.0.1:8265/#/jobs>" in md and "admin" not in md and ":pw@" not in md
+    )  # no credentials in the link
     assert "file:///store/models/exported/x/v1" in md
     assert "not produced" not in md
 
@@ -179,8 +233,14 @@ def test_missing_inputs_say_not_produced(tmp_path):
 def test_malformed_metrics_lines_are_skipped_and_counted(tmp_path):
     logged = write_metrics(tmp_path / "metrics.jsonl", steps=4, seed=3, drop=("perf/throughput",))
     good = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    bad = ["not json", '{"step": 9, "data": [1, 2]}', '{"data": {"critic/score/mean": 1}}', "[1, 2]",
-           '{"step": "two", "data": {}}', '{"step": 5, "data": {"critic/score/mean": 0.5']  # the last one: torn by a crash
+    bad = [
+        "not json",
+        '{"step": 9, "data": [1, 2]}',
+        '{"data": {"critic/score/mean": 1}}',
+        "[1, 2]",
+        '{"step": "two", "data": {}}',
+        '{"step": 5, "data": {"critic/score/mean": 0.5',
+    ]  # the last one: torn by a crash
     lines = good[:2] + bad[:3] + good[2:] + bad[3:]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     bad_line_numbers = [i + 1 for i, line in enumerate(lines) if line in bad]
@@ -196,8 +256,12 @@ def test_malformed_metrics_lines_are_skipped_and_counted(tmp_path):
 
 
 def test_a_resumed_run_keeps_the_later_line_of_a_repeated_step(tmp_path):
-    lines = [{"step": 1, "data": {"critic/score/mean": 0.1}}, {"step": 2, "data": {"critic/score/mean": 0.2}},
-             {"step": 2, "data": {"critic/score/mean": 0.25}}, {"step": 3, "data": {"critic/score/mean": 0.3}}]
+    lines = [
+        {"step": 1, "data": {"critic/score/mean": 0.1}},
+        {"step": 2, "data": {"critic/score/mean": 0.2}},
+        {"step": 2, "data": {"critic/score/mean": 0.25}},
+        {"step": 3, "data": {"critic/score/mean": 0.3}},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     m = report.read_metrics(tmp_path / "metrics.jsonl")
     assert report.series(m["steps"], "critic/score/mean") == ([1, 2, 3], [0.1, 0.25, 0.3]) and m["duplicates"] == 1
@@ -226,12 +290,15 @@ def test_base_embedded_in_results_is_used_when_base_file_is_missing(full_run, tm
     assert "the base recorded in `eval/results.json`" in md
 
 
-@pytest.mark.parametrize("kw,needle", [
-    ({"run_dir": "/definitely/not/here"}, "--run-dir"),
-    ({"run_dir": "oss://bucket-x/runs/r1"}, "local run directory"),
-    ({"dashboard_url": "javascript:alert(1)"}, "--dashboard-url"),
-    ({"exported_uri": "file:///x\nInjected: yes"}, "--exported-uri"),
-])
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        ({"run_dir": "/definitely/not/here"}, "--run-dir"),
+        ({"run_dir": "oss://bucket-x/runs/r1"}, "local run directory"),
+        ({"dashboard_url": "javascript:alert(1)"}, "--dashboard-url"),
+        ({"exported_uri": "file:///x\nInjected: yes"}, "--exported-uri"),
+    ],
+)
 def test_bad_arguments_are_one_line_user_errors(tmp_path, kw, needle):
     with pytest.raises(UserError) as err:
         report.run(args(kw.pop("run_dir", tmp_path), **kw))

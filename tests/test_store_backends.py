@@ -11,6 +11,7 @@
 
 The step runs as ``python -m pipeline_steps upload`` in a subprocess (as in production); the kill test SIGKILLs it.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps.errors import UserError
-from tests.storage_servers import ROOT, gcs_server, oss_seaweed_server, oss_server, run_step  # noqa: F401  (fixtures)
+from tests.storage_servers import ROOT, run_step
 
 PART_KB = 128  # >= OSS's 100 KiB minimum part; a multiple of GCS's 256 KiB chunk rounding is applied there
 
@@ -52,8 +53,12 @@ class Backend:
 @pytest.fixture(params=["file", "oss", "gs"])
 def backend(request, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
-    common = {"PIPELINE_CACHE_DIR": str(cache), "PIPELINE_STORE_PART_MB": str(PART_KB / 1024), "PIPELINE_STORE_PARALLEL": "2",
-              "PIPELINE_STORE_CONN_ID": "test_store"}
+    common = {
+        "PIPELINE_CACHE_DIR": str(cache),
+        "PIPELINE_STORE_PART_MB": str(PART_KB / 1024),
+        "PIPELINE_STORE_PARALLEL": "2",
+        "PIPELINE_STORE_CONN_ID": "test_store",
+    }
     name = request.param
     if name == "file":
         root = tmp_path / "store"
@@ -78,8 +83,14 @@ def backend(request, tmp_path, monkeypatch):
         def tamper(key, data):
             client.put_object(oss.PutObjectRequest(bucket="test-bucket", key=f"{prefix}/{key}", body=data))
 
-        b = Backend(name, f"oss://test-bucket/{prefix}", {**common, **srv.env()}, read, tamper,
-                    lambda p: srv.open_uploads("test-bucket", f"{prefix}/{p}"))
+        b = Backend(
+            name,
+            f"oss://test-bucket/{prefix}",
+            {**common, **srv.env()},
+            read,
+            tamper,
+            lambda p: srv.open_uploads("test-bucket", f"{prefix}/{p}"),
+        )
     else:
         srv = request.getfixturevalue("gcs_server")
         prefix = f"t{time.monotonic_ns()}"
@@ -192,8 +203,13 @@ def test_killed_upload_rerun_matches_clean_run(backend, tmp_path):
     src = _write_tree(tmp_path / "src", n_small=40, big_kb=4096)
     killed, clean = f"{backend.root_uri}/kill/v1", f"{backend.root_uri}/clean/v1"
     env = {**os.environ, **backend.env}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline_steps", "upload", "--src", str(src), "--dest", killed],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline_steps", "upload", "--src", str(src), "--dest", killed],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     store = open_store(backend.root_uri)
     deadline = time.monotonic() + 60
     try:
@@ -241,7 +257,12 @@ def test_oss_layer_on_seaweedfs(oss_seaweed_server, tmp_path, monkeypatch):
     from pipeline_steps.store import open_store
 
     srv = oss_seaweed_server
-    env = {**srv.env(), "PIPELINE_CACHE_DIR": str(tmp_path / "cache"), "PIPELINE_STORE_PART_MB": "5", "PIPELINE_STORE_PARALLEL": "2"}
+    env = {
+        **srv.env(),
+        "PIPELINE_CACHE_DIR": str(tmp_path / "cache"),
+        "PIPELINE_STORE_PART_MB": "5",
+        "PIPELINE_STORE_PARALLEL": "2",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     backend = Backend("oss", "oss://test-bucket/sw", env, None, None)
@@ -255,7 +276,9 @@ def test_oss_layer_on_seaweedfs(oss_seaweed_server, tmp_path, monkeypatch):
     stored = client.head_object(oss.HeadObjectRequest(bucket="test-bucket", key="sw/datasets/demo/v1/weights.bin"))
     manifest = open_store("oss://test-bucket/sw").read_manifest(dest)
     assert {e["path"]: e["crc64ecma"] for e in manifest["files"]}["weights.bin"] == stored.hash_crc64
-    client.put_object(oss.PutObjectRequest(bucket="test-bucket", key="sw/datasets/demo/v1/README.md", body=b"tampered\n"))
+    client.put_object(
+        oss.PutObjectRequest(bucket="test-bucket", key="sw/datasets/demo/v1/README.md", body=b"tampered\n")
+    )
     assert _upload(backend, src, dest)["uploaded"] == 1
     got = open_store("oss://test-bucket/sw").download_dir(dest, tmp_path / "out")
     assert got["files"] == 4 and _files(tmp_path / "out") == _files(src)
@@ -309,7 +332,9 @@ def test_transfer_corruption_is_caught_end_to_end(backend, tmp_path):
     dest = f"{backend.root_uri}/corrupt/v1"
     store = open_store(backend.root_uri)
     put = store._put_file
-    store._put_file = lambda path, key, size: (put(path, key, size), "not-the-checksum")[1]  # as if bytes changed in flight
+    store._put_file = lambda path, key, size: (put(path, key, size), "not-the-checksum")[
+        1
+    ]  # as if bytes changed in flight
     with pytest.raises(RuntimeError, match="corrupted in transfer"):
         store.upload_dir(src, dest)
     assert store.read_manifest(dest) is None

@@ -6,6 +6,7 @@ malformed key file, which fails before any request).
 Also: key validation, and ``operators/storage.store_env`` reading real Airflow connections (from AIRFLOW_CONN_*
 environment variables, Airflow's own secrets backend) and driving a real upload.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,7 @@ import pytest
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import parse_uri, validate_key
-from tests.storage_servers import OSS_SECRET, free_port, gcs_server, oss_server, run_step  # noqa: F401  (fixtures)
+from tests.storage_servers import OSS_SECRET, free_port, run_step
 
 CONN = "my_store_conn"
 
@@ -39,44 +40,69 @@ def _one_line_error(r, *must):
 
 
 def _env(extra, tmp_path):
-    return {"PIPELINE_STORE_CONN_ID": CONN, "PIPELINE_CACHE_DIR": str(tmp_path / "cache"), "PIPELINE_STORE_RETRIES": "1",
-            "PIPELINE_STORE_RETRY_DEADLINE": "1", "PIPELINE_STORE_CONNECT_TIMEOUT": "2", **extra}
+    return {
+        "PIPELINE_STORE_CONN_ID": CONN,
+        "PIPELINE_CACHE_DIR": str(tmp_path / "cache"),
+        "PIPELINE_STORE_RETRIES": "1",
+        "PIPELINE_STORE_RETRY_DEADLINE": "1",
+        "PIPELINE_STORE_CONNECT_TIMEOUT": "2",
+        **extra,
+    }
 
 
 def test_oss_wrong_secret(oss_server, src, tmp_path):
     env = _env(oss_server.env(secret="wrong-" + OSS_SECRET), tmp_path)
-    line = _one_line_error(run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "SignatureDoesNotMatch")
+    line = _one_line_error(
+        run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "SignatureDoesNotMatch"
+    )
     assert "wrong-" not in line
 
 
 def test_oss_unknown_key_id(oss_server, src, tmp_path):
     env = _env(oss_server.env(key_id="LTAInobody"), tmp_path)
-    _one_line_error(run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "InvalidAccessKeyId")
+    _one_line_error(
+        run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "InvalidAccessKeyId"
+    )
 
 
 def test_oss_missing_bucket(oss_server, src, tmp_path):
     env = _env(oss_server.env(), tmp_path)
-    _one_line_error(run_step(["upload", "--src", str(src), "--dest", "oss://no-such-bucket/x/v1"], env), CONN, "no-such-bucket", "does not exist")
+    _one_line_error(
+        run_step(["upload", "--src", str(src), "--dest", "oss://no-such-bucket/x/v1"], env),
+        CONN,
+        "no-such-bucket",
+        "does not exist",
+    )
 
 
 def test_oss_unreachable_endpoint(oss_server, src, tmp_path):
     env = _env({**oss_server.env(), "OSS_ENDPOINT": f"http://127.0.0.1:{free_port()}"}, tmp_path)
-    _one_line_error(run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "cannot reach")
+    _one_line_error(
+        run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "cannot reach"
+    )
 
 
 def test_oss_missing_credentials(src, tmp_path):
     env = _env({"OSS_REGION": "cn-test", "OSS_ENDPOINT": "http://127.0.0.1:9"}, tmp_path)
-    _one_line_error(run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "no OSS credentials")
+    _one_line_error(
+        run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "no OSS credentials"
+    )
 
 
 def test_gcs_missing_bucket(gcs_server, src, tmp_path):
     env = _env(gcs_server.env(), tmp_path)
-    _one_line_error(run_step(["upload", "--src", str(src), "--dest", "gs://no-such-bucket/x/v1"], env), CONN, "does not exist")
+    _one_line_error(
+        run_step(["upload", "--src", str(src), "--dest", "gs://no-such-bucket/x/v1"], env), CONN, "does not exist"
+    )
 
 
 def test_gcs_unreachable_endpoint(src, tmp_path):
     env = _env({"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}", "GOOGLE_CLOUD_PROJECT": "p"}, tmp_path)
-    _one_line_error(run_step(["upload", "--src", str(src), "--dest", "gs://test-bucket/x/v1"], env, timeout=60), CONN, "cannot reach")
+    _one_line_error(
+        run_step(["upload", "--src", str(src), "--dest", "gs://test-bucket/x/v1"], env, timeout=60),
+        CONN,
+        "cannot reach",
+    )
 
 
 def test_gcs_malformed_key(src, tmp_path):
@@ -87,18 +113,27 @@ def test_gcs_malformed_key(src, tmp_path):
 
 def test_missing_src_and_bad_uri(tmp_path):
     env = _env({}, tmp_path)
-    _one_line_error(run_step(["upload", "--src", str(tmp_path / "nope"), "--dest", f"file://{tmp_path}/s/v1"], env), "not a directory")
+    _one_line_error(
+        run_step(["upload", "--src", str(tmp_path / "nope"), "--dest", f"file://{tmp_path}/s/v1"], env),
+        "not a directory",
+    )
     _one_line_error(run_step(["upload", "--src", str(tmp_path), "--dest", "s3://b/x"], env), "not supported")
-    _one_line_error(run_step(["upload", "--src", str(tmp_path), "--dest", "oss://Bad_Bucket/x"], env), "not a valid bucket")
+    _one_line_error(
+        run_step(["upload", "--src", str(tmp_path), "--dest", "oss://Bad_Bucket/x"], env), "not a valid bucket"
+    )
 
 
-@pytest.mark.parametrize("key", ["", "/etc/passwd", "a/../b", "a//b", "./a", "a/.", "a\\b", "a\nb", "a\x00b", "tab\there", "a/"])
+@pytest.mark.parametrize(
+    "key", ["", "/etc/passwd", "a/../b", "a//b", "./a", "a/.", "a\\b", "a\nb", "a\x00b", "tab\there", "a/"]
+)
 def test_bad_keys_rejected(key):
     with pytest.raises(UserError):
         validate_key(key)
 
 
-@pytest.mark.parametrize("key", ["a", "datasets/gsm8k/main/0a1b", "model-00001-of-00002.safetensors", ".gitattributes", "a b/c~d.json"])
+@pytest.mark.parametrize(
+    "key", ["a", "datasets/gsm8k/main/0a1b", "model-00001-of-00002.safetensors", ".gitattributes", "a b/c~d.json"]
+)
 def test_good_keys_accepted(key):
     assert validate_key(key) == key
 
@@ -118,13 +153,25 @@ def test_uri_parsing():
 def test_store_env_oss_connection_drives_upload(oss_server, src, tmp_path, monkeypatch):
     from operators.storage import store_env
 
-    conn = {"conn_type": "alibaba_cloud", "login": "LTAItestkeyid0000", "password": OSS_SECRET,
-            "extra": {"region": "cn-test", "endpoint": oss_server.endpoint}}
+    conn = {
+        "conn_type": "alibaba_cloud",
+        "login": "LTAItestkeyid0000",
+        "password": OSS_SECRET,
+        "extra": {"region": "cn-test", "endpoint": oss_server.endpoint},
+    }
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps(conn))
     env = store_env(CONN, "oss://test-bucket/conn/v1")
-    assert env == {"PIPELINE_STORE_CONN_ID": CONN, "OSS_ACCESS_KEY_ID": "LTAItestkeyid0000", "OSS_ACCESS_KEY_SECRET": OSS_SECRET,
-                   "OSS_REGION": "cn-test", "OSS_ENDPOINT": oss_server.endpoint}
-    r = run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/conn/v1"], {**env, "PIPELINE_CACHE_DIR": str(tmp_path / "c")})
+    assert env == {
+        "PIPELINE_STORE_CONN_ID": CONN,
+        "OSS_ACCESS_KEY_ID": "LTAItestkeyid0000",
+        "OSS_ACCESS_KEY_SECRET": OSS_SECRET,
+        "OSS_REGION": "cn-test",
+        "OSS_ENDPOINT": oss_server.endpoint,
+    }
+    r = run_step(
+        ["upload", "--src", str(src), "--dest", "oss://test-bucket/conn/v1"],
+        {**env, "PIPELINE_CACHE_DIR": str(tmp_path / "c")},
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1])["uploaded"] == 1
     assert OSS_SECRET not in r.stdout + r.stderr
@@ -136,18 +183,29 @@ def test_store_env_gcs_connection_shapes(monkeypatch):
     from operators.storage import store_env
 
     key = {"type": "service_account", "project_id": "p1", "private_key": "k", "client_email": "a@b"}
-    monkeypatch.setenv("AIRFLOW_CONN_GCS1", json.dumps({"conn_type": "google_cloud_platform",
-                                                        "extra": {"keyfile_dict": json.dumps(key), "project": "p1"}}))
-    monkeypatch.setenv("AIRFLOW_CONN_GCS2", json.dumps({"conn_type": "google_cloud_platform",
-                                                        "extra": {"extra__google_cloud_platform__key_path": "/k.json"}}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCS1",
+        json.dumps({"conn_type": "google_cloud_platform", "extra": {"keyfile_dict": json.dumps(key), "project": "p1"}}),
+    )
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_GCS2",
+        json.dumps(
+            {"conn_type": "google_cloud_platform", "extra": {"extra__google_cloud_platform__key_path": "/k.json"}}
+        ),
+    )
     env = store_env("gcs1", "gs://b/x")
     assert json.loads(env["GCS_KEYFILE_JSON"]) == key and env["GOOGLE_CLOUD_PROJECT"] == "p1"
-    assert store_env("gcs2", "gs://b/x") == {"PIPELINE_STORE_CONN_ID": "gcs2", "GOOGLE_APPLICATION_CREDENTIALS": "/k.json"}
+    assert store_env("gcs2", "gs://b/x") == {
+        "PIPELINE_STORE_CONN_ID": "gcs2",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/k.json",
+    }
     assert store_env("gcs1", "file:///tmp/x") == {"PIPELINE_STORE_CONN_ID": "gcs1"}
     assert store_env("undefined_conn", "gs://b/x") == {"PIPELINE_STORE_CONN_ID": "undefined_conn"}
     with pytest.raises(AirflowFailException, match="gcs1.*OSS"):
         store_env("gcs1", "oss://b/x")
-    monkeypatch.setenv("AIRFLOW_CONN_OSSNOREGION", json.dumps({"conn_type": "alibaba_cloud", "login": "id", "password": "sec-ret-123"}))
+    monkeypatch.setenv(
+        "AIRFLOW_CONN_OSSNOREGION", json.dumps({"conn_type": "alibaba_cloud", "login": "id", "password": "sec-ret-123"})
+    )
     with pytest.raises(AirflowFailException, match="region") as exc:
         store_env("ossnoregion", "oss://b/x")
     assert "sec-ret-123" not in str(exc.value)

@@ -3,13 +3,14 @@
 The Hugging Face Hub is unreachable here; the Hub path is checked only for its error (one line, exit 2) with the
 offline fixture cache, which holds datasets, not models.
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from tests.storage_servers import oss_server, run_step  # noqa: F401  (fixtures)
+from tests.storage_servers import run_step
 
 
 def _summary(r):
@@ -48,16 +49,33 @@ def test_stage_local_dir_to_file_store(tmp_path, env):
 
 def test_stage_tiny_to_oss_then_skip(oss_server, tmp_path, env):
     env = {**env, **oss_server.env()}
-    first = _summary(run_step(["stage-model", "--model", "tiny", "--dest", "oss://test-bucket/stage"], env, timeout=300))
-    assert first["uri"] == f"oss://test-bucket/stage/models/local/tiny/{first['revision']}" and first["skipped"] is False
+    first = _summary(
+        run_step(["stage-model", "--model", "tiny", "--dest", "oss://test-bucket/stage"], env, timeout=300)
+    )
+    assert (
+        first["uri"] == f"oss://test-bucket/stage/models/local/tiny/{first['revision']}" and first["skipped"] is False
+    )
     assert first["files"] >= 4  # config, weights, tokenizer files
-    second = _summary(run_step(["stage-model", "--model", "tiny", "--dest", "oss://test-bucket/stage"], env, timeout=300))
+    second = _summary(
+        run_step(["stage-model", "--model", "tiny", "--dest", "oss://test-bucket/stage"], env, timeout=300)
+    )
     assert (second["skipped"], second["revision"], second["bytes_uploaded"]) == (True, first["revision"], 0)
 
 
 def test_stage_hub_model_unreachable_is_one_line(tmp_path, env):
     env = {**env, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")}
-    r = run_step(["stage-model", "--model", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "main", "--dest", f"file://{tmp_path}/s"], env)
+    r = run_step(
+        [
+            "stage-model",
+            "--model",
+            "Qwen/Qwen2.5-0.5B-Instruct",
+            "--revision",
+            "main",
+            "--dest",
+            f"file://{tmp_path}/s",
+        ],
+        env,
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Qwen/Qwen2.5-0.5B-Instruct" in r.stderr
     r = run_step(["stage-model", "--model", "not a repo", "--dest", f"file://{tmp_path}/s"], env)
     assert r.returncode == 2 and "org/name" in r.stderr

@@ -8,6 +8,7 @@ config keys. In the equal-reward test ``optim.weight_decay`` is 0: AdamW's decou
 decay would otherwise shrink every weight regardless of the (exactly zero) policy
 gradient, which a companion assertion shows.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,20 @@ def write_gsm8k_parquet(path: Path, n: int = 8) -> Path:
     rows = []
     for i in range(n):
         a, b = i + 2, 3 * i + 1
-        rows.append({
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": f"What is {a} + {b}? Let's think step by step and output the final answer after \"####\"."}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": "train", "index": i, "answer": f"{a} + {b} = {a + b} #### {a + b}"},
-        })
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f'What is {a} + {b}? Let\'s think step by step and output the final answer after "####".',
+                    }
+                ],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i, "answer": f"{a} + {b} = {a + b} #### {a + b}"},
+            }
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -89,8 +97,14 @@ def diff_keys(a: dict, b: dict) -> list[str]:
 
 
 def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run([PY, "-m", "pipeline_steps", *args], cwd=ROOT, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [PY, "-m", "pipeline_steps", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # ----------------------------------------------------------------------------- learning signal
@@ -128,7 +142,9 @@ def test_parameters_stay_exactly_equal_when_all_rewards_equal(assets, tmp_path):
         assert d["critic/advantages/max"] == 0.0 and d["critic/advantages/min"] == 0.0
         assert d["actor/grad_norm"] == 0.0
     assert summary["last_step"] == 2
-    assert diff_keys(initial_weights(assets["model"]), checkpoint_weights(out / "checkpoints/global_step_2/actor")) == []
+    assert (
+        diff_keys(initial_weights(assets["model"]), checkpoint_weights(out / "checkpoints/global_step_2/actor")) == []
+    )
 
     # The same run with verl's default weight decay (0.01) does move them: that is why it is 0 above.
     out2 = tmp_path / "run_wd"
@@ -143,15 +159,36 @@ def test_parameters_stay_exactly_equal_when_all_rewards_equal(assets, tmp_path):
 
 def _train_args(assets, out: Path, steps: int) -> list[str]:
     return [
-        "train-local", "--experiment", "local_tiny", "--train-files", str(assets["train"]), "--val-files", str(assets["train"]),
-        "--model-path", str(assets["model"]), "--output-dir", str(out),
-        "--override", f"trainer.total_training_steps={steps}", "--override", "trainer.save_freq=1",
-        "--override", f"reward.custom_reward_function.path={assets['varied']}",
-        "--override", "reward.custom_reward_function.name=compute_score",
+        "train-local",
+        "--experiment",
+        "local_tiny",
+        "--train-files",
+        str(assets["train"]),
+        "--val-files",
+        str(assets["train"]),
+        "--model-path",
+        str(assets["model"]),
+        "--output-dir",
+        str(out),
+        "--override",
+        f"trainer.total_training_steps={steps}",
+        "--override",
+        "trainer.save_freq=1",
+        "--override",
+        f"reward.custom_reward_function.path={assets['varied']}",
+        "--override",
+        "reward.custom_reward_function.name=compute_score",
     ]
 
 
-REQUIRED_METRICS = ("critic/score/mean", "actor/entropy", "response_length/mean", "perf/throughput", "timing_s/step", "actor/pg_loss")
+REQUIRED_METRICS = (
+    "critic/score/mean",
+    "actor/entropy",
+    "response_length/mean",
+    "perf/throughput",
+    "timing_s/step",
+    "actor/pg_loss",
+)
 
 
 def _comparable(lines):
@@ -174,8 +211,14 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     assert summary["checkpoint_dir"] == str(ckpt / f"global_step_{steps}")
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(steps)
     actor = ckpt / f"global_step_{steps}" / "actor"
-    for name in ("model_world_size_1_rank_0.pt", "optim_world_size_1_rank_0.pt", "extra_state_world_size_1_rank_0.pt",
-                 "fsdp_config.json", "huggingface/config.json", "huggingface/tokenizer.json"):
+    for name in (
+        "model_world_size_1_rank_0.pt",
+        "optim_world_size_1_rank_0.pt",
+        "extra_state_world_size_1_rank_0.pt",
+        "fsdp_config.json",
+        "huggingface/config.json",
+        "huggingface/tokenizer.json",
+    ):
         assert (actor / name).is_file(), name
     assert json.loads((actor / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 1}
     assert not list(ckpt.glob(".tmp-*")), "no temporary checkpoint directories may be left"
@@ -188,8 +231,24 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
 
     # verl's own model merger (what the export step runs) accepts the checkpoint.
     merged = tmp_path / "merged"
-    res = subprocess.run([PY, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(actor), "--target_dir", str(merged)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            PY,
+            "-m",
+            "verl.model_merger",
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local_dir",
+            str(actor),
+            "--target_dir",
+            str(merged),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     from safetensors.torch import load_file
 
@@ -200,8 +259,13 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
 
     # A crash mid-run (SIGKILL once checkpoint 1 is complete), then a retry with the same arguments.
     crashed = tmp_path / "crashed"
-    proc = subprocess.Popen([PY, "-m", "pipeline_steps", *_train_args(assets, crashed, steps)], cwd=ROOT,
-                            env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-m", "pipeline_steps", *_train_args(assets, crashed, steps)],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     tracker = crashed / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not (tracker.exists() and tracker.read_text().strip() == "1"):
@@ -216,7 +280,10 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == killed_at and summary["last_step"] == steps
     # Same weights, optimiser state and per-step metrics as the uninterrupted run.
-    assert diff_keys(checkpoint_weights(actor), checkpoint_weights(crashed / f"checkpoints/global_step_{steps}/actor")) == []
+    assert (
+        diff_keys(checkpoint_weights(actor), checkpoint_weights(crashed / f"checkpoints/global_step_{steps}/actor"))
+        == []
+    )
     assert _comparable(grpo_cpu.read_metrics(crashed / "metrics.jsonl")) == _comparable(lines)
 
     # Running again after the end trains nothing and reports the same result.
@@ -239,8 +306,18 @@ def _main(capsys, *argv):
 
 
 def test_missing_train_file_is_one_line_exit_2(assets, tmp_path, capsys):
-    code, err = _main(capsys, "train-local", "--experiment", "local_tiny", "--train-files", str(tmp_path / "nope.parquet"),
-                      "--model-path", str(assets["model"]), "--output-dir", str(tmp_path / "o"))
+    code, err = _main(
+        capsys,
+        "train-local",
+        "--experiment",
+        "local_tiny",
+        "--train-files",
+        str(tmp_path / "nope.parquet"),
+        "--model-path",
+        str(assets["model"]),
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     assert code == 2 and "nope.parquet" in err and "not found" in err
     assert not (tmp_path / "o").exists()
 
@@ -250,21 +327,48 @@ def test_wrong_schema_names_the_column(assets, tmp_path, capsys):
     import pyarrow.parquet as pq
 
     bad = tmp_path / "bad.parquet"
-    pq.write_table(pa.Table.from_pylist([{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "hi"}]}] * 4), bad)
-    code, err = _main(capsys, "train-local", "--experiment", "local_tiny", "--train-files", str(bad),
-                      "--model-path", str(assets["model"]), "--output-dir", str(tmp_path / "o"))
+    pq.write_table(
+        pa.Table.from_pylist([{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "hi"}]}] * 4), bad
+    )
+    code, err = _main(
+        capsys,
+        "train-local",
+        "--experiment",
+        "local_tiny",
+        "--train-files",
+        str(bad),
+        "--model-path",
+        str(assets["model"]),
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
     assert code == 2 and "reward_model" in err and "bad.parquet" in err
     assert not (tmp_path / "o" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("algorithm.adv_estimator=grpoo", "adv_estimator"),
-    ("algorithm.adv_estimator=gae", "critic"),
-    ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
-    ("actor_rollout_ref.actor.optim.lrr=1e-6", "lrr"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("algorithm.adv_estimator=grpoo", "adv_estimator"),
+        ("algorithm.adv_estimator=gae", "critic"),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
+        ("actor_rollout_ref.actor.optim.lrr=1e-6", "lrr"),
+    ],
+)
 def test_bad_config_is_one_line_exit_2(assets, tmp_path, capsys, override, needle):
-    code, err = _main(capsys, "train-local", "--experiment", "local_tiny", "--train-files", str(assets["train"]),
-                      "--model-path", str(assets["model"]), "--output-dir", str(tmp_path / "o"), "--override", override)
+    code, err = _main(
+        capsys,
+        "train-local",
+        "--experiment",
+        "local_tiny",
+        "--train-files",
+        str(assets["train"]),
+        "--model-path",
+        str(assets["model"]),
+        "--output-dir",
+        str(tmp_path / "o"),
+        "--override",
+        override,
+    )
     assert code == 2, err
     assert err.startswith("error: ") and needle in err

@@ -13,6 +13,7 @@ KubeRay backend: the Kubernetes API is the stand-in of ``tests/k8s_api_stand_in.
 object and gets a context holding ``run_id`` (no task instance: the XCom push of the
 dashboard link is not exercised here).
 """
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ from tests.deferral import deferred, run_trigger
 
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
 
-REWARD = '''\
+REWARD = """\
 from pathlib import Path
 
 FAIL, TRACKER = Path({fail!r}), Path({tracker!r})
@@ -42,17 +43,23 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if FAIL.exists() and TRACKER.exists():  # fail the job once the first checkpoint is written
         raise RuntimeError("injected failure after the first checkpoint")
     return float(len(set(solution_str)) % 3)  # differs within a group: a learning signal
-'''
+"""
 
 
 def write_parquet(path: Path, n: int = 4) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [{"data_source": "openai/gsm8k",
-             "prompt": [{"role": "user", "content": f"What is {i} + {i + 1}? Answer after \"####\"."}],
-             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
-             "extra_info": {"split": "train", "index": i}} for i in range(n)]
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f'What is {i} + {i + 1}? Answer after "####".'}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(n)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -76,9 +83,15 @@ def test_normalize_overrides_accepts_form_shapes_and_rejects_others():
 def test_bad_override_fails_in_preflight_without_retry(tmp_path, tiny_model):
     train = write_parquet(tmp_path / "train.parquet")
     with DAG("t_preflight", schedule=None):
-        op = GRPOTrainOperator(task_id="train", experiment="local_tiny", backend="local", train_files=[str(train)],
-                               model_path=str(tiny_model), run_dir=str(tmp_path / "run"),
-                               overrides=["actor_rollout_ref.actor.optim.lrr=1e-6"])
+        op = GRPOTrainOperator(
+            task_id="train",
+            experiment="local_tiny",
+            backend="local",
+            train_files=[str(train)],
+            model_path=str(tiny_model),
+            run_dir=str(tmp_path / "run"),
+            overrides=["actor_rollout_ref.actor.optim.lrr=1e-6"],
+        )
     with pytest.raises(AirflowFailException, match=r"pre-flight: .*actor_rollout_ref\.actor\.optim\.lrr"):
         op.execute({"run_id": RUN_ID})
     assert not (tmp_path / "run").exists()  # nothing was submitted
@@ -92,7 +105,9 @@ def ray_cluster(tmp_path_factory):
     temp = Path(f"/tmp/rb2-{uuid.uuid4().hex[:6]}")  # short: Ray puts Unix sockets below it
     old = {k: os.environ.get(k) for k in ("RAY_ADDRESS",)}
     os.environ.pop("RAY_ADDRESS", None)
-    address = local_ray.ensure_cluster(port=free_port(), dashboard_port=free_port(), num_cpus=2, temp_dir=temp, timeout=240)
+    address = local_ray.ensure_cluster(
+        port=free_port(), dashboard_port=free_port(), num_cpus=2, temp_dir=temp, timeout=240
+    )
     yield address
     local_ray.shutdown_cluster(temp_dir=temp)
     for k, v in old.items():
@@ -109,15 +124,31 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path,
     fail = tmp_path / "fail-now"
     fail.touch()
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD.format(fail=str(fail), tracker=str(run_dir / "checkpoints" / "latest_checkpointed_iteration.txt")))
-    overrides = "\n".join([f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
-                           "trainer.total_training_steps=3", "actor_rollout_ref.rollout.n=2"])
+    reward.write_text(
+        REWARD.format(fail=str(fail), tracker=str(run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"))
+    )
+    overrides = "\n".join(
+        [
+            f"reward.custom_reward_function.path={reward}",
+            "reward.custom_reward_function.name=compute_score",
+            "trainer.total_training_steps=3",
+            "actor_rollout_ref.rollout.n=2",
+        ]
+    )
 
     def make_op():
         with DAG("t_local", schedule=None):
-            return GRPOTrainOperator(task_id="train", experiment="local_tiny", backend="local", overrides=overrides,
-                                     train_files=[str(train)], model_path=str(tiny_model), run_dir=f"file://{run_dir}",
-                                     ray_address=ray_cluster, poll_interval=1.0)
+            return GRPOTrainOperator(
+                task_id="train",
+                experiment="local_tiny",
+                backend="local",
+                overrides=overrides,
+                train_files=[str(train)],
+                model_path=str(tiny_model),
+                run_dir=f"file://{run_dir}",
+                ray_address=ray_cluster,
+                poll_interval=1.0,
+            )
 
     first = make_op()
     trigger = deferred(first, {"run_id": RUN_ID})
@@ -159,28 +190,57 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
 
     api = k8s_api
     mnt = tmp_path / "mnt"
-    monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "verl-store", "path": str(mnt)}]))
+    monkeypatch.setenv(
+        "PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "verl-store", "path": str(mnt)}])
+    )
     run_dir = "gs://verl-bucket/runs/gsm8k/run1"
     name = rayjob_name("t_kuberay", RUN_ID, "train", "train")
     metrics = mnt / "runs/gsm8k/run1/metrics.jsonl"
-    api.script(name, [{"jobDeploymentStatus": "Initializing"},
-                      {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING", "log": ["step 1 done"],
-                       "metrics": [{"step": 1, "data": {"critic/score/mean": 0.1}}]},
-                      {"jobDeploymentStatus": "Complete", "jobStatus": "FAILED", "reason": "AppFailed",
-                       "message": "Job entrypoint command failed with exit code 1"}], metrics_file=metrics)
-    api.script(name[:44].rstrip("-") + "-r1", [*SUCCESS[:-1], {**SUCCESS[-1], "metrics": [
-        {"step": 2, "data": {"critic/score/mean": 0.4, "timing_s/step": 3.0}}]}], metrics_file=metrics)
+    api.script(
+        name,
+        [
+            {"jobDeploymentStatus": "Initializing"},
+            {
+                "jobDeploymentStatus": "Running",
+                "jobStatus": "RUNNING",
+                "log": ["step 1 done"],
+                "metrics": [{"step": 1, "data": {"critic/score/mean": 0.1}}],
+            },
+            {
+                "jobDeploymentStatus": "Complete",
+                "jobStatus": "FAILED",
+                "reason": "AppFailed",
+                "message": "Job entrypoint command failed with exit code 1",
+            },
+        ],
+        metrics_file=metrics,
+    )
+    api.script(
+        name[:44].rstrip("-") + "-r1",
+        [
+            *SUCCESS[:-1],
+            {**SUCCESS[-1], "metrics": [{"step": 2, "data": {"critic/score/mean": 0.4, "timing_s/step": 3.0}}]},
+        ],
+        metrics_file=metrics,
+    )
 
     def make_op():
         with DAG("t_kuberay", schedule=None):
             return GRPOTrainOperator(
-                task_id="train", experiment="gsm8k_qwen2_5_3b", backend="kuberay", namespace="training",
+                task_id="train",
+                experiment="gsm8k_qwen2_5_3b",
+                backend="kuberay",
+                namespace="training",
                 overrides=["trainer.total_training_steps=2", "trainer.experiment_name=x'; echo $(id) `id`\n"],
                 train_files=["gs://verl-bucket/datasets/gsm8k/train.parquet"],
                 val_files=["gs://verl-bucket/datasets/gsm8k/test.parquet"],
-                model_path="gs://verl-bucket/models/Qwen/Qwen2.5-3B-Instruct/main", run_dir=run_dir,
-                check_store=False, kubernetes_conn_id="k8s_standin", poll_interval=0.01,
-                metrics_reader="operators.rayjob.read_mounted")
+                model_path="gs://verl-bucket/models/Qwen/Qwen2.5-3B-Instruct/main",
+                run_dir=run_dir,
+                check_store=False,
+                kubernetes_conn_id="k8s_standin",
+                poll_interval=0.01,
+                metrics_reader="operators.rayjob.read_mounted",
+            )
 
     first = make_op()
     trigger = deferred(first, {"run_id": RUN_ID})
@@ -194,6 +254,7 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
     trigger = deferred(retry, {"run_id": RUN_ID})
     assert trigger.name.endswith("-r1") and api.deletes == [name] and api.count_creates() == 2
     old, new = (shlex.split(b["spec"]["entrypoint"]) for b in api.creates)
+
     def arg(argv, key):  # the value of a Hydra override (B1 renders values as quoted Hydra literals)
         found = [a for a in argv if a.startswith(key + "=")]
         assert len(found) == 1, (key, found)

@@ -4,6 +4,7 @@ Users add their own without code: a YAML or JSON file named by ``--registry`` or
 ``$PIPELINE_DATASETS`` holding ``{name: {repo_id, preprocessor, ...}}`` entries
 (the same fields as :class:`DatasetSpec`); they are merged over the built-ins.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,13 @@ class DatasetSpec:
 
 BUILTIN: dict[str, DatasetSpec] = {
     "gsm8k": DatasetSpec("gsm8k", "openai/gsm8k", "gsm8k", config="main", allow_patterns=("main/*", "README.md")),
-    "dapo_math": DatasetSpec("dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", "dapo_math", allow_patterns=("data/*", "README.md")),
+    "dapo_math": DatasetSpec(
+        "dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", "dapo_math", allow_patterns=("data/*", "README.md")
+    ),
     "geometry3k": DatasetSpec("geometry3k", "hiyouga/geometry3k", "geometry3k", allow_patterns=("data/*", "README.md")),
-    "aime2024": DatasetSpec("aime2024", "Maxwell-Jia/AIME_2024", "aime", allow_patterns=("*.parquet", "*.jsonl", "README.md"), role="eval"),
+    "aime2024": DatasetSpec(
+        "aime2024", "Maxwell-Jia/AIME_2024", "aime", allow_patterns=("*.parquet", "*.jsonl", "README.md"), role="eval"
+    ),
     # local JSONL files (no Hub repository): preprocess only, with --input pointing at a file or folder
     "jsonl": DatasetSpec("jsonl", "", "jsonl"),
 }
@@ -69,11 +74,15 @@ def load(registry_file: str | None = None) -> dict[str, DatasetSpec]:
                 raise UserError(f"dataset registry {path}: entry {name!r} must be a mapping under a lower-case name")
             unknown = set(entry) - fields
             if unknown:
-                raise UserError(f"dataset registry {path}: entry {name!r} has unknown keys {sorted(unknown)}; allowed: {sorted(fields - {'name'})}")
+                raise UserError(
+                    f"dataset registry {path}: entry {name!r} has unknown keys {sorted(unknown)}; allowed: {sorted(fields - {'name'})}"
+                )
             if "repo_id" not in entry or "preprocessor" not in entry:
                 raise UserError(f"dataset registry {path}: entry {name!r} needs repo_id and preprocessor")
             if entry["preprocessor"] not in PREPROCESSORS:
-                raise UserError(f"dataset registry {path}: entry {name!r} preprocessor {entry['preprocessor']!r} unknown; choose one of {PREPROCESSORS}")
+                raise UserError(
+                    f"dataset registry {path}: entry {name!r} preprocessor {entry['preprocessor']!r} unknown; choose one of {PREPROCESSORS}"
+                )
             entry = dict(entry, allow_patterns=tuple(entry.get("allow_patterns") or ()))
             specs[name] = DatasetSpec(name=name, **entry)
     return specs
@@ -82,5 +91,7 @@ def load(registry_file: str | None = None) -> dict[str, DatasetSpec]:
 def get(name: str, registry_file: str | None = None) -> DatasetSpec:
     specs = load(registry_file)
     if name not in specs:
-        raise UserError(f"--dataset {name!r} is not a known dataset; choose one of {sorted(specs)} or add it to a registry file")
+        raise UserError(
+            f"--dataset {name!r} is not a known dataset; choose one of {sorted(specs)} or add it to a registry file"
+        )
     return specs[name]

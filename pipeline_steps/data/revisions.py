@@ -5,6 +5,7 @@ The commit list comes from a local revision index when one exists (``$PIPELINE_R
 ``$HF_HUB_CACHE/revision-index/<org>--<name>.json``, a list of ``{commit, date}``; the offline fixture cache
 writes one) and otherwise from the Hub (``HfApi.list_repo_commits``).
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline_steps.data import registry
 from pipeline_steps.errors import UserError
 
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -49,11 +49,18 @@ def commits(repo_id: str) -> tuple[list[dict], str]:
         from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
         try:
-            items = [{"commit": c.commit_id, "date": c.created_at.isoformat()} for c in HfApi().list_repo_commits(repo_id, repo_type="dataset")]
+            items = [
+                {"commit": c.commit_id, "date": c.created_at.isoformat()}
+                for c in HfApi().list_repo_commits(repo_id, repo_type="dataset")
+            ]
         except OfflineModeIsEnabled:
-            raise UserError(f"cannot list commits of {repo_id} offline and no revision index exists; pin the dataset revision") from None
+            raise UserError(
+                f"cannot list commits of {repo_id} offline and no revision index exists; pin the dataset revision"
+            ) from None
         except (HfHubHTTPError, OSError) as exc:
-            raise UserError(f"cannot list commits of {repo_id} ({exc.__class__.__name__}); pin the dataset revision or check the HF connection") from None
+            raise UserError(
+                f"cannot list commits of {repo_id} ({exc.__class__.__name__}); pin the dataset revision or check the HF connection"
+            ) from None
         source = "hub"
     return sorted(items, key=lambda c: parse_date(c["date"]), reverse=True), source
 
@@ -62,8 +69,14 @@ def resolve(repo_id: str, as_of: datetime) -> dict:
     history, source = commits(repo_id)
     for c in history:
         if parse_date(c["date"]) <= as_of:
-            return {"repo_id": repo_id, "commit": c["commit"], "date": c["date"], "as_of": as_of.isoformat(), "source": source}
+            return {
+                "repo_id": repo_id,
+                "commit": c["commit"],
+                "date": c["date"],
+                "as_of": as_of.isoformat(),
+                "source": source,
+            }
     first = history[-1]["date"] if history else "never"
-    raise UserError(f"{repo_id} has no commit at or before {as_of.isoformat()} (first commit: {first}); pick a later date or pin a revision")
-
-
+    raise UserError(
+        f"{repo_id} has no commit at or before {as_of.isoformat()} (first commit: {first}); pick a later date or pin a revision"
+    )

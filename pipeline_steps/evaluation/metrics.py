@@ -14,6 +14,7 @@ per problem, ``correct`` (one bool per sample, as verl's reward code judged it) 
   (number of correct answers among the tied) / t. The result is deterministic and
   independent of sample order, and it does not reward a model for splitting votes.
 """
+
 from __future__ import annotations
 
 from collections import Counter

@@ -16,6 +16,7 @@ Lineage comes from the JSON file the DAG passes to ``export --lineage``. Expecte
 
 The YAML metadata block is built by huggingface_hub's ``ModelCardData`` so the Hub reads it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,8 +46,12 @@ def eval_table(results: dict, base: dict | None) -> str:
     o = results["overall"]
     b = (base or {}).get("overall") or {}
     k = o["k"]
-    rows = [("avg@%d" % k, o["avg@k"], b.get("avg@k")), ("pass@1", _pass_at(o, 1), _pass_at(b, 1)),
-            ("pass@%d" % k, _pass_at(o, k), _pass_at(b, k)), ("maj@%d" % k, o.get("maj@k"), b.get("maj@k"))]
+    rows = [
+        ("avg@%d" % k, o["avg@k"], b.get("avg@k")),
+        ("pass@1", _pass_at(o, 1), _pass_at(b, 1)),
+        ("pass@%d" % k, _pass_at(o, k), _pass_at(b, k)),
+        ("maj@%d" % k, o.get("maj@k"), b.get("maj@k")),
+    ]
     lines = ["| metric | model | base | gain |", "| --- | ---: | ---: | ---: |"]
     seen = set()
     for name, m, bb in rows:
@@ -78,7 +83,8 @@ def render(record: dict, results: dict, base: dict | None) -> str:
     exp = lin.get("experiment") or {}
     overrides = exp.get("overrides") or []
     ov_hash = exp.get("overrides_sha256") or (
-        hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest() if overrides else NR)
+        hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest() if overrides else NR
+    )
     verl_version = lin.get("verl_version")
     if not verl_version:
         try:
@@ -92,7 +98,9 @@ def render(record: dict, results: dict, base: dict | None) -> str:
     promo = record.get("promotion") or {}
     ds_rows = ["| dataset | role | source | revision | content hash |", "| --- | --- | --- | --- | --- |"]
     for d in lin.get("datasets") or []:
-        ds_rows.append(f"| {_get(d, 'name')} | {_get(d, 'role')} | {_get(d, 'repo_id')} | `{_get(d, 'revision')}` | `{_get(d, 'content_hash')}` |")
+        ds_rows.append(
+            f"| {_get(d, 'name')} | {_get(d, 'role')} | {_get(d, 'repo_id')} | `{_get(d, 'revision')}` | `{_get(d, 'content_hash')}` |"
+        )
     if len(ds_rows) == 2:
         ds_rows.append(f"| {NR} | | | | |")
     ov_text = "\n".join(f"    {o}" for o in overrides) or f"    ({'none' if 'overrides' in exp else NR})"
@@ -100,34 +108,34 @@ def render(record: dict, results: dict, base: dict | None) -> str:
 {_metadata(lin)}
 ---
 
-# {record.get('experiment', NR)} · {record.get('version', NR)}
+# {record.get("experiment", NR)} · {record.get("version", NR)}
 
-GRPO post-training of `{_get(lin, 'base_model', 'name')}` with [verl](https://github.com/volcengine/verl),
-merged from the FSDP checkpoint of training step {_get(record, 'checkpoint', 'step')} with verl's model merger.
+GRPO post-training of `{_get(lin, "base_model", "name")}` with [verl](https://github.com/volcengine/verl),
+merged from the FSDP checkpoint of training step {_get(record, "checkpoint", "step")} with verl's model merger.
 
 ## Evaluation
 
-Evaluation set `{ev.get('name', NR)}` (sha256 `{ev.get('sha256', NR)}`), k={sampling.get('k', NR)} samples per problem,
-temperature {sampling.get('temperature', NR)}, top-p {sampling.get('top_p', NR)}, at most {sampling.get('max_new_tokens', NR)} new tokens;
-answers scored by verl's own reward code (`{results.get('scorer', NR)}`).
+Evaluation set `{ev.get("name", NR)}` (sha256 `{ev.get("sha256", NR)}`), k={sampling.get("k", NR)} samples per problem,
+temperature {sampling.get("temperature", NR)}, top-p {sampling.get("top_p", NR)}, at most {sampling.get("max_new_tokens", NR)} new tokens;
+answers scored by verl's own reward code (`{results.get("scorer", NR)}`).
 
 {eval_table(results, base)}
 
-Promotion at export time: **{'promoted to latest' if promo.get('promote') else 'candidate'}** — {promo.get('reason', NR)}.
+Promotion at export time: **{"promoted to latest" if promo.get("promote") else "candidate"}** — {promo.get("reason", NR)}.
 
 ## Lineage
 
 | | |
 | --- | --- |
-| base model | `{_get(lin, 'base_model', 'name')}` at revision `{_get(lin, 'base_model', 'revision')}` |
-| experiment preset | `{exp.get('name', NR)}` (sha256 `{exp.get('preset_sha256') or exp.get('digest') or NR}`) |
+| base model | `{_get(lin, "base_model", "name")}` at revision `{_get(lin, "base_model", "revision")}` |
+| experiment preset | `{exp.get("name", NR)}` (sha256 `{exp.get("preset_sha256") or exp.get("digest") or NR}`) |
 | overrides sha256 | `{ov_hash}` |
 | verl | {verl_version} |
-| Airflow DAG / run | `{lin.get('dag_id') or _get(lin, 'airflow', 'dag_id')}` / `{lin.get('run_id') or _get(lin, 'airflow', 'run_id')}` |
-| training run | {lin.get('run_uri', NR)} |
-| checkpoint | `{_get(record, 'checkpoint', 'dir')}` step {_get(record, 'checkpoint', 'step')} |
-| weights sha256 | `{record.get('weights_sha256', NR)}` |
-| exported at | {record.get('exported_at', NR)} |
+| Airflow DAG / run | `{lin.get("dag_id") or _get(lin, "airflow", "dag_id")}` / `{lin.get("run_id") or _get(lin, "airflow", "run_id")}` |
+| training run | {lin.get("run_uri", NR)} |
+| checkpoint | `{_get(record, "checkpoint", "dir")}` step {_get(record, "checkpoint", "step")} |
+| weights sha256 | `{record.get("weights_sha256", NR)}` |
+| exported at | {record.get("exported_at", NR)} |
 
 Overrides applied on top of the preset:
 

@@ -11,6 +11,7 @@ latest yet. Scores are only compared when they come from the same evaluation set
 same sampling settings; otherwise the candidate stays a candidate and the reason says so.
 Retention keeps the newest ``keep`` versions (by export time) and never deletes the latest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,15 +47,21 @@ def check_results(res: dict, what: str) -> dict:
     if not isinstance(overall, dict) or not isinstance(overall.get("avg@k"), (int, float)):
         raise UserError(f"{what}: no overall.avg@k; pass a results.json written by the evaluate step")
     if int(overall.get("samples_scored") or 0) < 1 or int(overall.get("k") or 0) < 1:
-        raise UserError(f"{what}: no samples were scored (k={overall.get('k')}); re-run evaluate with --k >= 1 on a non-empty set")
+        raise UserError(
+            f"{what}: no samples were scored (k={overall.get('k')}); re-run evaluate with --k >= 1 on a non-empty set"
+        )
     return res
 
 
 def summary_of(res: dict) -> dict:
     o = res["overall"]
     return {
-        "avg@k": o["avg@k"], "pass@k": o.get("pass@k"), "maj@k": o.get("maj@k"), "k": o.get("k"),
-        "problems": o.get("problems"), "samples_scored": o.get("samples_scored"),
+        "avg@k": o["avg@k"],
+        "pass@k": o.get("pass@k"),
+        "maj@k": o.get("maj@k"),
+        "k": o.get("k"),
+        "problems": o.get("problems"),
+        "samples_scored": o.get("samples_scored"),
         "eval_set_sha256": (res.get("eval_set") or {}).get("sha256"),
         "sampling": res.get("sampling"),
         "model_sha256": (res.get("model") or {}).get("content_sha256"),
@@ -82,20 +89,37 @@ def decide(results: dict, base: dict, latest: dict | None, margin: float) -> Dec
         ref_name, ref = "base model", summary_of(base)
     why = _comparable(cand, ref)
     if why:
-        return Decision(False, f"not promoted: cannot compare with the {ref_name}: {why}; re-evaluate with the same settings",
-                        "latest" if latest else "base", ref.get("avg@k"))
+        return Decision(
+            False,
+            f"not promoted: cannot compare with the {ref_name}: {why}; re-evaluate with the same settings",
+            "latest" if latest else "base",
+            ref.get("avg@k"),
+        )
     ref_score = float(ref["avg@k"])
     diff = score - ref_score
     kind = "latest" if latest else "base"
     if diff > margin + EPS:
-        return Decision(True, f"promoted: avg@k {score:.4f} beats the {ref_name} ({ref_score:.4f}) by {diff:+.4f} > margin {margin:.4f}",
-                        kind, ref_score)
-    return Decision(False, f"not promoted: avg@k {score:.4f} vs the {ref_name} ({ref_score:.4f}) is {diff:+.4f}, "
-                           f"not more than margin {margin:.4f}; it stays a candidate", kind, ref_score)
+        return Decision(
+            True,
+            f"promoted: avg@k {score:.4f} beats the {ref_name} ({ref_score:.4f}) by {diff:+.4f} > margin {margin:.4f}",
+            kind,
+            ref_score,
+        )
+    return Decision(
+        False,
+        f"not promoted: avg@k {score:.4f} vs the {ref_name} ({ref_score:.4f}) is {diff:+.4f}, "
+        f"not more than margin {margin:.4f}; it stays a candidate",
+        kind,
+        ref_score,
+    )
 
 
 def _missing(exc: Exception) -> bool:
-    return isinstance(exc, (FileNotFoundError, KeyError)) or "not found" in str(exc).lower() or "no such" in str(exc).lower()
+    return (
+        isinstance(exc, (FileNotFoundError, KeyError))
+        or "not found" in str(exc).lower()
+        or "no such" in str(exc).lower()
+    )
 
 
 def read_latest(store, exp_uri: str) -> dict | None:
@@ -110,7 +134,9 @@ def read_latest(store, exp_uri: str) -> dict | None:
     try:
         latest = json.loads(data)
     except ValueError:
-        raise UserError(f"{exp_uri}/latest.json: not valid JSON; fix or delete it (the next promotion rewrites it)") from None
+        raise UserError(
+            f"{exp_uri}/latest.json: not valid JSON; fix or delete it (the next promotion rewrites it)"
+        ) from None
     return latest if isinstance(latest, dict) and latest.get("version") else None
 
 

@@ -29,6 +29,7 @@ checkpoint manager) produces the same steps N+1.. as an uninterrupted run.
 A checkpoint directory is built aside and renamed into place;
 ``latest_checkpointed_iteration.txt`` is written after it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -84,14 +85,24 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as exc:
-            raise UserError(f"data file {f}: not readable as parquet ({exc.__class__.__name__}); pass the preprocess step's output") from None
+            raise UserError(
+                f"data file {f}: not readable as parquet ({exc.__class__.__name__}); pass the preprocess step's output"
+            ) from None
         for i, row in enumerate(rows):
             missing = [c for c in (prompt_key, source_key, "reward_model") if c not in row]
             if missing:
-                raise UserError(f"data file {f}: missing column(s) {missing}; expected verl's schema (data_source, prompt, ability, reward_model, extra_info)")
+                raise UserError(
+                    f"data file {f}: missing column(s) {missing}; expected verl's schema (data_source, prompt, ability, reward_model, extra_info)"
+                )
             messages = row[prompt_key]
-            if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
-                raise UserError(f"data file {f} row {i}: {prompt_key!r} must be a list of chat messages with role and content")
+            if not (
+                isinstance(messages, list)
+                and messages
+                and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+            ):
+                raise UserError(
+                    f"data file {f} row {i}: {prompt_key!r} must be a list of chat messages with role and content"
+                )
             rm = row["reward_model"]
             if not isinstance(rm, dict) or "ground_truth" not in rm:
                 raise UserError(f"data file {f} row {i}: reward_model must hold a ground_truth")
@@ -105,7 +116,7 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
                 elif truncation == "right":
                     ids = ids[:max_len]
                 elif truncation == "middle":
-                    ids = ids[: max_len // 2] + ids[len(ids) - (max_len - max_len // 2):]
+                    ids = ids[: max_len // 2] + ids[len(ids) - (max_len - max_len // 2) :]
                 else:
                     raise UserError(
                         f"data file {f} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_len}; "
@@ -198,7 +209,9 @@ class GRPOTrainer:
         self.seed = int(rollout.get("seed", 42) or 0)
         self.data_seed = int(cfg.data.seed) if cfg.data.get("seed") is not None else 1
         self.ckpt_root = Path(str(cfg.trainer.default_local_dir))
-        self.metrics_path = Path(metrics_path or os.environ.get("VERL_FILE_LOGGER_PATH") or self.ckpt_root.parent / "metrics.jsonl")
+        self.metrics_path = Path(
+            metrics_path or os.environ.get("VERL_FILE_LOGGER_PATH") or self.ckpt_root.parent / "metrics.jsonl"
+        )
         self._validate()
 
         from verl.trainer.ppo import core_algos
@@ -218,7 +231,9 @@ class GRPOTrainer:
 
         model_path = str(cfg.actor_rollout_ref.model.path)
         if not (Path(model_path) / "config.json").is_file():
-            raise UserError(f"actor_rollout_ref.model.path {model_path}: no config.json; pass a Hugging Face model directory (build-tiny-model makes one)")
+            raise UserError(
+                f"actor_rollout_ref.model.path {model_path}: no config.json; pass a Hugging Face model directory (build-tiny-model makes one)"
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
@@ -245,10 +260,14 @@ class GRPOTrainer:
 
         self.train_prompts = load_prompts(_as_list(cfg.data.train_files), self.tokenizer, cfg.data)
         if len(self.train_prompts) < self.batch_size:
-            raise UserError(f"data.train_files hold {len(self.train_prompts)} usable prompts, fewer than data.train_batch_size={self.batch_size}; lower the batch size or add data")
+            raise UserError(
+                f"data.train_files hold {len(self.train_prompts)} usable prompts, fewer than data.train_batch_size={self.batch_size}; lower the batch size or add data"
+            )
         self.steps_per_epoch = len(self.train_prompts) // self.batch_size  # verl drops the last partial batch
         total = cfg.trainer.get("total_training_steps")
-        self.total_steps = int(total) if total not in (None, -1) else self.steps_per_epoch * int(cfg.trainer.total_epochs)
+        self.total_steps = (
+            int(total) if total not in (None, -1) else self.steps_per_epoch * int(cfg.trainer.total_epochs)
+        )
         val_files = _as_list(cfg.data.get("val_files"))
         self.test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
         self.val_prompts = load_prompts(val_files, self.tokenizer, cfg.data) if self.test_freq > 0 and val_files else []
@@ -262,14 +281,23 @@ class GRPOTrainer:
             self.lr_scheduler = get_constant_schedule_with_warmup(self.optimizer, num_warmup_steps=warmup)
         elif optim_cfg.lr_scheduler_type == "cosine":
             self.lr_scheduler = get_cosine_schedule_with_warmup(
-                self.optimizer, num_warmup_steps=warmup, num_training_steps=self.total_steps,
-                min_lr_ratio=optim_cfg.min_lr_ratio, num_cycles=optim_cfg.num_cycles, zero_indexed_step=optim_cfg.zero_indexed_step,
+                self.optimizer,
+                num_warmup_steps=warmup,
+                num_training_steps=self.total_steps,
+                min_lr_ratio=optim_cfg.min_lr_ratio,
+                num_cycles=optim_cfg.num_cycles,
+                zero_indexed_step=optim_cfg.zero_indexed_step,
             )
         else:
-            raise UserError(f"actor_rollout_ref.actor.optim.lr_scheduler_type={optim_cfg.lr_scheduler_type!r}: use constant or cosine")
+            raise UserError(
+                f"actor_rollout_ref.actor.optim.lr_scheduler_type={optim_cfg.lr_scheduler_type!r}: use constant or cosine"
+            )
         self.clip_grad = float(optim_cfg.clip_grad)
         self.checkpoint = FSDPCheckpointManager(
-            self.model, self.optimizer, self.lr_scheduler, processing_class=self.tokenizer,
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            processing_class=self.tokenizer,
             checkpoint_config=OmegaConf.to_container(actor.checkpoint, resolve=True),
         )
         self.logger = None
@@ -286,19 +314,27 @@ class GRPOTrainer:
         try:
             fn = core_algos.get_adv_estimator_fn(est)
         except ValueError:
-            raise UserError(f"algorithm.adv_estimator={est!r} is unknown; choose one of {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}") from None
+            raise UserError(
+                f"algorithm.adv_estimator={est!r} is unknown; choose one of {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}"
+            ) from None
         if not self._adv_supported(fn):
             ok = sorted(k for k, f in core_algos.ADV_ESTIMATOR_REGISTRY.items() if self._adv_supported(f))
-            raise UserError(f"algorithm.adv_estimator={est!r} needs inputs (critic values, baselines, ...) the local CPU backend does not produce; use one of {ok}")
+            raise UserError(
+                f"algorithm.adv_estimator={est!r} needs inputs (critic values, baselines, ...) the local CPU backend does not produce; use one of {ok}"
+            )
         try:
             core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
         except ValueError:
-            raise UserError(f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; choose one of {sorted(core_algos.POLICY_LOSS_REGISTRY)}") from None
+            raise UserError(
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; choose one of {sorted(core_algos.POLICY_LOSS_REGISTRY)}"
+            ) from None
         if self.n < 1:
             raise UserError(f"actor_rollout_ref.rollout.n={self.n}: must be at least 1")
         mini = int(actor.ppo_mini_batch_size)
         if mini < 1 or self.batch_size % mini:
-            raise UserError(f"data.train_batch_size={self.batch_size} is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size={mini}; make it a divisor")
+            raise UserError(
+                f"data.train_batch_size={self.batch_size} is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size={mini}; make it a divisor"
+            )
         if not str(cfg.trainer.default_local_dir):
             raise UserError("trainer.default_local_dir is empty; pass --output-dir")
         if not _as_list(cfg.data.train_files):
@@ -307,7 +343,11 @@ class GRPOTrainer:
     @staticmethod
     def _adv_supported(fn) -> bool:
         params = inspect.signature(fn).parameters.values()
-        required = {p.name for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        required = {
+            p.name
+            for p in params
+            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        }
         return required <= _ADV_INPUTS
 
     def _configured_reward_fn(self) -> RewardFn:
@@ -316,11 +356,15 @@ class GRPOTrainer:
 
         path = self.cfg.reward.custom_reward_function.get("path")
         if path and not Path(str(path)).is_file():
-            raise UserError(f"reward.custom_reward_function.path={path}: file not found; pass a Python file defining the reward function")
+            raise UserError(
+                f"reward.custom_reward_function.path={path}: file not found; pass a Python file defining the reward function"
+            )
         try:
             return get_custom_reward_fn(self.cfg) or default_compute_score
         except AttributeError as exc:
-            raise UserError(f"reward.custom_reward_function: {exc}; set reward.custom_reward_function.name to a function in that file") from None
+            raise UserError(
+                f"reward.custom_reward_function: {exc}; set reward.custom_reward_function.name to a function in that file"
+            ) from None
 
     def _eos_ids(self, model_path) -> list[int]:
         from transformers import GenerationConfig
@@ -341,10 +385,12 @@ class GRPOTrainer:
         order = np.arange(len(self.train_prompts))
         if self.cfg.data.get("shuffle", True):
             order = np.random.RandomState(self.data_seed + epoch).permutation(len(self.train_prompts))
-        idx = order[k * self.batch_size:(k + 1) * self.batch_size]
+        idx = order[k * self.batch_size : (k + 1) * self.batch_size]
         return [self.train_prompts[i] for i in idx], epoch
 
-    def generate(self, prompts: list[Prompt], n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int) -> dict:
+    def generate(
+        self, prompts: list[Prompt], n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int
+    ) -> dict:
         """Left-padded prompts, ``n`` sampled responses each (interleaved like verl's repeat)."""
         import torch
         from verl.utils.torch_functional import get_response_mask
@@ -353,7 +399,9 @@ class GRPOTrainer:
         input_ids = enc["input_ids"].repeat_interleave(n, dim=0)
         attn = enc["attention_mask"].repeat_interleave(n, dim=0)
         torch.manual_seed(seed)
-        kwargs = dict(max_new_tokens=self.response_length, min_new_tokens=1, pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        kwargs = dict(
+            max_new_tokens=self.response_length, min_new_tokens=1, pad_token_id=self.pad_id, eos_token_id=self.eos_ids
+        )
         if do_sample:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
@@ -361,9 +409,11 @@ class GRPOTrainer:
         self.model.eval()
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
-        responses = out[:, input_ids.shape[1]:]
+        responses = out[:, input_ids.shape[1] :]
         if responses.shape[1] < self.response_length:  # every sequence stopped early
-            pad = torch.full((responses.shape[0], self.response_length - responses.shape[1]), self.pad_id, dtype=responses.dtype)
+            pad = torch.full(
+                (responses.shape[0], self.response_length - responses.shape[1]), self.pad_id, dtype=responses.dtype
+            )
             responses = torch.cat([responses, pad], dim=1)
         response_mask = get_response_mask(response_id=responses, eos_token=self.eos_ids, dtype=attn.dtype)
         return {
@@ -386,7 +436,12 @@ class GRPOTrainer:
         for i, item in enumerate(batch["items"]):
             n = int(lengths[i])
             text = self.tokenizer.decode(batch["responses"][i, :n], skip_special_tokens=True)
-            res = self.reward_fn(data_source=item.data_source, solution_str=text, ground_truth=item.ground_truth, extra_info=item.extra_info)
+            res = self.reward_fn(
+                data_source=item.data_source,
+                solution_str=text,
+                ground_truth=item.ground_truth,
+                extra_info=item.extra_info,
+            )
             value = float(res["score"] if isinstance(res, dict) else res)
             values.append(value)
             scores[i, max(n - 1, 0)] = value
@@ -394,7 +449,6 @@ class GRPOTrainer:
         batch["scores"] = values
 
     def log_probs(self, model, batch: dict, rows, with_entropy: bool = False):
-        import torch
         from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
 
         ids = batch["input_ids"][rows]
@@ -402,7 +456,7 @@ class GRPOTrainer:
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
         r = batch["responses"].shape[1]
-        logits = logits[:, -r - 1:-1, :] / self.temperature  # verl scores with the rollout temperature
+        logits = logits[:, -r - 1 : -1, :] / self.temperature  # verl scores with the rollout temperature
         logp = logprobs_from_logits(logits, ids[:, -r:])
         ent = entropy_from_logits(logits) if with_entropy else None
         return logp, ent
@@ -419,8 +473,12 @@ class GRPOTrainer:
         batch["token_level_rewards"] = rewards
         uids = np.array(batch["uids"], dtype=object)
         offered = {
-            "token_level_rewards": rewards, "response_mask": mask, "index": uids, "config": self.algo_cfg,
-            "norm_adv_by_std_in_grpo": bool(cfg.norm_adv_by_std_in_grpo), "gamma": float(cfg.gamma),
+            "token_level_rewards": rewards,
+            "response_mask": mask,
+            "index": uids,
+            "config": self.algo_cfg,
+            "norm_adv_by_std_in_grpo": bool(cfg.norm_adv_by_std_in_grpo),
+            "gamma": float(cfg.gamma),
         }
         params = inspect.signature(self.adv_fn).parameters
         adv, ret = self.adv_fn(**{k: v for k, v in offered.items() if k in params})
@@ -445,31 +503,44 @@ class GRPOTrainer:
             if actor.get("shuffle", False):
                 order = torch.randperm(total, generator=torch.Generator().manual_seed(self.seed + epoch))
             for start in range(0, total, mini):
-                rows_mb = order[start:start + mini]
+                rows_mb = order[start : start + mini]
                 # Normalise every micro-batch loss by the whole mini-batch (verl's global batch info),
                 # so accumulated gradients equal the mini-batch loss's gradient.
                 self.actor_cfg.global_batch_info.update(
-                    dp_size=1, batch_num_tokens=int(mask[rows_mb].sum()), global_batch_size=len(rows_mb),
+                    dp_size=1,
+                    batch_num_tokens=int(mask[rows_mb].sum()),
+                    global_batch_size=len(rows_mb),
                     loss_scale_factor=self.actor_cfg.loss_scale_factor,
                 )
                 self.optimizer.zero_grad()
                 mb: dict[str, float] = {}
                 for m0 in range(0, len(rows_mb), micro):
-                    rows = rows_mb[m0:m0 + micro]
+                    rows = rows_mb[m0 : m0 + micro]
                     rmask = mask[rows].bool()
                     logp, ent = self.log_probs(self.model, batch, rows, with_entropy=entropy_coeff != 0)
                     pg_loss, pg_metrics = self.policy_loss_fn(
-                        old_log_prob=batch["old_log_probs"][rows], log_prob=logp, advantages=batch["advantages"][rows],
-                        response_mask=rmask, loss_agg_mode=mode, config=self.actor_cfg, rollout_is_weights=None,
+                        old_log_prob=batch["old_log_probs"][rows],
+                        log_prob=logp,
+                        advantages=batch["advantages"][rows],
+                        response_mask=rmask,
+                        loss_agg_mode=mode,
+                        config=self.actor_cfg,
+                        rollout_is_weights=None,
                     )
                     loss = pg_loss
                     mb["actor/pg_loss"] = mb.get("actor/pg_loss", 0.0) + float(pg_loss.detach())
                     if entropy_coeff != 0:
-                        ent_loss = self.core.agg_loss(loss_mat=ent, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info)
+                        ent_loss = self.core.agg_loss(
+                            loss_mat=ent, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info
+                        )
                         loss = loss - entropy_coeff * ent_loss
                     if actor.use_kl_loss:
-                        kld = self.core.kl_penalty(logprob=logp, ref_logprob=batch["ref_log_prob"][rows], kl_penalty=actor.kl_loss_type)
-                        kl_loss = self.core.agg_loss(loss_mat=kld, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info)
+                        kld = self.core.kl_penalty(
+                            logprob=logp, ref_logprob=batch["ref_log_prob"][rows], kl_penalty=actor.kl_loss_type
+                        )
+                        kl_loss = self.core.agg_loss(
+                            loss_mat=kld, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info
+                        )
                         loss = loss + kl_loss * float(actor.kl_loss_coef)
                         mb["actor/kl_loss"] = mb.get("actor/kl_loss", 0.0) + float(kl_loss.detach())
                     loss.backward()
@@ -502,8 +573,15 @@ class GRPOTrainer:
         timing: dict[str, float] = {}
         prompts, epoch = self.batch_prompts(step)
         t = time.perf_counter()
-        batch = self.generate(prompts, self.n, do_sample=bool(ro.do_sample), temperature=self.temperature,
-                              top_p=float(ro.top_p), top_k=int(ro.top_k), seed=self.seed * 1_000_003 + step)
+        batch = self.generate(
+            prompts,
+            self.n,
+            do_sample=bool(ro.do_sample),
+            temperature=self.temperature,
+            top_p=float(ro.top_p),
+            top_k=int(ro.top_k),
+            seed=self.seed * 1_000_003 + step,
+        )
         timing["gen"] = time.perf_counter() - t
         t = time.perf_counter()
         self.score(batch)
@@ -547,7 +625,16 @@ class GRPOTrainer:
             compute_timing_metrics,
         )
 
-        keys = ("prompts", "responses", "attention_mask", "response_mask", "token_level_scores", "token_level_rewards", "advantages", "returns")
+        keys = (
+            "prompts",
+            "responses",
+            "attention_mask",
+            "response_mask",
+            "token_level_scores",
+            "token_level_rewards",
+            "advantages",
+            "returns",
+        )
         dp = DataProto.from_dict(
             tensors={k: batch[k] for k in keys},
             meta_info={"global_token_num": batch["attention_mask"].sum(-1).tolist()},
@@ -564,8 +651,15 @@ class GRPOTrainer:
         sums: dict[str, list[float]] = {}
         bs = max(self.batch_size, 1)
         for i in range(0, len(self.val_prompts), bs):
-            batch = self.generate(self.val_prompts[i:i + bs], int(vk.n), do_sample=bool(vk.do_sample),
-                                  temperature=float(vk.temperature) or 1.0, top_p=float(vk.top_p), top_k=int(vk.top_k), seed=self.seed)
+            batch = self.generate(
+                self.val_prompts[i : i + bs],
+                int(vk.n),
+                do_sample=bool(vk.do_sample),
+                temperature=float(vk.temperature) or 1.0,
+                top_p=float(vk.top_p),
+                top_k=int(vk.top_k),
+                seed=self.seed,
+            )
             self.score(batch)
             for item, s in zip(batch["items"], batch["scores"]):
                 sums.setdefault(item.data_source, []).append(s)
@@ -582,7 +676,9 @@ class GRPOTrainer:
             path = self.cfg.trainer.get("resume_from_path")
             m = re.search(r"global_step_(\d+)/?$", str(path or ""))
             if not m or not Path(str(path), "actor").is_dir():
-                raise UserError(f"trainer.resume_from_path={path!r}: not a global_step_N checkpoint directory with an actor/ folder")
+                raise UserError(
+                    f"trainer.resume_from_path={path!r}: not a global_step_N checkpoint directory with an actor/ folder"
+                )
             step, ckpt = int(m.group(1)), Path(str(path))
         elif mode == "auto":
             tracker = self.ckpt_root / TRACKER
@@ -609,8 +705,12 @@ class GRPOTrainer:
         if keep:
             import shutil
 
-            steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in self.ckpt_root.glob("global_step_*") if p.name.rsplit("_", 1)[1].isdigit())
-            for old in steps[:-int(keep)]:
+            steps = sorted(
+                int(p.name.rsplit("_", 1)[1])
+                for p in self.ckpt_root.glob("global_step_*")
+                if p.name.rsplit("_", 1)[1].isdigit()
+            )
+            for old in steps[: -int(keep)]:
                 shutil.rmtree(self.ckpt_root / f"global_step_{old}", ignore_errors=True)
         return final
 
@@ -630,8 +730,15 @@ class GRPOTrainer:
                 if self.val_prompts and (step % self.test_freq == 0 or last):
                     metrics.update(self.validate())
                 self.logger.log(data=metrics, step=step)
-                log.info("step %d: %s", step, {k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()
-                                               if k in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "timing_s/step")})
+                log.info(
+                    "step %d: %s",
+                    step,
+                    {
+                        k: round(v, 4) if isinstance(v, float) else v
+                        for k, v in metrics.items()
+                        if k in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "timing_s/step")
+                    },
+                )
                 if (save_freq > 0 and step % save_freq == 0) or last:
                     self.save(step)
                 self.last_metrics = metrics
@@ -650,7 +757,11 @@ class GRPOTrainer:
             "last_step": last_step,
             "resumed_from_step": start,
             "metrics_path": str(self.metrics_path),
-            "final_metrics": {k: v for k, v in final.items() if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))},
+            "final_metrics": {
+                k: v
+                for k, v in final.items()
+                if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))
+            },
         }
 
 

@@ -10,6 +10,7 @@ Each revision gets a deterministic 40-hex commit, a ``refs/<label>`` and the
 newest gets ``refs/main``. The commit dates go to ``<cache>/revision-index/``,
 which :mod:`pipeline_steps.data.revisions` reads in place of the Hub's commit list.
 """
+
 from __future__ import annotations
 
 import base64

@@ -17,6 +17,7 @@ dashboard-agent ports are picked free so two clusters on one machine do not
 collide. Cluster files go under ``PIPELINE_RAY_TEMP_DIR`` (default
 ``/tmp/ray_pipeline``; kept short because Ray puts Unix sockets there).
 """
+
 from __future__ import annotations
 
 import json
@@ -89,8 +90,15 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def ensure_cluster(address: str | None = None, *, port: int | None = None, dashboard_port: int | None = None,
-                   num_cpus: int | None = None, temp_dir: str | os.PathLike | None = None, timeout: float = 180) -> str:
+def ensure_cluster(
+    address: str | None = None,
+    *,
+    port: int | None = None,
+    dashboard_port: int | None = None,
+    num_cpus: int | None = None,
+    temp_dir: str | os.PathLike | None = None,
+    timeout: float = 180,
+) -> str:
     """Return the dashboard address (``http://host:port``) of a usable Ray cluster, starting one if needed.
 
     :param address: a configured cluster (dashboard URL); else ``$RAY_ADDRESS``; else local.
@@ -118,17 +126,27 @@ def ensure_cluster(address: str | None = None, *, port: int | None = None, dashb
     tmp.mkdir(parents=True, exist_ok=True)
     ray_exe = Path(sys.executable).with_name("ray")
     cmd = [
-        str(ray_exe) if ray_exe.exists() else "ray", "start", "--head", "--block",
-        "--node-ip-address=127.0.0.1", f"--port={port}",
-        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
-        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-        f"--temp-dir={tmp}", "--disable-usage-stats",
+        str(ray_exe) if ray_exe.exists() else "ray",
+        "start",
+        "--head",
+        "--block",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=true",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--temp-dir={tmp}",
+        "--disable-usage-stats",
     ]
     if num_cpus is not None:
         cmd.append(f"--num-cpus={int(num_cpus)}")
     log_path = tmp / "ray_start.log"
     with open(log_path, "ab") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     state = {"pid": proc.pid, "pgid": proc.pid, "address": url, "temp_dir": str(tmp), "log": str(log_path)}
     (tmp / STATE_FILE).write_text(json.dumps(state))
     deadline = time.monotonic() + timeout
@@ -173,8 +191,14 @@ def _status_str(info) -> str:
     return s.value if hasattr(s, "value") else str(s)
 
 
-def submit_or_attach(address: str, submission_id: str, entrypoint_argv: list[str], env: dict | None = None,
-                     working_dir: str | None = None, agent_timeout: float = 120) -> str:
+def submit_or_attach(
+    address: str,
+    submission_id: str,
+    entrypoint_argv: list[str],
+    env: dict | None = None,
+    working_dir: str | None = None,
+    agent_timeout: float = 120,
+) -> str:
     """Submit ``entrypoint_argv`` as job ``submission_id``, or attach to the live/succeeded job of that id.
 
     :param address: dashboard address from :func:`ensure_cluster`.

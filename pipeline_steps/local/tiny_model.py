@@ -5,6 +5,7 @@ No machine here can download weights, so the local profile stages, trains,
 evaluates and exports this model. It is deterministic: the same corpus and seed
 give byte-identical files.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,7 +45,10 @@ def build(output: str | Path, corpus: str | Path = FIXTURES, vocab_size=512, hid
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(_corpus(Path(corpus)), trainer)
     fast = PreTrainedTokenizerFast(
@@ -73,5 +77,3 @@ def build(output: str | Path, corpus: str | Path = FIXTURES, vocab_size=512, hid
         fast.save_pretrained(tmp)
     log.info("built tiny model at %s (%d parameters)", output, sum(p.numel() for p in model.parameters()))
     return output
-
-

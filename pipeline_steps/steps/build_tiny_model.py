@@ -1,5 +1,6 @@
 """``python -m pipeline_steps build-tiny-model --output DIR``: the local profile's tiny model (see
 :mod:`pipeline_steps.local.tiny_model`)."""
+
 from __future__ import annotations
 
 from pipeline_steps.local.tiny_model import FIXTURES, build

@@ -6,6 +6,7 @@ file system allows), so the output path names the exact commit that was read.
 The token comes from ``HF_TOKEN`` (set by the Airflow operator from a connection);
 it is read by huggingface_hub itself and never logged.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -22,8 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p):
-    p.add_argument("--dataset", required=True, help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, ...)")
-    p.add_argument("--revision", default="main", help="branch, tag or commit to read (pin a commit for reproducible runs)")
+    p.add_argument(
+        "--dataset", required=True, help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, ...)"
+    )
+    p.add_argument(
+        "--revision", default="main", help="branch, tag or commit to read (pin a commit for reproducible runs)"
+    )
     p.add_argument("--dest", required=True, help="directory that receives <dataset>/<commit>/")
     p.add_argument("--registry", default=None, help="YAML/JSON file with extra dataset entries")
 
@@ -52,14 +57,22 @@ def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: 
             )
         )
     except RevisionNotFoundError:
-        raise UserError(f"--revision {revision!r} does not exist in {repo_type} {repo_id}; pass an existing branch, tag or commit") from None
+        raise UserError(
+            f"--revision {revision!r} does not exist in {repo_type} {repo_id}; pass an existing branch, tag or commit"
+        ) from None
     except GatedRepoError:
-        raise UserError(f"{repo_type} {repo_id} is gated; accept its terms on the Hub and set a token (HF connection or HF_TOKEN)") from None
+        raise UserError(
+            f"{repo_type} {repo_id} is gated; accept its terms on the Hub and set a token (HF connection or HF_TOKEN)"
+        ) from None
     except RepositoryNotFoundError:
-        raise UserError(f"{repo_type} {repo_id} not found (or private without a token); check the name and the HF connection") from None
+        raise UserError(
+            f"{repo_type} {repo_id} not found (or private without a token); check the name and the HF connection"
+        ) from None
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         where = "in the offline cache" if offline else "locally and the Hub is unreachable"
-        raise UserError(f"revision {revision!r} of {repo_type} {repo_id} is not available {where}; pin a revision that is cached or allow network access") from None
+        raise UserError(
+            f"revision {revision!r} of {repo_type} {repo_id} is not available {where}; pin a revision that is cached or allow network access"
+        ) from None
 
 
 def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
@@ -95,6 +108,15 @@ def run(args):
     n = materialise(snapshot, out, spec.allow_patterns)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != ".complete")
     if not any(f.endswith((".parquet", ".jsonl", ".json", ".csv", ".arrow")) for f in files):
-        raise UserError(f"dataset {spec.name} ({spec.repo_id}@{commit[:12]}) has no data files matching {list(spec.allow_patterns)}; check the registry entry")
+        raise UserError(
+            f"dataset {spec.name} ({spec.repo_id}@{commit[:12]}) has no data files matching {list(spec.allow_patterns)}; check the registry entry"
+        )
     log.info("dataset %s: %s@%s -> %s (%d files, %d new)", spec.name, spec.repo_id, commit, out, len(files), n)
-    return {"dataset": spec.name, "repo_id": spec.repo_id, "revision": args.revision, "commit": commit, "path": str(out), "files": files}
+    return {
+        "dataset": spec.name,
+        "repo_id": spec.repo_id,
+        "revision": args.revision,
+        "commit": commit,
+        "path": str(out),
+        "files": files,
+    }

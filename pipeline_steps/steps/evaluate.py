@@ -19,6 +19,7 @@ extracted answer and correctness, avg@k, pass@k, maj@k; overall; samples actuall
 base and gain), ``base_results.json`` (with ``--base-model``), ``results.md`` (table) and
 ``generations.jsonl`` (the raw responses).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -39,9 +40,17 @@ SCORER = "verl.utils.reward_score.default_compute_score"
 
 
 def add_arguments(p):
-    p.add_argument("--model", required=True, help="Hugging Face model directory or verl checkpoints directory (RUN/checkpoints)")
-    p.add_argument("--step", type=int, help="with a checkpoints directory: evaluate global_step_N instead of the latest")
-    p.add_argument("--data", required=True, help="evaluation parquet in verl's schema (prompt, data_source, reward_model.ground_truth)")
+    p.add_argument(
+        "--model", required=True, help="Hugging Face model directory or verl checkpoints directory (RUN/checkpoints)"
+    )
+    p.add_argument(
+        "--step", type=int, help="with a checkpoints directory: evaluate global_step_N instead of the latest"
+    )
+    p.add_argument(
+        "--data",
+        required=True,
+        help="evaluation parquet in verl's schema (prompt, data_source, reward_model.ground_truth)",
+    )
     p.add_argument("--output", required=True, help="output directory (results.json, results.md, generations.jsonl)")
     p.add_argument("--k", type=int, default=4, help="samples per problem (>= 1)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -50,8 +59,12 @@ def add_arguments(p):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-problems", type=int, default=0, help="score only the first N problems (0: all)")
     p.add_argument("--base-model", help="also score this base model (HF dir) and report the gain over it")
-    p.add_argument("--baseline-cache", help="directory caching base model results by model hash, eval set hash and sampling")
-    p.add_argument("--generator", choices=("hf", "vllm"), default="hf", help="hf: transformers on CPU; vllm: GPU (cluster image)")
+    p.add_argument(
+        "--baseline-cache", help="directory caching base model results by model hash, eval set hash and sampling"
+    )
+    p.add_argument(
+        "--generator", choices=("hf", "vllm"), default="hf", help="hf: transformers on CPU; vllm: GPU (cluster image)"
+    )
     p.add_argument("--batch-size", type=int, default=0, help="hf: sequences generated at once (0: k)")
 
 
@@ -60,8 +73,15 @@ def add_arguments(p):
 
 
 def sampling_of(args) -> dict:
-    return {"k": args.k, "temperature": args.temperature, "top_p": args.top_p, "max_new_tokens": args.max_new_tokens,
-            "seed": args.seed, "max_problems": args.max_problems, "generator": args.generator}
+    return {
+        "k": args.k,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "max_new_tokens": args.max_new_tokens,
+        "seed": args.seed,
+        "max_problems": args.max_problems,
+        "generator": args.generator,
+    }
 
 
 def check_sampling(s: dict) -> None:
@@ -95,20 +115,30 @@ def load_eval_set(path: str, max_problems: int = 0) -> tuple[list[dict], dict]:
     try:
         rows = pq.read_table(p).to_pylist()
     except Exception as exc:
-        raise UserError(f"--data {p}: not a readable parquet file ({exc.__class__.__name__}); re-run preprocess") from None
+        raise UserError(
+            f"--data {p}: not a readable parquet file ({exc.__class__.__name__}); re-run preprocess"
+        ) from None
     if not rows:
         raise UserError(f"--data {p}: no rows; the evaluation set is empty")
     for i, r in enumerate(rows):
         gt = (r.get("reward_model") or {}).get("ground_truth") if isinstance(r.get("reward_model"), dict) else None
         if gt is None or str(gt).strip() == "":
-            raise UserError(f"--data {p}: row {i} has no reward_model.ground_truth; an evaluation set needs an answer for every problem")
+            raise UserError(
+                f"--data {p}: row {i} has no reward_model.ground_truth; an evaluation set needs an answer for every problem"
+            )
         if not r.get("data_source"):
             raise UserError(f"--data {p}: row {i} has no data_source; it selects verl's scorer (for AIME: aime2024)")
         prompt = r.get("prompt")
         if not (isinstance(prompt, list) and prompt and all(isinstance(m, dict) and "content" in m for m in prompt)):
             raise UserError(f"--data {p}: row {i} prompt is not a list of chat messages (role, content)")
     sources = sorted({str(r["data_source"]) for r in rows})
-    info = {"path": str(p.resolve()), "sha256": file_sha256(p), "rows": len(rows), "name": "+".join(sources), "file": p.name}
+    info = {
+        "path": str(p.resolve()),
+        "sha256": file_sha256(p),
+        "rows": len(rows),
+        "name": "+".join(sources),
+        "file": p.name,
+    }
     if max_problems:
         rows = rows[:max_problems]
     return rows, info
@@ -157,9 +187,13 @@ def generate_vllm(model_dir: Path, prompts: list[list[dict]], s: dict, batch_siz
     try:
         from vllm import LLM, SamplingParams
     except ImportError:
-        raise UserError("--generator vllm: vLLM is not installed here; use the training image on GPU, or --generator hf") from None
+        raise UserError(
+            "--generator vllm: vLLM is not installed here; use the training image on GPU, or --generator hf"
+        ) from None
     llm = LLM(model=str(model_dir), seed=s["seed"])
-    params = SamplingParams(n=s["k"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"], seed=s["seed"])
+    params = SamplingParams(
+        n=s["k"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"], seed=s["seed"]
+    )
     outs = llm.chat(prompts, params, add_generation_prompt=True)
     return [[c.text for c in o.outputs] for o in outs]
 
@@ -178,12 +212,18 @@ def score_sample(data_source: str, response: str, ground_truth: str, extra_info=
     try:
         res = default_compute_score(data_source, response, ground_truth, extra_info=extra_info)
     except NotImplementedError:
-        raise UserError(f"data_source {data_source!r} has no reward function in verl's default_compute_score; "
-                        "set the eval set's data_source to one verl knows (AIME: aime2024)") from None
+        raise UserError(
+            f"data_source {data_source!r} has no reward function in verl's default_compute_score; "
+            "set the eval set's data_source to one verl knows (AIME: aime2024)"
+        ) from None
     if isinstance(res, dict):  # math_dapo: {"score": +-1, "acc": bool, "pred": str}
         answer = res.get("pred")
         correct = bool(res.get("acc", res.get("score", 0) > 0))
-        return {"answer": None if answer in eval_metrics.INVALID else answer, "correct": correct, "score": float(res.get("score", 0))}
+        return {
+            "answer": None if answer in eval_metrics.INVALID else answer,
+            "correct": correct,
+            "score": float(res.get("score", 0)),
+        }
     return {"answer": None, "correct": float(res) > 0, "score": float(res)}
 
 
@@ -194,17 +234,25 @@ def score(rows: list[dict], generations: list[list[str]]) -> dict:
         extra = row.get("extra_info") or {}
         samples = [score_sample(row["data_source"], t, gt, extra) for t in texts]
         m = eval_metrics.problem_metrics([x["answer"] for x in samples], [x["correct"] for x in samples])
-        problems.append({
-            "id": str(extra.get("id", extra.get("index", i))),
-            "index": extra.get("index", i),
-            "data_source": row["data_source"],
-            "ground_truth": gt,
-            "samples": samples,
-            "n": m["n"], "correct": m["correct"],
-            "avg@k": m["avg"], "pass@k": m["pass"], "maj@k": m["maj"],
-            "maj_answer": m["maj_answer"], "maj_tied": m["maj_tied"],
-        })
-    overall = eval_metrics.aggregate([{"n": p["n"], "avg": p["avg@k"], "pass": p["pass@k"], "maj": p["maj@k"]} for p in problems])
+        problems.append(
+            {
+                "id": str(extra.get("id", extra.get("index", i))),
+                "index": extra.get("index", i),
+                "data_source": row["data_source"],
+                "ground_truth": gt,
+                "samples": samples,
+                "n": m["n"],
+                "correct": m["correct"],
+                "avg@k": m["avg"],
+                "pass@k": m["pass"],
+                "maj@k": m["maj"],
+                "maj_answer": m["maj_answer"],
+                "maj_tied": m["maj_tied"],
+            }
+        )
+    overall = eval_metrics.aggregate(
+        [{"n": p["n"], "avg": p["avg@k"], "pass": p["pass@k"], "maj": p["maj@k"]} for p in problems]
+    )
     return {"overall": overall, "problems": problems}
 
 
@@ -217,7 +265,9 @@ def cache_key(model_sha: str, eval_sha: str, s: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def evaluate_model(model: str, rows, eval_info, s, work: Path, step=None, cache_dir=None, batch_size=0) -> tuple[dict, list]:
+def evaluate_model(
+    model: str, rows, eval_info, s, work: Path, step=None, cache_dir=None, batch_size=0
+) -> tuple[dict, list]:
     """Score one model (HF dir or checkpoints dir). Returns (results, generations); cached when cache_dir is set."""
     from pipeline_steps.steps.export import dir_sha256, materialize
 
@@ -230,10 +280,16 @@ def evaluate_model(model: str, rows, eval_info, s, work: Path, step=None, cache_
         return json.loads(cached.read_text(encoding="utf-8")), []
     gens = GENERATORS[s["generator"]](Path(m["path"]), [r["prompt"] for r in rows], s, batch_size)
     res = score(rows, gens)
-    res.update({
-        "model": {"path": str(model), "source": m["source"], "step": m["step"], "content_sha256": model_sha},
-        "eval_set": eval_info, "sampling": s, "scorer": SCORER, "key": key, "verl_version": _verl_version(),
-    })
+    res.update(
+        {
+            "model": {"path": str(model), "source": m["source"], "step": m["step"], "content_sha256": model_sha},
+            "eval_set": eval_info,
+            "sampling": s,
+            "scorer": SCORER,
+            "key": key,
+            "verl_version": _verl_version(),
+        }
+    )
     if cached:
         atomic.write_json(cached, res)
     return res, gens
@@ -249,11 +305,21 @@ def markdown(res: dict, base: dict | None) -> str:
     from pipeline_steps.evaluation.model_card import eval_table
 
     o = res["overall"]
-    lines = [f"# Evaluation: {res['eval_set']['name']}", "", f"model `{res['model']['path']}`"
-             + (f" (checkpoint step {res['model']['step']})" if res["model"].get("step") is not None else ""), "",
-             eval_table(res, base), "", "| problem | answer | correct/k | maj answer |", "| --- | --- | ---: | --- |"]
+    lines = [
+        f"# Evaluation: {res['eval_set']['name']}",
+        "",
+        f"model `{res['model']['path']}`"
+        + (f" (checkpoint step {res['model']['step']})" if res["model"].get("step") is not None else ""),
+        "",
+        eval_table(res, base),
+        "",
+        "| problem | answer | correct/k | maj answer |",
+        "| --- | --- | ---: | --- |",
+    ]
     for p in res["problems"]:
-        lines.append(f"| {p['id']} | {p['ground_truth']} | {p['correct']}/{p['n']} | {p['maj_answer'] if p['maj_answer'] is not None else '—'} |")
+        lines.append(
+            f"| {p['id']} | {p['ground_truth']} | {p['correct']}/{p['n']} | {p['maj_answer'] if p['maj_answer'] is not None else '—'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -270,10 +336,14 @@ def run(args) -> dict:
         res, gens = evaluate_model(args.model, rows, eval_info, s, work, args.step, None, args.batch_size)
         base = None
         if args.base_model:
-            base, _ = evaluate_model(args.base_model, rows, eval_info, s, work, None, args.baseline_cache, args.batch_size)
+            base, _ = evaluate_model(
+                args.base_model, rows, eval_info, s, work, None, args.baseline_cache, args.batch_size
+            )
             res["base"] = {"model": base["model"], "overall": base["overall"]}
             res["gain"] = {m: res["overall"][m] - base["overall"][m] for m in ("avg@k", "maj@k")}
-            res["gain"]["pass@k"] = {j: res["overall"]["pass@k"][j] - base["overall"]["pass@k"][j] for j in res["overall"]["pass@k"]}
+            res["gain"]["pass@k"] = {
+                j: res["overall"]["pass@k"][j] - base["overall"]["pass@k"][j] for j in res["overall"]["pass@k"]
+            }
     finally:
         shutil.rmtree(work, ignore_errors=True)
     with atomic.atomic_dir(out) as tmp:
@@ -286,9 +356,14 @@ def run(args) -> dict:
                 f.write(json.dumps({"id": p["id"], "responses": texts}, ensure_ascii=False) + "\n")
     o = res["overall"]
     return {
-        "output": str(out), "results": str(out / "results.json"),
+        "output": str(out),
+        "results": str(out / "results.json"),
         "base_results": str(out / "base_results.json") if base is not None else None,
-        "problems": o["problems"], "k": o["k"], "samples_scored": o["samples_scored"],
-        "avg@k": o["avg@k"], "pass@k": o["pass@k"], "maj@k": o["maj@k"],
+        "problems": o["problems"],
+        "k": o["k"],
+        "samples_scored": o["samples_scored"],
+        "avg@k": o["avg@k"],
+        "pass@k": o["pass@k"],
+        "maj@k": o["maj@k"],
         "gain_avg@k": (res.get("gain") or {}).get("avg@k"),
     }

@@ -19,6 +19,7 @@ exports to the same version, so a retry re-uses what is already uploaded.
 The Hub push (``--hub-repo``) runs only when a token is in the environment (``HF_TOKEN``,
 from the Airflow connection); it is off by default and untested here (no Hub access).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -54,7 +55,9 @@ def resolve_checkpoint(checkpoint_dir: str | os.PathLike, step: int | None = Non
     """
     root = Path(checkpoint_dir)
     if not root.is_dir():
-        raise UserError(f"--checkpoint-dir {root}: not a directory; pass the run's checkpoints directory (RUN/checkpoints)")
+        raise UserError(
+            f"--checkpoint-dir {root}: not a directory; pass the run's checkpoints directory (RUN/checkpoints)"
+        )
     tracker = root / TRACKER
     if step is None:
         if not tracker.is_file():
@@ -86,24 +89,30 @@ def resolve_checkpoint(checkpoint_dir: str | os.PathLike, step: int | None = Non
         )
     if len(shards) > 1:
         raise UserError(f"{actor}: shards from several world sizes {sorted(shards)}; keep one set and retry")
-    (world_size, ranks), = shards.items()
+    ((world_size, ranks),) = shards.items()
     missing = sorted(set(range(world_size)) - ranks)
     if missing:
-        raise UserError(f"{actor}: shard files for ranks {missing} of world size {world_size} are missing; the save is incomplete")
+        raise UserError(
+            f"{actor}: shard files for ranks {missing} of world size {world_size} are missing; the save is incomplete"
+        )
     cfg = actor / "fsdp_config.json"
     if not cfg.is_file():
         raise UserError(
             f"{cfg}: missing (checkpoints from verl before 0.3 lack it); create it with the content "
-            f"{{\"FSDP_version\": 1, \"world_size\": {world_size}}} and retry"
+            f'{{"FSDP_version": 1, "world_size": {world_size}}} and retry'
         )
     try:
         recorded = json.loads(cfg.read_text(encoding="utf-8")).get("world_size")
     except (ValueError, AttributeError):
-        raise UserError(f"{cfg}: not valid JSON; rewrite it as {{\"FSDP_version\": 1, \"world_size\": {world_size}}}") from None
+        raise UserError(
+            f'{cfg}: not valid JSON; rewrite it as {{"FSDP_version": 1, "world_size": {world_size}}}'
+        ) from None
     if recorded != world_size:
         raise UserError(f"{cfg}: world_size {recorded!r} but the shards are for {world_size}; set it to {world_size}")
     if not (actor / "huggingface" / "config.json").is_file():
-        raise UserError(f"{actor}/huggingface/config.json: missing; verl writes it with every save, copy the base model's config.json there")
+        raise UserError(
+            f"{actor}/huggingface/config.json: missing; verl writes it with every save, copy the base model's config.json there"
+        )
     return step, actor
 
 
@@ -123,7 +132,10 @@ def merge_checkpoint(actor_dir: str | os.PathLike, target_dir: str | os.PathLike
     actor_dir, target_dir = Path(actor_dir), Path(target_dir)
     with atomic.atomic_dir(target_dir) as tmp:
         config = ModelMergerConfig(
-            operation="merge", backend="fsdp", local_dir=str(actor_dir), target_dir=str(tmp),
+            operation="merge",
+            backend="fsdp",
+            local_dir=str(actor_dir),
+            target_dir=str(tmp),
             hf_model_config_path=str(actor_dir / "huggingface"),
         )
         # the merger prints progress to stdout; our stdout carries the step's JSON summary
@@ -132,7 +144,10 @@ def merge_checkpoint(actor_dir: str | os.PathLike, target_dir: str | os.PathLike
             merger.merge_and_save()
             merger.cleanup()
         if (actor_dir / "lora_train_meta.json").exists():
-            log.warning("checkpoint has LoRA adapters: verl saved them to %s/lora_adapter next to the merged base weights", target_dir)
+            log.warning(
+                "checkpoint has LoRA adapters: verl saved them to %s/lora_adapter next to the merged base weights",
+                target_dir,
+            )
     return target_dir
 
 
@@ -153,8 +168,14 @@ def check_model(model_dir: str | os.PathLike, max_new_tokens: int = 4) -> dict:
             raise RuntimeError("generated no tokens")
     except Exception as exc:  # any failure here means the export must not be published
         msg = " ".join(f"{exc.__class__.__name__}: {exc}".split())[:300]
-        raise UserError(f"merged model at {model_dir} fails to load or generate with transformers ({msg}); nothing was exported or promoted") from None
-    return {"parameters": int(sum(p.numel() for p in model.parameters())), "dtype": str(next(model.parameters()).dtype), "generated_tokens": new}
+        raise UserError(
+            f"merged model at {model_dir} fails to load or generate with transformers ({msg}); nothing was exported or promoted"
+        ) from None
+    return {
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "dtype": str(next(model.parameters()).dtype),
+        "generated_tokens": new,
+    }
 
 
 def dir_sha256(path: str | os.PathLike, names: tuple[str, ...] | None = None) -> str:
@@ -188,7 +209,9 @@ def materialize(model_or_checkpoint: str | os.PathLike, work_dir: str | os.PathL
         step, actor = resolve_checkpoint(p, step)
         merged = merge_checkpoint(actor, Path(work_dir) / f"merged-step{step}")
         return {"path": merged, "source": "checkpoint", "step": step}
-    raise UserError(f"--model {p}: neither a Hugging Face model directory (config.json) nor a verl checkpoints directory ({TRACKER})")
+    raise UserError(
+        f"--model {p}: neither a Hugging Face model directory (config.json) nor a verl checkpoints directory ({TRACKER})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,12 +219,20 @@ def materialize(model_or_checkpoint: str | os.PathLike, work_dir: str | os.PathL
 
 
 def add_arguments(p):
-    p.add_argument("--checkpoint-dir", required=True, help="the run's checkpoints directory (holds latest_checkpointed_iteration.txt)")
+    p.add_argument(
+        "--checkpoint-dir",
+        required=True,
+        help="the run's checkpoints directory (holds latest_checkpointed_iteration.txt)",
+    )
     p.add_argument("--step", type=int, help="export global_step_N instead of the latest")
     p.add_argument("--output", required=True, help="local directory for the merged model and card")
-    p.add_argument("--store-root", required=True, help="store root URI (file:///..., oss://bucket/prefix, gs://bucket/prefix)")
+    p.add_argument(
+        "--store-root", required=True, help="store root URI (file:///..., oss://bucket/prefix, gs://bucket/prefix)"
+    )
     p.add_argument("--experiment", required=True, help="experiment name (the export location's folder)")
-    p.add_argument("--lineage", required=True, help="lineage JSON written by the DAG (see pipeline_steps.evaluation.model_card)")
+    p.add_argument(
+        "--lineage", required=True, help="lineage JSON written by the DAG (see pipeline_steps.evaluation.model_card)"
+    )
     p.add_argument("--eval-results", required=True, help="results.json of the checkpoint from the evaluate step")
     p.add_argument("--base-results", required=True, help="results.json of the base model from the evaluate step")
     p.add_argument("--margin", type=float, default=0.0, help="avg@k must beat the reference by more than this")
@@ -217,7 +248,9 @@ def _load_json(path: str, what: str) -> dict:
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except ValueError as exc:
-        raise UserError(f"--{what} {p}: not valid JSON ({str(exc).splitlines()[0]}); re-run the step that writes it") from None
+        raise UserError(
+            f"--{what} {p}: not valid JSON ({str(exc).splitlines()[0]}); re-run the step that writes it"
+        ) from None
     if not isinstance(data, dict):
         raise UserError(f"--{what} {p}: must be a JSON object")
     return data
@@ -228,7 +261,9 @@ def run(args) -> dict:
     from pipeline_steps.store import open_store
 
     if not NAME_RE.match(args.experiment):
-        raise UserError(f"--experiment {args.experiment!r}: use letters, digits, '_', '.', '-' (it names a storage folder)")
+        raise UserError(
+            f"--experiment {args.experiment!r}: use letters, digits, '_', '.', '-' (it names a storage folder)"
+        )
     if args.keep < 1:
         raise UserError(f"--keep {args.keep}: must be at least 1")
     if args.margin < 0:
@@ -264,8 +299,12 @@ def run(args) -> dict:
     latest = promotion.read_latest(store, exp_uri)
     if latest and latest.get("version") == version:  # a retry after promotion: keep the recorded decision
         recorded = (previous or {}).get("promotion") or {}
-        decision = promotion.Decision(True, recorded.get("reason") or f"{version} is already the latest",
-                                      recorded.get("reference") or "latest", recorded.get("reference_score"))
+        decision = promotion.Decision(
+            True,
+            recorded.get("reason") or f"{version} is already the latest",
+            recorded.get("reference") or "latest",
+            recorded.get("reference_score"),
+        )
     else:
         decision = promotion.decide(results, base, latest, args.margin)
     record = {
@@ -317,7 +356,9 @@ def push_to_hub(model_dir: Path, repo_id: str) -> dict:
     """Optional Hub push; needs HF_TOKEN (from the Airflow connection via the environment). Untested here."""
     token = os.environ.get("HF_TOKEN")
     if not token:
-        raise UserError(f"--hub-repo {repo_id}: no HF_TOKEN in the environment; configure the Hugging Face connection or drop --hub-repo")
+        raise UserError(
+            f"--hub-repo {repo_id}: no HF_TOKEN in the environment; configure the Hugging Face connection or drop --hub-repo"
+        )
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -327,6 +368,7 @@ def push_to_hub(model_dir: Path, repo_id: str) -> dict:
         info = api.upload_folder(folder_path=str(model_dir), repo_id=repo_id, repo_type="model")
     except HfHubHTTPError as exc:
         status = getattr(getattr(exc, "response", None), "status_code", "?")
-        raise UserError(f"--hub-repo {repo_id}: the Hub refused the upload (HTTP {status}); check the token's write access") from None
+        raise UserError(
+            f"--hub-repo {repo_id}: the Hub refused the upload (HTTP {status}); check the token's write access"
+        ) from None
     return {"repo": repo_id, "commit": getattr(info, "oid", None)}
-

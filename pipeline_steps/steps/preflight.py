@@ -1,6 +1,7 @@
 """``python -m pipeline_steps preflight --experiment NAME [--override KEY=VALUE ...]``: verl's config checked on CPU.
 
 The checks live in :mod:`pipeline_steps.training.preflight`."""
+
 from __future__ import annotations
 
 from pipeline_steps.training import experiment
@@ -9,9 +10,12 @@ from pipeline_steps.training.preflight import preflight
 
 def add_arguments(p):
     p.add_argument("--experiment", required=True, help="preset name (dags/experiments/NAME.yaml) or a YAML file")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)")
     p.add_argument(
-        "--skip-store-check", action="store_true",
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"
+    )
+    p.add_argument(
+        "--skip-store-check",
+        action="store_true",
         help="do not check that data files and model are staged in the store (config-only check)",
     )
 

@@ -5,6 +5,7 @@ record batches, rows go through the dataset's preprocessor (``pipeline_steps.dat
 shared, vectorised pass removes exact duplicates (same prompt, same ground truth) and keeps out conflicts (same
 prompt, different ground truths). Output is written atomically and is byte-identical for the same input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,15 +29,30 @@ VARIANTS = ("default", "tool_agent")
 
 
 def add_arguments(p):
-    p.add_argument("--dataset", required=True, help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, jsonl, ...)")
+    p.add_argument(
+        "--dataset",
+        required=True,
+        help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, jsonl, ...)",
+    )
     p.add_argument("--input", required=True, help="snapshot directory (from the download step) or a JSONL file")
     p.add_argument("--output", required=True, help="output directory (replaced atomically)")
-    p.add_argument("--variant", default="default", choices=VARIANTS, help="tool_agent: rows for verl's multi-turn tool recipes")
-    p.add_argument("--max-rejected-fraction", type=float, default=0.05, help="fail when more than this fraction of rows is rejected (default 0.05)")
+    p.add_argument(
+        "--variant", default="default", choices=VARIANTS, help="tool_agent: rows for verl's multi-turn tool recipes"
+    )
+    p.add_argument(
+        "--max-rejected-fraction",
+        type=float,
+        default=0.05,
+        help="fail when more than this fraction of rows is rejected (default 0.05)",
+    )
     p.add_argument("--limit", type=int, default=None, help="keep at most this many rows per split (smoke runs)")
     p.add_argument("--registry", default=None, help="YAML/JSON file with extra dataset entries")
-    p.add_argument("--skip-existing", action=argparse.BooleanOptionalAction, default=True,
-                   help="skip when OUTPUT already holds a complete result for the same input and settings (default on)")
+    p.add_argument(
+        "--skip-existing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="skip when OUTPUT already holds a complete result for the same input and settings (default on)",
+    )
 
 
 def resolve_splits(spec: registry.DatasetSpec, root: Path) -> dict[str, list[str]]:
@@ -50,7 +66,9 @@ def resolve_splits(spec: registry.DatasetSpec, root: Path) -> dict[str, list[str
     try:
         builder = datasets.load_dataset_builder(str(root), data_dir=spec.config)
     except (FileNotFoundError, ValueError, datasets.exceptions.DataFilesNotFoundError) as exc:
-        raise UserError(f"--input {root}: no data files for dataset {spec.name} ({' '.join(str(exc).split())[:160]})") from None
+        raise UserError(
+            f"--input {root}: no data files for dataset {spec.name} ({' '.join(str(exc).split())[:160]})"
+        ) from None
     files = builder.config.data_files or {}
     return {str(split): sorted(str(f) for f in paths) for split, paths in files.items()}
 
@@ -61,7 +79,9 @@ def _parquet_batches(path: str, required: tuple[str, ...], where: str):
     try:
         pf = pq.ParquetFile(path)
     except Exception as exc:
-        raise UserError(f"{where}: {Path(path).name} is not a readable parquet file ({exc.__class__.__name__}); re-download the snapshot") from None
+        raise UserError(
+            f"{where}: {Path(path).name} is not a readable parquet file ({exc.__class__.__name__}); re-download the snapshot"
+        ) from None
     names = set(pf.schema_arrow.names)
     missing = [c for c in required if c not in names]
     if missing:
@@ -78,7 +98,10 @@ def _converted_batches(module, files, split, out_split, data_source, rejects, wh
         if hasattr(module, "read_rows"):  # line-oriented formats (JSONL)
             source = _chunks(module.read_rows(path), rejects, out_split)
         else:
-            source = (b.to_pylist() if hasattr(module, "convert_row") else b for b in _parquet_batches(path, module.REQUIRED_COLUMNS, where))
+            source = (
+                b.to_pylist() if hasattr(module, "convert_row") else b
+                for b in _parquet_batches(path, module.REQUIRED_COLUMNS, where)
+            )
         for batch in source:
             if hasattr(module, "convert_batch"):
                 table, bad = module.convert_batch(batch, out_split, start, data_source)
@@ -185,7 +208,9 @@ def process(spec: registry.DatasetSpec, root: Path, variant: str = "default", li
             raise UserError(f"--input {root}: split name {out_split!r} is not a safe file name; rename the data files")
         where = f"dataset {spec.name} split {split}"
         before = len(rejects)
-        kept, rows_in, converted, truths = _dedupe(_converted_batches(module, files, split, out_split, data_source, rejects, where))
+        kept, rows_in, converted, truths = _dedupe(
+            _converted_batches(module, files, split, out_split, data_source, rejects, where)
+        )
         conflicts = {k for k, gts in truths.items() if len(gts) > 1}
         table = pa.concat_tables(kept, promote_options="permissive") if kept else None
         conflict_rows = 0
@@ -263,7 +288,11 @@ def _existing(out: Path, root: Path, args) -> dict | None:
         stats = json.loads((out / "stats.json").read_text())
     except (OSError, ValueError):
         return None
-    same = stats.get("source", {}).get("input") == str(root) and stats.get("variant") == args.variant and stats.get("limit") == args.limit
+    same = (
+        stats.get("source", {}).get("input") == str(root)
+        and stats.get("variant") == args.variant
+        and stats.get("limit") == args.limit
+    )
     files_ok = all((out / f"{s}.parquet").is_file() for s, v in stats.get("splits", {}).items() if v.get("rows_out"))
     return stats if same and files_ok else None
 
@@ -302,7 +331,18 @@ def run(args):
             (tmp / name).write_bytes(data)
         with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as f:
             for split, row, reason in rejects:
-                f.write(json.dumps({"split": split, "reason": reason, "row": _json_safe(row)}, sort_keys=True, default=str) + "\n")
+                f.write(
+                    json.dumps({"split": split, "reason": reason, "row": _json_safe(row)}, sort_keys=True, default=str)
+                    + "\n"
+                )
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True, default=str) + "\n")
-    log.info("dataset %s: %d rows in, %d out, %d duplicates, %d rejected -> %s", spec.name, stats["rows_in"], stats["rows_out"], stats["duplicates"], stats["rejected"], out)
+    log.info(
+        "dataset %s: %d rows in, %d out, %d duplicates, %d rejected -> %s",
+        spec.name,
+        stats["rows_in"],
+        stats["rows_out"],
+        stats["duplicates"],
+        stats["rejected"],
+        out,
+    )
     return _summary(spec, out, stats, skipped=False)

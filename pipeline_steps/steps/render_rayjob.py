@@ -1,6 +1,7 @@
 """``python -m pipeline_steps render-rayjob --experiment NAME --output FILE``: the KubeRay RayJob for a preset.
 
 Rendering lives in :mod:`pipeline_steps.training.rayjob`."""
+
 from __future__ import annotations
 
 import json
@@ -35,10 +36,14 @@ def _mounts_arg(value: str | None, exp: Experiment) -> MountMap:
 
 def add_arguments(p):
     p.add_argument("--experiment", required=True, help="preset name (dags/experiments/NAME.yaml) or a YAML file")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)")
+    p.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"
+    )
     p.add_argument("--output", required=True, help="file to write the RayJob YAML to (atomically)")
     p.add_argument("--checkpoint-uri", help="the run's checkpoint store URI (trainer.default_local_dir)")
-    p.add_argument("--mounts", help="bucket mounts as JSON or @file.json (default: $PIPELINE_MOUNTS, then cluster.mounts)")
+    p.add_argument(
+        "--mounts", help="bucket mounts as JSON or @file.json (default: $PIPELINE_MOUNTS, then cluster.mounts)"
+    )
     p.add_argument("--dag-id", default="manual")
     p.add_argument("--run-id", default="manual")
     p.add_argument("--task-id", default="train")
@@ -49,7 +54,13 @@ def run(args) -> dict:
     derived = {"trainer.default_local_dir": args.checkpoint_uri} if args.checkpoint_uri else None
     exp = experiment.load(args.experiment, overrides=args.override, derived=derived)
     mounts = _mounts_arg(args.mounts, exp)
-    job = build_rayjob(exp, dag_id=args.dag_id, run_id=args.run_id, task_id=args.task_id, namespace=args.namespace, mounts=mounts)
+    job = build_rayjob(
+        exp, dag_id=args.dag_id, run_id=args.run_id, task_id=args.task_id, namespace=args.namespace, mounts=mounts
+    )
     atomic.write_text(args.output, to_yaml(job))
-    return {"output": str(args.output), "name": job["metadata"]["name"], "namespace": args.namespace,
-            "replicas": job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"]}
+    return {
+        "output": str(args.output),
+        "name": job["metadata"]["name"],
+        "namespace": args.namespace,
+        "replicas": job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replicas"],
+    }

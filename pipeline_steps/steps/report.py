@@ -17,6 +17,7 @@ matplotlib's Agg canvas, and ``report.html`` (the same Markdown rendered by mark
 disabled, images inlined) when markdown-it-py is installed. The page holds no timestamp, so a retry writes
 the same bytes.
 """
+
 from __future__ import annotations
 
 import base64
@@ -28,11 +29,10 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pipeline_steps import atomic
-from pipeline_steps import metrics_log
+from pipeline_steps import atomic, metrics_log
 from pipeline_steps.errors import UserError
-from pipeline_steps.uris import local_path
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
+from pipeline_steps.uris import local_path
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,11 @@ MAX_PROBLEM_ROWS = 60
 
 
 def add_arguments(p):
-    p.add_argument("--run-dir", required=True, help="the run directory (local path or file:// URI): metrics.jsonl, eval/, lineage.json")
+    p.add_argument(
+        "--run-dir",
+        required=True,
+        help="the run directory (local path or file:// URI): metrics.jsonl, eval/, lineage.json",
+    )
     p.add_argument("--output", help="report directory (default: <run-dir>/report)")
     p.add_argument("--dashboard-url", default="", help="Ray dashboard URL of the training job (http or https)")
     p.add_argument("--exported-uri", default="", help="URI of the exported model (store URI or URL)")
@@ -65,8 +69,12 @@ def read_metrics(path: Path) -> dict:
     """Metric series from verl's file-logger lines: ``{"steps": {step: data}, "skipped": [line numbers], "lines": n}``."""
     log = metrics_log.read(path)
     steps = log.by_step()  # a resumed run logs the re-run steps again: the later line wins
-    return {"steps": dict(sorted(steps.items())), "skipped": log.skipped, "lines": len(log.rows) + len(log.skipped),
-            "duplicates": len(log.rows) - len(steps)}
+    return {
+        "steps": dict(sorted(steps.items())),
+        "skipped": log.skipped,
+        "lines": len(log.rows) + len(log.skipped),
+        "duplicates": len(log.rows) - len(steps),
+    }
 
 
 def series(steps: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
@@ -253,7 +261,11 @@ def eval_section(run_dir: Path, state: dict) -> list[str]:
         "",
         f"Model {code(model.get('path', NR), table=False)}"
         + (f" (checkpoint step {model['step']})" if model.get("step") is not None else "")
-        + (f"; base {code(_get(base, 'model', 'path'), table=False)}" if base else f"; base: `eval/base_results.json` {bstatus}"),
+        + (
+            f"; base {code(_get(base, 'model', 'path'), table=False)}"
+            if base
+            else f"; base: `eval/base_results.json` {bstatus}"
+        ),
         "",
         table,
         "",
@@ -279,7 +291,10 @@ def problems_table(res: dict, base: dict | None) -> list[str]:
         return []
     base_by_id = {str(p.get("id")): p for p in (base or {}).get("problems") or [] if isinstance(p, dict)}
     up = down = 0
-    rows = ["| problem | ground truth | model correct/k | base correct/k | majority answer |", "| --- | --- | ---: | ---: | --- |"]
+    rows = [
+        "| problem | ground truth | model correct/k | base correct/k | majority answer |",
+        "| --- | --- | ---: | ---: | --- |",
+    ]
     for p in problems:
         b = base_by_id.get(str(p.get("id")))
         if b is not None and isinstance(p.get("correct"), int) and isinstance(b.get("correct"), int):
@@ -288,12 +303,18 @@ def problems_table(res: dict, base: dict | None) -> list[str]:
         if len(rows) - 2 < MAX_PROBLEM_ROWS:
             base_cell = f"{b.get('correct', '?')}/{b.get('n', '?')}" if b else "—"
             maj = code(p["maj_answer"]) if p.get("maj_answer") is not None else "—"
-            rows.append(f"| {cell(p.get('id', '?'))} | {code(p.get('ground_truth', '?'))} | "
-                        f"{p.get('correct', '?')}/{p.get('n', '?')} | {base_cell} | {maj} |")
+            rows.append(
+                f"| {cell(p.get('id', '?'))} | {code(p.get('ground_truth', '?'))} | "
+                f"{p.get('correct', '?')}/{p.get('n', '?')} | {base_cell} | {maj} |"
+            )
     head = [f"### Per problem ({len(problems)})", ""]
     if base_by_id:
         head += [f"{up} problem(s) with more correct samples than the base, {down} with fewer.", ""]
-    tail = ["", f"({len(problems) - MAX_PROBLEM_ROWS} more in `eval/results.json`.)"] if len(problems) > MAX_PROBLEM_ROWS else []
+    tail = (
+        ["", f"({len(problems) - MAX_PROBLEM_ROWS} more in `eval/results.json`.)"]
+        if len(problems) > MAX_PROBLEM_ROWS
+        else []
+    )
     return head + rows + tail + [""]
 
 
@@ -312,7 +333,8 @@ def lineage_section(run_dir: Path, state: dict) -> list[str]:
     else:
         ov_hash = "none (no overrides)" if "overrides" in exp else NR
     lines += [
-        "| | |", "| --- | --- |",
+        "| | |",
+        "| --- | --- |",
         f"| base model | {code(_get(lin, 'base_model', 'name'))} at revision {code(_get(lin, 'base_model', 'revision'))} |",
         f"| base model URI | {code(_get(lin, 'base_model', 'uri'))} |",
         f"| experiment preset | {code(exp.get('name') or NR)} (sha256 {code(exp.get('preset_sha256') or exp.get('digest') or NR)}) |",
@@ -328,11 +350,17 @@ def lineage_section(run_dir: Path, state: dict) -> list[str]:
         lines += [f"- {code(o, table=False)}" for o in overrides]
     else:
         lines.append(f"- ({'none' if 'overrides' in exp else NR})")
-    lines += ["", "| dataset | role | source | revision | content hash | URI |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "| dataset | role | source | revision | content hash | URI |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     datasets = [d for d in lin.get("datasets") or [] if isinstance(d, dict)]
     for d in datasets:
-        lines.append(f"| {cell(_get(d, 'name'))} | {cell(_get(d, 'role'))} | {cell(_get(d, 'repo_id'))} | "
-                     f"{code(_get(d, 'revision'))} | {code(_get(d, 'content_hash'))} | {code(_get(d, 'uri'))} |")
+        lines.append(
+            f"| {cell(_get(d, 'name'))} | {cell(_get(d, 'role'))} | {cell(_get(d, 'repo_id'))} | "
+            f"{code(_get(d, 'revision'))} | {code(_get(d, 'content_hash'))} | {code(_get(d, 'uri'))} |"
+        )
     if not datasets:
         lines.append(f"| {NR} | | | | | |")
     return lines + [""]
@@ -345,7 +373,8 @@ def training_section(run_dir: Path, state: dict) -> list[str]:
     if ts is None:
         return lines + [f"`train_summary.json`: {status}.", ""]
     return lines + [
-        "| | |", "| --- | --- |",
+        "| | |",
+        "| --- | --- |",
         f"| experiment | {code(ts.get('experiment') or NR)} (digest {code(ts.get('experiment_digest') or NR)}) |",
         f"| last step | {cell(ts.get('last_step', NR))} |",
         f"| resumed from step | {cell(ts.get('resumed_from_step', NR))} |",
@@ -357,7 +386,8 @@ def training_section(run_dir: Path, state: dict) -> list[str]:
 
 def links_section(dashboard_url: str, exported_uri: str) -> list[str]:
     return [
-        "## Links", "",
+        "## Links",
+        "",
         f"- Ray dashboard: {link(safe_url(dashboard_url)) if dashboard_url else 'not given'}",
         f"- Exported model: {link(safe_url(exported_uri)) if exported_uri else 'not given'}",
         "",
@@ -383,11 +413,15 @@ def render_html(markdown_text: str, out: Path, title: str) -> str | None:
         return m.group(0)
 
     body = re.sub(r'src="([A-Za-z0-9_.-]+\.png)"', inline, body)
-    style = ("body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2rem .5rem}"
-             "code{background:#f4f4f4}img{max-width:100%}")
-    return (f"<!doctype html>\n<html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{style}</style></head><body>\n{body}</body></html>\n")
+    style = (
+        "body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.2rem .5rem}"
+        "code{background:#f4f4f4}img{max-width:100%}"
+    )
+    return (
+        f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{style}</style></head><body>\n{body}</body></html>\n"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,17 +431,23 @@ def validate_links(dashboard_url: str, exported_uri: str) -> None:
     if dashboard_url:
         parts = urlsplit(dashboard_url)
         if parts.scheme not in ("http", "https") or not parts.netloc or re.search(r"\s", dashboard_url):
-            raise UserError(f"--dashboard-url {dashboard_url[:80]!r}: expected an http:// or https:// URL; "
-                            "pass the Ray dashboard address or leave it out")
+            raise UserError(
+                f"--dashboard-url {dashboard_url[:80]!r}: expected an http:// or https:// URL; "
+                "pass the Ray dashboard address or leave it out"
+            )
     if exported_uri and (re.search(r"[\s\x00-\x1f]", exported_uri) or len(exported_uri) > 2000):
-        raise UserError(f"--exported-uri {exported_uri[:80]!r}: contains whitespace or control characters (or is too long); "
-                        "pass the store URI of the exported model")
+        raise UserError(
+            f"--exported-uri {exported_uri[:80]!r}: contains whitespace or control characters (or is too long); "
+            "pass the store URI of the exported model"
+        )
 
 
 def run(args) -> dict:
     run_dir = local_path(args.run_dir, "--run-dir")
     if not run_dir.is_dir():
-        raise UserError(f"--run-dir {args.run_dir}: not a directory; pass the run directory that holds metrics.jsonl and eval/")
+        raise UserError(
+            f"--run-dir {args.run_dir}: not a directory; pass the run directory that holds metrics.jsonl and eval/"
+        )
     out = local_path(args.output, "--output") if args.output else run_dir / "report"
     validate_links(args.dashboard_url, args.exported_uri)
     lin, _ = read_json(run_dir / "lineage.json")

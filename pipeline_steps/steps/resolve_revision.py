@@ -1,5 +1,6 @@
 """``python -m pipeline_steps resolve-revision --dataset NAME --as-of DATE``: a dataset's commit as of a date
 (see :mod:`pipeline_steps.data.revisions`)."""
+
 from __future__ import annotations
 
 from pipeline_steps.data import registry

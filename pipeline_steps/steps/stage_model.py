@@ -11,6 +11,7 @@ the same weights always land in the same place. A version that is already staged
 and verifies against its manifest is skipped (for a pinned Hub commit, without
 contacting the Hub).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,14 @@ COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 def add_arguments(p):
     p.add_argument("--model", required=True, help="Hub repo id (org/name), a local directory, or 'tiny'")
-    p.add_argument("--revision", default=None, help="Hub branch/tag/commit (pin a commit); for local sources a label (default: content hash)")
-    p.add_argument("--dest", required=True, help="store root URI; the model goes to <dest>/models/<org>/<name>/<revision>/")
+    p.add_argument(
+        "--revision",
+        default=None,
+        help="Hub branch/tag/commit (pin a commit); for local sources a label (default: content hash)",
+    )
+    p.add_argument(
+        "--dest", required=True, help="store root URI; the model goes to <dest>/models/<org>/<name>/<revision>/"
+    )
 
 
 def content_revision(src: Path, length: int = 12) -> str:
@@ -72,8 +79,15 @@ def _stage(store, src: Path, uri: str, revision: str, source: str) -> dict:
     if _already_staged(store, uri, src):
         manifest = store.read_manifest(uri)
         log.info("model %s already staged at %s", source, uri)
-        return {"uri": uri, "revision": revision, "source": source, "skipped": True, "uploaded": 0,
-                "files": len(manifest["files"]), "bytes_uploaded": 0}
+        return {
+            "uri": uri,
+            "revision": revision,
+            "source": source,
+            "skipped": True,
+            "uploaded": 0,
+            "files": len(manifest["files"]),
+            "bytes_uploaded": 0,
+        }
     summary = store.upload_dir(src, uri)
     return {**summary, "uri": uri, "revision": revision, "source": source, "skipped": False}
 
@@ -93,7 +107,9 @@ def run(args):
     if local.is_dir():
         name = local.resolve().name
         if not NAME_RE.match(name):
-            raise UserError(f"--model {model!r}: directory name {name!r} cannot be used as a model name; rename it (letters, digits, '.', '_', '-')")
+            raise UserError(
+                f"--model {model!r}: directory name {name!r} cannot be used as a model name; rename it (letters, digits, '.', '_', '-')"
+            )
         rev = _check_revision(args.revision) if args.revision else content_revision(local)
         return _stage(store, local, str(root.child(f"models/local/{name}/{rev}")), rev, str(local))
     if not REPO_RE.match(model):
@@ -104,8 +120,15 @@ def run(args):
         uri = str(root.child(f"models/{org}/{name}/{revision}"))
         if _already_staged(store, uri, None):
             manifest = store.read_manifest(uri)
-            return {"uri": uri, "revision": revision, "source": model, "skipped": True, "uploaded": 0,
-                    "files": len(manifest["files"]), "bytes_uploaded": 0}
+            return {
+                "uri": uri,
+                "revision": revision,
+                "source": model,
+                "skipped": True,
+                "uploaded": 0,
+                "files": len(manifest["files"]),
+                "bytes_uploaded": 0,
+            }
     from pipeline_steps.steps.download import fetch_snapshot
 
     snapshot = fetch_snapshot(model, revision, (), repo_type="model")

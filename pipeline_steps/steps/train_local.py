@@ -16,6 +16,7 @@ care which backend trained:
 Re-running with the same arguments resumes from the latest checkpoint
 (``trainer.resume_mode=auto``); a finished run is not trained again.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,9 +31,16 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p):
     p.add_argument("--experiment", required=True, help="preset name (dags/experiments/NAME.yaml) or a YAML file")
-    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override; repeatable")
+    p.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override; repeatable"
+    )
     p.add_argument("--train-files", nargs="+", required=True, help="verl-schema parquet files for training")
-    p.add_argument("--val-files", nargs="+", default=[], help="verl-schema parquet files for validation (used when trainer.test_freq > 0)")
+    p.add_argument(
+        "--val-files",
+        nargs="+",
+        default=[],
+        help="verl-schema parquet files for validation (used when trainer.test_freq > 0)",
+    )
     p.add_argument("--model-path", required=True, help="Hugging Face model directory (config, weights, tokenizer)")
     p.add_argument("--output-dir", required=True, help="run directory: checkpoints/, metrics.jsonl, train_summary.json")
 
@@ -55,9 +63,13 @@ def run(args) -> dict:
         if not Path(f).is_file():
             raise UserError(f"data file {f}: not found; pass parquet files written by the preprocess step")
     if not (Path(args.model_path) / "config.json").is_file():
-        raise UserError(f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model directory (build-tiny-model makes one)")
+        raise UserError(
+            f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model directory (build-tiny-model makes one)"
+        )
     out = Path(args.output_dir).resolve()
-    exp = experiment.load(args.experiment, args.override, derived=derived_keys(args.train_files, args.val_files, args.model_path, out))
+    exp = experiment.load(
+        args.experiment, args.override, derived=derived_keys(args.train_files, args.val_files, args.model_path, out)
+    )
     cfg = experiment.compose(exp)
     metrics_path = os.environ.get("VERL_FILE_LOGGER_PATH") or str(out / "metrics.jsonl")
 

@@ -5,6 +5,7 @@ differs (a re-run of a complete version sends zero bytes; an interrupted one is
 finished), writes ``_manifest.json`` last, and prints ``uploaded``, ``skipped`` and
 ``bytes_uploaded``. Credentials come from the environment (see pipeline_steps.store).
 """
+
 from __future__ import annotations
 
 from pipeline_steps.store import open_store
@@ -12,7 +13,9 @@ from pipeline_steps.store import open_store
 
 def add_arguments(p):
     p.add_argument("--src", required=True, help="local directory to upload (every file below it)")
-    p.add_argument("--dest", required=True, help="version URI: file:///abs/path, oss://bucket/prefix or gs://bucket/prefix")
+    p.add_argument(
+        "--dest", required=True, help="version URI: file:///abs/path, oss://bucket/prefix or gs://bucket/prefix"
+    )
 
 
 def run(args):

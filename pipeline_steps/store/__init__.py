@@ -11,6 +11,7 @@ fills it from a connection, see ``operators/storage.py``)::
     store.read_manifest(uri)                # None when the version is incomplete
     store.list_versions(prefix_uri); store.delete_prefix(uri); store.read_bytes(uri); store.write_bytes(uri, data)
 """
+
 from __future__ import annotations
 
 from pipeline_steps.store.base import MANIFEST, Store, StoreURI, conn_id, parse_uri, validate_key

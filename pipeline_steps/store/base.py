@@ -16,6 +16,7 @@ of the stored object, which must equal the file's (end to end). Checksums are ca
 file stat, so an unchanged directory is not read again. A file whose stat changes between
 the start of its hashing and the end of its upload is refused.
 """
+
 from __future__ import annotations
 
 import abc
@@ -111,7 +112,9 @@ def parse_uri(uri: str) -> StoreURI:
         return StoreURI("file", "", "/" + path)
     bucket = parts.netloc
     if not _BUCKET_RE.match(bucket):
-        raise UserError(f"store URI {uri!r}: bucket {bucket!r} is not a valid bucket name (lower-case letters, digits, '-', 3-63 chars)")
+        raise UserError(
+            f"store URI {uri!r}: bucket {bucket!r} is not a valid bucket name (lower-case letters, digits, '-', 3-63 chars)"
+        )
     if path:
         validate_key(path, f"prefix in store URI {uri!r}")
     return StoreURI(scheme, bucket, path)
@@ -131,9 +134,13 @@ class _ChecksumCache:
         try:
             root.mkdir(parents=True, exist_ok=True)
             # shared with upload_dir's hashing thread; sqlite3 serialises access to one connection
-            self.db = sqlite3.connect(str(root / "checksums.sqlite"), timeout=30, isolation_level=None, check_same_thread=False)
-            self.db.execute("CREATE TABLE IF NOT EXISTS sums (path TEXT, size INT, mtime INT, ino INT, algo TEXT, value TEXT,"
-                            " PRIMARY KEY (path, algo))")
+            self.db = sqlite3.connect(
+                str(root / "checksums.sqlite"), timeout=30, isolation_level=None, check_same_thread=False
+            )
+            self.db.execute(
+                "CREATE TABLE IF NOT EXISTS sums (path TEXT, size INT, mtime INT, ino INT, algo TEXT, value TEXT,"
+                " PRIMARY KEY (path, algo))"
+            )
         except (OSError, sqlite3.Error) as exc:  # read-only home: still correct, just slower
             log.debug("checksum cache disabled: %s", exc)
             self.db = None
@@ -141,15 +148,19 @@ class _ChecksumCache:
     def get(self, path: Path, st: os.stat_result, algo: str) -> str | None:
         if self.db is None:
             return None
-        row = self.db.execute("SELECT size, mtime, ino, value FROM sums WHERE path=? AND algo=?", (str(path), algo)).fetchone()
+        row = self.db.execute(
+            "SELECT size, mtime, ino, value FROM sums WHERE path=? AND algo=?", (str(path), algo)
+        ).fetchone()
         if row and tuple(row[:3]) == (st.st_size, st.st_mtime_ns, st.st_ino):
             return row[3]
         return None
 
     def put(self, path: Path, st: os.stat_result, algo: str, value: str) -> None:
         if self.db is not None:
-            self.db.execute("INSERT OR REPLACE INTO sums VALUES (?,?,?,?,?,?)",
-                            (str(path), st.st_size, st.st_mtime_ns, st.st_ino, algo, value))
+            self.db.execute(
+                "INSERT OR REPLACE INTO sums VALUES (?,?,?,?,?,?)",
+                (str(path), st.st_size, st.st_mtime_ns, st.st_ino, algo, value),
+            )
 
 
 def _native_hasher(algo: str | None):
@@ -302,7 +313,9 @@ class Store(abc.ABC):
             if manifest.get("format") != MANIFEST_FORMAT or not isinstance(manifest.get("files"), list):
                 raise ValueError("unknown format")
         except (ValueError, AttributeError):
-            raise UserError(f"{uri}/{MANIFEST} is not a manifest this version understands; re-upload the version") from None
+            raise UserError(
+                f"{uri}/{MANIFEST} is not a manifest this version understands; re-upload the version"
+            ) from None
         return manifest
 
     def list_versions(self, prefix_uri: str) -> list[str]:
@@ -312,7 +325,7 @@ class Store(abc.ABC):
         _, children = self._list(base, "/")
         out = []
         for child in sorted(children):
-            name = child[len(base):].strip("/")
+            name = child[len(base) :].strip("/")
             if name and self._head(self._join(child.rstrip("/"), MANIFEST)) is not None:
                 out.append(str(u.child(name)))
         return out
@@ -343,7 +356,9 @@ class Store(abc.ABC):
         src = Path(src_dir)
         u = self._parse(dest_uri)
         if not u.key.strip("/"):
-            raise UserError(f"--dest {dest_uri!r} is a store root; upload into a version prefix such as .../datasets/<name>/<rev>")
+            raise UserError(
+                f"--dest {dest_uri!r} is a store root; upload into a version prefix such as .../datasets/<name>/<rev>"
+            )
         files = _source_files(src)
         cache = _ChecksumCache()
         manifest_key = self._join(u.key, MANIFEST)
@@ -365,7 +380,9 @@ class Store(abc.ABC):
                     skipped += 1
                     continue
             if info is not None:
-                log.warning("%s: stored object differs (size %s, checksum %s); re-uploading", key, info.size, info.checksum)
+                log.warning(
+                    "%s: stored object differs (size %s, checksum %s); re-uploading", key, info.size, info.checksum
+                )
             todo.append((entry, st, path, key))
         if todo and old_raw is not None:
             # Objects of a committed version are about to change: withdraw its commit marker first so
@@ -375,16 +392,24 @@ class Store(abc.ABC):
         uploaded, sent = 0, 0
         with ThreadPoolExecutor(1, thread_name_prefix="checksums") as hasher:
             for entry, st, path, key in todo:
-                sums = None if {"sha256", self.native} <= entry.keys() else hasher.submit(file_checksums, path, self.native, cache)
+                sums = (
+                    None
+                    if {"sha256", self.native} <= entry.keys()
+                    else hasher.submit(file_checksums, path, self.native, cache)
+                )
                 stored = self._put_file(path, key, entry["size"])
                 if sums is not None:
                     entry.update(sums.result())
                 if not _same_file(path.stat(), st):
-                    raise UserError(f"--src {src}: {entry['path']} changed while it was uploaded; re-run when the source is stable")
+                    raise UserError(
+                        f"--src {src}: {entry['path']} changed while it was uploaded; re-run when the source is stable"
+                    )
                 if stored is not None and stored != entry[self.native]:
                     # end to end: the server's checksum of the stored object against the file's; a retry re-uploads it
-                    raise RuntimeError(f"{key}: the stored object's {self.native} ({stored}) is not the file's "
-                                       f"({entry[self.native]}): corrupted in transfer; retry the upload")
+                    raise RuntimeError(
+                        f"{key}: the stored object's {self.native} ({stored}) is not the file's "
+                        f"({entry[self.native]}): corrupted in transfer; retry the upload"
+                    )
                 self._stored(key, entry)
                 uploaded += 1
                 sent += entry["size"]
@@ -440,7 +465,8 @@ class Store(abc.ABC):
                 if out.stat().st_size != e["size"] or got["sha256"] != e["sha256"]:
                     raise UserError(
                         f"{src_uri}/{rel}: stored object does not match the manifest (sha256 {got['sha256'][:12]} != "
-                        f"{e['sha256'][:12]}); the version is corrupted, re-upload it from its source")
+                        f"{e['sha256'][:12]}); the version is corrupted, re-upload it from its source"
+                    )
                 total += e["size"]
         return {"uri": str(u), "path": str(dest), "files": len(manifest["files"]), "bytes": total}
 

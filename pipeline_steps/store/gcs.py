@@ -14,6 +14,7 @@ Environment: ``GOOGLE_APPLICATION_CREDENTIALS`` (key file path) or ``GCS_KEYFILE
 ``STORAGE_EMULATOR_HOST`` points the client at an emulator (no credentials then).
 ``PIPELINE_STORE_RETRY_DEADLINE`` (seconds, 60) bounds retries of transient errors.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,7 +69,9 @@ class GcsStore(Store):
                     info = json.loads(keyfile_json)
                     credentials = service_account.Credentials.from_service_account_info(info)
                 except (ValueError, KeyError, TypeError):
-                    raise UserError(f"store connection {conn_id()!r}: its GCS key file JSON is not a valid service-account key; paste the key file again") from None
+                    raise UserError(
+                        f"store connection {conn_id()!r}: its GCS key file JSON is not a valid service-account key; paste the key file again"
+                    ) from None
                 project = project or info.get("project_id")
             self.client = storage.Client(project=project, credentials=credentials)
             # requests keeps each response's request body alive until the next chunk's response replaces
@@ -90,9 +93,13 @@ class GcsStore(Store):
         except UserError:
             raise
         except (gexc.Unauthorized, gexc.Forbidden) as exc:
-            raise UserError(f"store connection {cid!r}: GCS refused the credentials for {where} (HTTP {exc.code}); check the connection's key file and project") from None
+            raise UserError(
+                f"store connection {cid!r}: GCS refused the credentials for {where} (HTTP {exc.code}); check the connection's key file and project"
+            ) from None
         except gexc.NotFound:
-            raise UserError(f"store connection {cid!r}: bucket {self.root.bucket!r} does not exist (GCS {op} {where}); create it or fix the URI") from None
+            raise UserError(
+                f"store connection {cid!r}: bucket {self.root.bucket!r} does not exist (GCS {op} {where}); create it or fix the URI"
+            ) from None
         except gexc.GoogleAPICallError as exc:
             raise UserError(f"store connection {cid!r}: GCS {op} {where} failed (HTTP {exc.code})") from None
         except Exception as exc:
@@ -101,11 +108,19 @@ class GcsStore(Store):
             from google.resumable_media import DataCorruption
 
             if isinstance(exc, DataCorruption):
-                raise UserError(f"GCS {op} {where}: CRC32C mismatch between client and server; the transfer was corrupted, re-run") from None
+                raise UserError(
+                    f"GCS {op} {where}: CRC32C mismatch between client and server; the transfer was corrupted, re-run"
+                ) from None
             if isinstance(exc, gae.DefaultCredentialsError):
-                raise UserError(f"store connection {cid!r}: no GCS credentials found; set the connection's key_path/keyfile_dict (or GOOGLE_APPLICATION_CREDENTIALS)") from None
-            if isinstance(exc, (gae.TransportError, gae.RefreshError, requests.ConnectionError, requests.Timeout, gexc.RetryError)):
-                raise UserError(f"store connection {cid!r}: cannot reach GCS at {self.endpoint} or get a token ({exc.__class__.__name__}); check the connection and the network") from None
+                raise UserError(
+                    f"store connection {cid!r}: no GCS credentials found; set the connection's key_path/keyfile_dict (or GOOGLE_APPLICATION_CREDENTIALS)"
+                ) from None
+            if isinstance(
+                exc, (gae.TransportError, gae.RefreshError, requests.ConnectionError, requests.Timeout, gexc.RetryError)
+            ):
+                raise UserError(
+                    f"store connection {cid!r}: cannot reach GCS at {self.endpoint} or get a token ({exc.__class__.__name__}); check the connection and the network"
+                ) from None
             raise
 
     def _ensure_bucket(self):
@@ -153,7 +168,9 @@ class GcsStore(Store):
     def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
         self._ensure_bucket()
         with self._errors("list", prefix):
-            it = self.client.list_blobs(self.bucket_name, prefix=prefix, delimiter=delimiter, retry=self.retry, timeout=self.timeout)
+            it = self.client.list_blobs(
+                self.bucket_name, prefix=prefix, delimiter=delimiter, retry=self.retry, timeout=self.timeout
+            )
             keys = [b.name for b in it]
             return keys, sorted(it.prefixes)
 

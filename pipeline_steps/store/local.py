@@ -5,6 +5,7 @@ is sha256 of the stored file (cached by path, size, mtime and inode, so any writ
 it is seen), so a modified file is detected and repaired by the next upload;
 downloads always re-read and verify every byte.
 """
+
 from __future__ import annotations
 
 import os

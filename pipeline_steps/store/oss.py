@@ -15,6 +15,7 @@ Environment (the Airflow side fills it from a connection, see operators/storage.
 IP/localhost endpoints). Tuning: ``PIPELINE_STORE_PART_MB`` (16), ``PIPELINE_STORE_PARALLEL`` (4):
 peak memory is bounded by parts in flight x part size.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,12 +61,18 @@ class OssStore(Store):
         region = os.environ.get("OSS_REGION", "")
         endpoint = os.environ.get("OSS_ENDPOINT", "")
         if not region:
-            raise UserError(f"store connection {conn_id()!r}: no OSS region; set the connection's extra 'region' (or OSS_REGION), e.g. cn-hangzhou")
+            raise UserError(
+                f"store connection {conn_id()!r}: no OSS region; set the connection's extra 'region' (or OSS_REGION), e.g. cn-hangzhou"
+            )
         key_id, secret = os.environ.get("OSS_ACCESS_KEY_ID", ""), os.environ.get("OSS_ACCESS_KEY_SECRET", "")
         if not key_id or not secret:
-            raise UserError(f"store connection {conn_id()!r}: no OSS credentials; set its login/password (or OSS_ACCESS_KEY_ID/OSS_ACCESS_KEY_SECRET)")
+            raise UserError(
+                f"store connection {conn_id()!r}: no OSS credentials; set its login/password (or OSS_ACCESS_KEY_ID/OSS_ACCESS_KEY_SECRET)"
+            )
         cfg = oss.config.load_default()
-        cfg.credentials_provider = oss.credentials.StaticCredentialsProvider(key_id, secret, os.environ.get("OSS_SESSION_TOKEN") or None)
+        cfg.credentials_provider = oss.credentials.StaticCredentialsProvider(
+            key_id, secret, os.environ.get("OSS_SESSION_TOKEN") or None
+        )
         cfg.region = region
         if endpoint:
             cfg.endpoint = endpoint
@@ -100,15 +107,31 @@ class OssStore(Store):
             cid = conn_id()
             if isinstance(err, oss.exceptions.ServiceError):
                 code = err.code or f"HTTP {err.status_code}"
-                if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "SecurityTokenExpired", "InvalidSecurityToken"):
-                    raise UserError(f"store connection {cid!r}: OSS refused the credentials for {where} ({code}); check the connection's key id and secret") from None
+                if code in (
+                    "InvalidAccessKeyId",
+                    "SignatureDoesNotMatch",
+                    "AccessDenied",
+                    "SecurityTokenExpired",
+                    "InvalidSecurityToken",
+                ):
+                    raise UserError(
+                        f"store connection {cid!r}: OSS refused the credentials for {where} ({code}); check the connection's key id and secret"
+                    ) from None
                 if code == "NoSuchBucket":
-                    raise UserError(f"store connection {cid!r}: bucket {self.bucket!r} does not exist at {self.endpoint} (NoSuchBucket); create it or fix the URI/region") from None
-                raise UserError(f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code})") from None
+                    raise UserError(
+                        f"store connection {cid!r}: bucket {self.bucket!r} does not exist at {self.endpoint} (NoSuchBucket); create it or fix the URI/region"
+                    ) from None
+                raise UserError(
+                    f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code})"
+                ) from None
             if isinstance(err, oss.exceptions.InconsistentError):
-                raise UserError(f"OSS {op} {where}: CRC64 mismatch between client and server; the transfer was corrupted, re-run") from None
+                raise UserError(
+                    f"OSS {op} {where}: CRC64 mismatch between client and server; the transfer was corrupted, re-run"
+                ) from None
             if isinstance(err, (oss.exceptions.RequestError, ConnectionError)):
-                raise UserError(f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} ({err.__class__.__name__}); check the connection's endpoint/region and the network") from None
+                raise UserError(
+                    f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} ({err.__class__.__name__}); check the connection's endpoint/region and the network"
+                ) from None
             raise
 
     def _ensure_bucket(self):
@@ -116,7 +139,9 @@ class OssStore(Store):
         if self._bucket_checked:
             return
         with self._errors("list", self.root.key):
-            self.client.list_objects_v2(self._oss.ListObjectsV2Request(bucket=self.bucket, prefix=self.root.key, max_keys=1))
+            self.client.list_objects_v2(
+                self._oss.ListObjectsV2Request(bucket=self.bucket, prefix=self.root.key, max_keys=1)
+            )
         self._bucket_checked = True
 
     # -- primitives -------------------------------------------------------------------------------
@@ -134,8 +159,9 @@ class OssStore(Store):
                 raise
 
     def _head(self, key: str) -> ObjectInfo | None:
-        r = self._unless_missing("head", key, lambda: self.client.head_object(
-            self._oss.HeadObjectRequest(bucket=self.bucket, key=key)))
+        r = self._unless_missing(
+            "head", key, lambda: self.client.head_object(self._oss.HeadObjectRequest(bucket=self.bucket, key=key))
+        )
         return None if r is None else ObjectInfo(size=int(r.content_length), checksum=r.hash_crc64)
 
     def _put_file(self, path: Path, key: str, size: int) -> str | None:
@@ -145,15 +171,19 @@ class OssStore(Store):
         with self._errors("upload", key):
             try:
                 result = uploader.upload_file(
-                    oss.PutObjectRequest(bucket=self.bucket, key=key), str(path),
-                    enable_checkpoint=True, checkpoint_dir=checkpoint_dir(),
+                    oss.PutObjectRequest(bucket=self.bucket, key=key),
+                    str(path),
+                    enable_checkpoint=True,
+                    checkpoint_dir=checkpoint_dir(),
                 )
             except oss.uploader.UploadError as exc:
                 # With checkpoints the SDK keeps parts for a resume; after an error (not a kill) we abort
                 # instead, so no multipart upload is left behind (a retry starts the file afresh).
                 if exc.upload_id:
                     with contextlib.suppress(Exception):
-                        self.client.abort_multipart_upload(oss.AbortMultipartUploadRequest(bucket=self.bucket, key=key, upload_id=exc.upload_id))
+                        self.client.abort_multipart_upload(
+                            oss.AbortMultipartUploadRequest(bucket=self.bucket, key=key, upload_id=exc.upload_id)
+                        )
                 raise
         return result.hash_crc64  # the server's CRC64 of the completed object
 
@@ -182,7 +212,8 @@ class OssStore(Store):
         keys, prefixes = [], []
         with self._errors("list", prefix):
             pages = self.client.list_objects_v2_paginator().iter_page(
-                self._oss.ListObjectsV2Request(bucket=self.bucket, prefix=prefix, delimiter=delimiter or None))
+                self._oss.ListObjectsV2Request(bucket=self.bucket, prefix=prefix, delimiter=delimiter or None)
+            )
             for page in pages:
                 keys += [o.key for o in page.contents or []]
                 prefixes += [p.prefix for p in page.common_prefixes or []]
@@ -196,8 +227,10 @@ class OssStore(Store):
         n = 0
         with self._errors("delete", keys[0]):
             for i in range(0, len(keys), 1000):
-                batch = [oss.DeleteObject(key=k) for k in keys[i:i + 1000]]
-                self.client.delete_multiple_objects(oss.DeleteMultipleObjectsRequest(bucket=self.bucket, objects=batch, quiet=True))
+                batch = [oss.DeleteObject(key=k) for k in keys[i : i + 1000]]
+                self.client.delete_multiple_objects(
+                    oss.DeleteMultipleObjectsRequest(bucket=self.bucket, objects=batch, quiet=True)
+                )
                 n += len(batch)
         return n
 
@@ -207,10 +240,13 @@ class OssStore(Store):
         n = 0
         with self._errors("abort-multipart", prefix):
             pages = self.client.list_multipart_uploads_paginator().iter_page(
-                oss.ListMultipartUploadsRequest(bucket=self.bucket, prefix=prefix))
+                oss.ListMultipartUploadsRequest(bucket=self.bucket, prefix=prefix)
+            )
             for page in pages:
                 for up in page.uploads or []:
-                    self.client.abort_multipart_upload(oss.AbortMultipartUploadRequest(bucket=self.bucket, key=up.key, upload_id=up.upload_id))
+                    self.client.abort_multipart_upload(
+                        oss.AbortMultipartUploadRequest(bucket=self.bucket, key=up.key, upload_id=up.upload_id)
+                    )
                     n += 1
         return n
 

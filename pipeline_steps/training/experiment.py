@@ -10,6 +10,7 @@ and free-form ``KEY=VALUE`` overrides typed by the user.
 (``verl.trainer.config/ppo_trainer``), so unknown keys and bad types fail the
 way they would on the cluster, but on CPU in seconds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,6 +40,8 @@ def preset_dirs() -> list[Path]:
 
 def preset_names() -> list[str]:
     return sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml")})
+
+
 KEY_RE = re.compile(r"^\+{0,2}[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
 
@@ -194,7 +197,7 @@ def suggest_key(key: str) -> str | None:
         node, prefix = node[part], prefix + [part]
     if not isinstance(node, dict):
         return None
-    rest = ".".join(parts[len(prefix):])
+    rest = ".".join(parts[len(prefix) :])
     match = difflib.get_close_matches(rest, [str(k) for k in node], n=1, cutoff=0.6)
     return ".".join(prefix + [match[0]]) if match else None
 
@@ -221,9 +224,13 @@ def compose(exp: Experiment):
         if key and "not in struct" in msg:
             hint = suggest_key(key)
             hint = f" (did you mean {hint}?)" if hint else ""
-            raise UserError(f"verl override {key!r}: no such key in verl's ppo_trainer config{hint}; fix its spelling or prefix it with '+' to add a new key") from None
+            raise UserError(
+                f"verl override {key!r}: no such key in verl's ppo_trainer config{hint}; fix its spelling or prefix it with '+' to add a new key"
+            ) from None
         if key:
-            raise UserError(f"verl override {key!r} rejected: {msg[:300]}; check the key's spelling against verl's ppo_trainer config") from None
+            raise UserError(
+                f"verl override {key!r} rejected: {msg[:300]}; check the key's spelling against verl's ppo_trainer config"
+            ) from None
         raise UserError(f"verl config does not compose: {msg[:300]}") from None
     finally:
         GlobalHydra.instance().clear()

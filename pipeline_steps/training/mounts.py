@@ -13,6 +13,7 @@ Optional per entry: ``readOnly`` (bool), ``subPath`` (folder of the volume to mo
 ``podAnnotations`` (what the CSI driver needs on the pods, e.g. GCS Fuse's
 ``{"gke-gcsfuse/volumes": "true"}``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -80,7 +81,9 @@ class MountMap:
             if m.uri in seen:
                 raise UserError(f"mounts: {m.uri!r} is listed twice; keep one entry per URI prefix")
             if m.path in paths:
-                raise UserError(f"mounts: {m.uri!r} and {paths[m.path].uri!r} use the same path {m.path!r}; give each its own path")
+                raise UserError(
+                    f"mounts: {m.uri!r} and {paths[m.path].uri!r} use the same path {m.path!r}; give each its own path"
+                )
             seen[m.uri] = paths[m.path] = m
 
     def __len__(self) -> int:
@@ -102,7 +105,9 @@ class MountMap:
         elif isinstance(config, list):
             entries = config
         else:
-            raise UserError(f"{source}: expected a list of {{uri, claim, path}} entries or a mapping of URI to {{claim, path}}")
+            raise UserError(
+                f"{source}: expected a list of {{uri, claim, path}} entries or a mapping of URI to {{claim, path}}"
+            )
         return cls([_parse_entry(e, source) for e in entries])
 
     @classmethod
@@ -113,7 +118,9 @@ class MountMap:
         try:
             config = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise UserError(f"${ENV_VAR}: not valid JSON ({exc.msg} at char {exc.pos}); see pipeline_steps/mounts.py for the format") from None
+            raise UserError(
+                f"${ENV_VAR}: not valid JSON ({exc.msg} at char {exc.pos}); see pipeline_steps/mounts.py for the format"
+            ) from None
         return cls.from_config(config, source=f"${ENV_VAR}")
 
     def find(self, uri: str) -> tuple[Mount, str] | None:
@@ -121,7 +128,7 @@ class MountMap:
         uri = str(uri)
         for m in self.mounts:  # longest prefix first
             if uri == m.uri or uri.startswith(m.uri + "/"):
-                return m, uri[len(m.uri):]
+                return m, uri[len(m.uri) :]
         return None
 
     def to_pod_path(self, uri: str) -> str:
@@ -171,13 +178,17 @@ def _parse_entry(entry, source: str) -> Mount:
         raise UserError(f"{source}: every entry must be a mapping with uri, claim and path; got {type(entry).__name__}")
     unknown = set(entry) - {"uri", "claim", "path", "readOnly", "subPath", "podAnnotations"}
     if unknown:
-        raise UserError(f"{source}: unknown keys {sorted(unknown)} in entry {entry.get('uri')!r}; allowed: uri, claim, path, readOnly, subPath, podAnnotations")
+        raise UserError(
+            f"{source}: unknown keys {sorted(unknown)} in entry {entry.get('uri')!r}; allowed: uri, claim, path, readOnly, subPath, podAnnotations"
+        )
     uri, claim, path = (str(entry.get(k) or "") for k in ("uri", "claim", "path"))
     parts = split_uri(uri)
     if parts is None or not parts[1].strip("/"):
         raise UserError(f"{source}: uri {uri!r} must look like scheme://bucket[/prefix], for example gs://my-bucket")
     if not CLAIM_RE.match(claim):
-        raise UserError(f"{source}: claim {claim!r} for {uri!r} is not a valid PersistentVolumeClaim name (lower-case DNS name)")
+        raise UserError(
+            f"{source}: claim {claim!r} for {uri!r} is not a valid PersistentVolumeClaim name (lower-case DNS name)"
+        )
     if not path.startswith("/") or posixpath.normpath(path) != path.rstrip("/") or path == "/":
         raise UserError(f"{source}: path {path!r} for {uri!r} must be a normalised absolute directory other than /")
     if any(path == r or path.startswith(r + "/") for r in RESERVED_PATHS):
@@ -189,7 +200,15 @@ def _parse_entry(entry, source: str) -> Mount:
     if sub_path is not None:
         sub_path = _clean_rel(str(sub_path), f"{source}: subPath for {uri!r}") or None
     ann = entry.get("podAnnotations") or {}
-    if not isinstance(ann, dict) or not all(re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,62}", str(k)) for k in ann):
+    if not isinstance(ann, dict) or not all(
+        re.fullmatch(r"([a-z0-9.-]+/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,62}", str(k)) for k in ann
+    ):
         raise UserError(f"{source}: podAnnotations for {uri!r} must map annotation names to string values")
-    return Mount(uri=uri.rstrip("/"), claim=claim, path=path.rstrip("/"), read_only=read_only, sub_path=sub_path,
-                 pod_annotations=tuple(sorted((str(k), str(v)) for k, v in ann.items())))
+    return Mount(
+        uri=uri.rstrip("/"),
+        claim=claim,
+        path=path.rstrip("/"),
+        read_only=read_only,
+        sub_path=sub_path,
+        pod_annotations=tuple(sorted((str(k), str(v)) for k, v in ann.items())),
+    )

@@ -6,6 +6,7 @@ backfill over an unchanged revision finds its outputs already there and skips th
 dataset through download -> preprocess -> upload so each mapped task knows what it is working on.
 Cheap to import: the DAG file uses these at parse time.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from pipeline_steps.data import registry
 from pipeline_steps.errors import UserError
-from pipeline_steps.uris import strip_file_scheme
 from pipeline_steps.training import experiment
+from pipeline_steps.uris import strip_file_scheme
 
 SMOKE_ROWS = 8
 
@@ -52,7 +53,9 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     extra_sets = list(params.get("prepare_datasets") or [])
     for name in dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets):
         if name not in known or not known[name].repo_id:
-            raise UserError(f"dataset {name!r} is not a downloadable registry entry; choose from {sorted(k for k, v in known.items() if v.repo_id)}")
+            raise UserError(
+                f"dataset {name!r} is not a downloadable registry entry; choose from {sorted(k for k, v in known.items() if v.repo_id)}"
+            )
         if name in pins:
             revision, resolved = pins[name], {"source": "pinned"}
         elif logical_date is not None and params.get("revisions_as_of_logical_date", True):
@@ -60,16 +63,18 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
             revision = resolved["commit"]
         else:
             revision, resolved = "main", {"source": "branch"}
-        items.append({
-            "dataset": name,
-            "role": "train" if name in train_sets else "eval" if name == eval_set else "prepare",
-            "revision": revision,
-            "resolved": resolved,
-            "variant": params.get("variant") or "default",
-            "limit": SMOKE_ROWS if smoke else None,
-            "work": work,
-            "store": store,
-        })
+        items.append(
+            {
+                "dataset": name,
+                "role": "train" if name in train_sets else "eval" if name == eval_set else "prepare",
+                "revision": revision,
+                "resolved": resolved,
+                "variant": params.get("variant") or "default",
+                "limit": SMOKE_ROWS if smoke else None,
+                "work": work,
+                "store": store,
+            }
+        )
     model = params.get("model") or (spec.get("model") or {}).get("source") or (spec.get("model") or {}).get("repo_id")
     model_revision = params.get("model_revision") or (spec.get("model") or {}).get("revision") or "main"
     key = run_key(run_id)
@@ -88,14 +93,25 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
 
 
 def download_request(item: dict) -> dict:
-    return {"args": ["--dataset", item["dataset"], "--revision", item["revision"], "--dest", f"{item['work']}/snapshots"], "carry": item}
+    return {
+        "args": ["--dataset", item["dataset"], "--revision", item["revision"], "--dest", f"{item['work']}/snapshots"],
+        "carry": item,
+    }
 
 
 def preprocess_request(done: dict) -> dict:
     commit = done["download"]["commit"]
     tag = done["variant"] + (f"-limit{done['limit']}" if done.get("limit") else "")
-    args = ["--dataset", done["dataset"], "--input", done["download"]["path"],
-            "--output", f"{done['work']}/processed/{done['dataset']}/{commit}/{tag}", "--variant", done["variant"]]
+    args = [
+        "--dataset",
+        done["dataset"],
+        "--input",
+        done["download"]["path"],
+        "--output",
+        f"{done['work']}/processed/{done['dataset']}/{commit}/{tag}",
+        "--variant",
+        done["variant"],
+    ]
     if done.get("limit"):
         args += ["--limit", str(done["limit"])]
     return {"args": args, "carry": done}
@@ -123,7 +139,10 @@ def overrides(params: dict) -> list[str]:
     out = [f"{key}={params[field]}" for field, key in HYPERPARAMETERS.items() if params.get(field) is not None]
     if params.get("kl_coef") is not None:
         use = float(params["kl_coef"]) > 0
-        out += [f"actor_rollout_ref.actor.use_kl_loss={'true' if use else 'false'}", f"actor_rollout_ref.actor.kl_loss_coef={params['kl_coef']}"]
+        out += [
+            f"actor_rollout_ref.actor.use_kl_loss={'true' if use else 'false'}",
+            f"actor_rollout_ref.actor.kl_loss_coef={params['kl_coef']}",
+        ]
     if params.get("smoke"):
         out += ["trainer.total_training_steps=1", "trainer.save_freq=1"]
     return out + list(params.get("verl_overrides") or [])
@@ -143,19 +162,38 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
     val_names = set((exp.spec.get("datasets") or {}).get("val") or [])
     train = [d for d in uploaded if d["role"] == "train"]
     train_files = [u for d in train if (u := _split_uri(d, "train"))]
-    val_files = [u for d in uploaded if d["dataset"] in val_names and (u := _split_uri(d, "test", "validation", "train"))]
-    evals = [d for d in uploaded if d["dataset"] == (params.get("eval_dataset") or (exp.spec.get("evaluation") or {}).get("dataset"))]
+    val_files = [
+        u for d in uploaded if d["dataset"] in val_names and (u := _split_uri(d, "test", "validation", "train"))
+    ]
+    evals = [
+        d
+        for d in uploaded
+        if d["dataset"] == (params.get("eval_dataset") or (exp.spec.get("evaluation") or {}).get("dataset"))
+    ]
     eval_file = _split_uri(evals[0], "test", "validation", "train") if evals else None
     if not train_files:
         raise UserError("no training split among the processed datasets; add a dataset with a train split")
     model = staged["stage_model"]
     lineage = {
         "base_model": {"name": staged["model"], "revision": model.get("revision"), "uri": model.get("uri")},
-        "datasets": [{"name": d["dataset"], "role": d["role"], "repo_id": d["download"].get("repo_id"),
-                      "revision": d["download"]["commit"], "content_hash": d["preprocess"]["content_hash"],
-                      "uri": d["upload"]["uri"], "resolved": d.get("resolved")} for d in uploaded],
-        "experiment": {"name": exp.name, "preset_sha256": exp.digest(), "overrides": overrides(params),
-                       "overrides_sha256": hashlib.sha256(json.dumps(overrides(params)).encode()).hexdigest()},
+        "datasets": [
+            {
+                "name": d["dataset"],
+                "role": d["role"],
+                "repo_id": d["download"].get("repo_id"),
+                "revision": d["download"]["commit"],
+                "content_hash": d["preprocess"]["content_hash"],
+                "uri": d["upload"]["uri"],
+                "resolved": d.get("resolved"),
+            }
+            for d in uploaded
+        ],
+        "experiment": {
+            "name": exp.name,
+            "preset_sha256": exp.digest(),
+            "overrides": overrides(params),
+            "overrides_sha256": hashlib.sha256(json.dumps(overrides(params)).encode()).hexdigest(),
+        },
         "dag_id": run["dag_id"],
         "run_id": run["run_id"],
         "run_uri": run["run_dir"],
@@ -177,11 +215,26 @@ def evaluate_request(inputs: dict, trained: dict, run: dict, backend: str = "loc
     ev = inputs["evaluation"]
     if not inputs.get("eval_file"):
         raise UserError("no evaluation set was processed; set eval_dataset or the preset's evaluation.dataset")
-    args = ["--model", strip_file_scheme(trained["checkpoint_uri"]), "--data", strip_file_scheme(inputs["eval_file"]),
-            "--output", strip_file_scheme(f"{run['run_dir']}/eval"), "--base-model", strip_file_scheme(inputs["model_uri"]),
-            "--baseline-cache", strip_file_scheme(f"{run['store']}/cache/baseline"),  # shared by runs, and reachable from pods
-            "--k", str(ev.get("k", 4)), "--temperature", str(ev.get("temperature", 1.0)), "--top-p", str(ev.get("top_p", 1.0)),
-            "--max-new-tokens", str(ev.get("max_new_tokens", 512))]
+    args = [
+        "--model",
+        strip_file_scheme(trained["checkpoint_uri"]),
+        "--data",
+        strip_file_scheme(inputs["eval_file"]),
+        "--output",
+        strip_file_scheme(f"{run['run_dir']}/eval"),
+        "--base-model",
+        strip_file_scheme(inputs["model_uri"]),
+        "--baseline-cache",
+        strip_file_scheme(f"{run['store']}/cache/baseline"),  # shared by runs, and reachable from pods
+        "--k",
+        str(ev.get("k", 4)),
+        "--temperature",
+        str(ev.get("temperature", 1.0)),
+        "--top-p",
+        str(ev.get("top_p", 1.0)),
+        "--max-new-tokens",
+        str(ev.get("max_new_tokens", 512)),
+    ]
     if run.get("smoke"):
         args += ["--max-problems", "4"]
     if backend == "kuberay":
@@ -190,9 +243,22 @@ def evaluate_request(inputs: dict, trained: dict, run: dict, backend: str = "loc
 
 
 def export_request(inputs: dict, trained: dict, run: dict, evaluated: dict, lineage_file: str) -> dict:
-    args = ["--checkpoint-dir", strip_file_scheme(trained["checkpoint_uri"]), "--output", f"{run['work']}/export/{run['run_key']}",
-            "--store-root", run["store"], "--experiment", run["experiment"], "--lineage", lineage_file,
-            "--eval-results", evaluated["evaluate"]["results"], "--base-results", evaluated["evaluate"]["base_results"]]
+    args = [
+        "--checkpoint-dir",
+        strip_file_scheme(trained["checkpoint_uri"]),
+        "--output",
+        f"{run['work']}/export/{run['run_key']}",
+        "--store-root",
+        run["store"],
+        "--experiment",
+        run["experiment"],
+        "--lineage",
+        lineage_file,
+        "--eval-results",
+        evaluated["evaluate"]["results"],
+        "--base-results",
+        evaluated["evaluate"]["base_results"],
+    ]
     return {"args": args, "carry": {}}
 
 

@@ -11,6 +11,7 @@ and data files or a model that are not staged in the store.
 
 Every failure is a :class:`UserError` whose one line names the key.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -182,7 +183,9 @@ def check_value_types(exp: Experiment) -> None:
         verdict = _matches(tp, value) if tp is not _MISSING else None
         if verdict is False:
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-            raise UserError(f"{key}={shown}: expected {_type_name(tp)} (verl's field type); fix the value in the preset or --override")
+            raise UserError(
+                f"{key}={shown}: expected {_type_name(tp)} (verl's field type); fix the value in the preset or --override"
+            )
         if verdict is None and not _type_ok(default, value):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             raise UserError(
@@ -208,7 +211,9 @@ def check_missing_keys(cfg, ppo_utils) -> None:
     needed = [k for k in missing if not any(k.startswith(p) for p in off)]
     if needed:
         key = needed[0]
-        hint = " (vllm, sglang or trtllm on the cluster; hf on the local backend)" if key.endswith("rollout.name") else ""
+        hint = (
+            " (vllm, sglang or trtllm on the cluster; hf on the local backend)" if key.endswith("rollout.name") else ""
+        )
         more = f" (and {len(needed) - 1} more: {', '.join(needed[1:4])})" if len(needed) > 1 else ""
         raise UserError(f"{key} is required but not set{hint}{more}; set it in the preset or with --override {key}=...")
 
@@ -221,18 +226,24 @@ def check_registries(cfg, backend: str) -> None:
         core_algos.get_adv_estimator_fn(est)
     except ValueError:
         known = sorted(core_algos.ADV_ESTIMATOR_REGISTRY)
-        raise UserError(f"algorithm.adv_estimator={str(est)!r} is not an advantage estimator verl knows; choose one of {known}") from None
+        raise UserError(
+            f"algorithm.adv_estimator={str(est)!r} is not an advantage estimator verl knows; choose one of {known}"
+        ) from None
     loss = cfg.actor_rollout_ref.actor.policy_loss.loss_mode
     if loss not in core_algos.POLICY_LOSS_REGISTRY:
         known = sorted(core_algos.POLICY_LOSS_REGISTRY)
-        raise UserError(f"actor_rollout_ref.actor.policy_loss.loss_mode={loss!r} is not a policy loss verl knows; choose one of {known}")
+        raise UserError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss!r} is not a policy loss verl knows; choose one of {known}"
+        )
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY  # verl's own table of rollout engines
 
     name = cfg.actor_rollout_ref.rollout.name
     engines = sorted({n for n, _ in _ROLLOUT_REGISTRY})
     allowed = engines + list(LOCAL_ROLLOUTS) if backend == "local" else engines
     if name not in allowed:
-        raise UserError(f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine for the {backend} backend; choose one of {allowed}")
+        raise UserError(
+            f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine for the {backend} backend; choose one of {allowed}"
+        )
 
 
 # -- batch arithmetic ---------------------------------------------------------------------------------
@@ -264,7 +275,9 @@ def check_batch_sizes(cfg) -> dict:
         )
     tp = OmegaConf.select(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size") or 1
     if isinstance(tp, int) and tp > 0 and n_gpus % tp:
-        raise UserError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide {gpus}; pick a divisor")
+        raise UserError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide {gpus}; pick a divisor"
+        )
     actor = cfg.actor_rollout_ref.actor
     if actor.use_dynamic_bsz:
         return out
@@ -304,7 +317,15 @@ def run_verl_validate(cfg, ppo_utils) -> None:
                 use_reference_policy=ppo_utils.need_reference_policy(cfg),
                 use_critic=ppo_utils.need_critic(cfg),
             )
-    except (AssertionError, ValueError, TypeError, KeyError, AttributeError, RuntimeError, InstantiationException) as exc:
+    except (
+        AssertionError,
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        RuntimeError,
+        InstantiationException,
+    ) as exc:
         msg = " ".join(str(exc).split()) or exc.__class__.__name__
         raise UserError(f"verl's validate_config rejected the config: {msg[:400]}") from None
 
@@ -362,12 +383,16 @@ def check_staged(cfg, backend: str) -> dict:
             store = open_store(uri)
             found = _find_version(store, uri)
             if found is None:
-                raise UserError(f"{key}={uri!r} is not staged: no complete version (manifest) holds it; run the upload / stage-model step first")
+                raise UserError(
+                    f"{key}={uri!r} is not staged: no complete version (manifest) holds it; run the upload / stage-model step first"
+                )
             version, manifest = found
-            rel = uri.rstrip("/")[len(version):].strip("/")
+            rel = uri.rstrip("/")[len(version) :].strip("/")
             names = {e.get("path") for e in manifest.get("files", [])}
             if rel and rel not in names:
-                raise UserError(f"{key}={uri!r}: version {version} is staged but has no file {rel!r}; check the file name")
+                raise UserError(
+                    f"{key}={uri!r}: version {version} is staged but has no file {rel!r}; check the file name"
+                )
             if key in MODEL_KEYS and not rel and "config.json" not in names:
                 raise UserError(f"{key}={uri!r}: staged version has no config.json, so it is not a Hugging Face model")
             staged.setdefault(key, []).append(version)

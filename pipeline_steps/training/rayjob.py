@@ -11,12 +11,12 @@ store URIs turned into paths on the bucket mounts, checkpoints
 ``trainer.resume_mode=auto`` so a new attempt resumes, secrets only through
 ``secretKeyRef``, a deadline, cleanup after the job and an optional Kueue queue.
 """
+
 from __future__ import annotations
 
 import copy
 import functools
 import hashlib
-import json
 import os
 import posixpath
 import re
@@ -25,11 +25,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline_steps import atomic
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 from pipeline_steps.errors import UserError
 from pipeline_steps.store.base import SCHEMES
-from pipeline_steps.training import experiment as experiment_mod
 from pipeline_steps.training.experiment import Experiment
 from pipeline_steps.training.mounts import MountMap, split_uri
 
@@ -136,7 +134,9 @@ def _secret_env(cluster: dict) -> list[dict]:
     for i, s in enumerate(cluster.get("secrets") or []):
         what = f"cluster.secrets[{i}]"
         if not isinstance(s, dict) or set(s) - {"env", "secret", "key", "optional"}:
-            raise UserError(f"{what}: expected {{env, secret, key[, optional]}} naming a Kubernetes Secret, never a value")
+            raise UserError(
+                f"{what}: expected {{env, secret, key[, optional]}} naming a Kubernetes Secret, never a value"
+            )
         env, secret, key = str(s.get("env", "")), str(s.get("secret", "")), str(s.get("key", ""))
         if not _ENV_RE.match(env):
             raise UserError(f"{what}.env={env!r}: not an environment variable name")
@@ -162,7 +162,9 @@ def _plain_env(cluster: dict) -> dict:
         if not _ENV_RE.match(str(k)):
             raise UserError(f"cluster.env: {k!r} is not an environment variable name")
         if _SECRETISH.search(str(k)):
-            raise UserError(f"cluster.env.{k}: looks like a secret; reference a Kubernetes Secret in cluster.secrets instead")
+            raise UserError(
+                f"cluster.env.{k}: looks like a secret; reference a Kubernetes Secret in cluster.secrets instead"
+            )
         out[str(k)] = str(v)
     return out
 
@@ -266,7 +268,11 @@ def build_rayjob(
         argv = entrypoint_argv(exp, mounts, {"trainer.default_local_dir": ckpt_pod, "trainer.resume_mode": "auto"})
         annotations["checkpoint-uri"] = ckpt
     else:
-        if not isinstance(entrypoint, (list, tuple)) or not entrypoint or not all(isinstance(a, str) for a in entrypoint):
+        if (
+            not isinstance(entrypoint, (list, tuple))
+            or not entrypoint
+            or not all(isinstance(a, str) for a in entrypoint)
+        ):
             raise UserError("entrypoint: expected a non-empty list of strings (argv)")
         argv = list(entrypoint)
 
@@ -275,12 +281,23 @@ def build_rayjob(
     md = job["metadata"]
     md["name"], md["namespace"] = name, namespace
     md["labels"].update(
-        {LABEL_KIND: label_value(job_kind), LABEL_DAG: label_value(dag_id), LABEL_RUN: label_value(run_id), LABEL_TASK: label_value(task_id)}
+        {
+            LABEL_KIND: label_value(job_kind),
+            LABEL_DAG: label_value(dag_id),
+            LABEL_RUN: label_value(run_id),
+            LABEL_TASK: label_value(task_id),
+        }
     )
     if queue:
         md["labels"][KUEUE_LABEL] = str(queue)
-    annotations = {"dag-id": dag_id, "run-id": run_id, "task-id": task_id, "experiment": exp.name,
-                   "experiment-digest": exp.digest(), **annotations}
+    annotations = {
+        "dag-id": dag_id,
+        "run-id": run_id,
+        "task-id": task_id,
+        "experiment": exp.name,
+        "experiment-digest": exp.digest(),
+        **annotations,
+    }
     md["annotations"] = {ANNOTATION_PREFIX + k: str(v) for k, v in annotations.items()}
 
     spec = job["spec"]
@@ -299,7 +316,10 @@ def build_rayjob(
     head_pod["serviceAccountName"] = str(account)
     hc = head_pod["containers"][0]
     hc["image"] = image
-    hc["resources"] = {"requests": {"cpu": head["cpu"], "memory": head["memory"]}, "limits": {"cpu": head["cpu"], "memory": head["memory"]}}
+    hc["resources"] = {
+        "requests": {"cpu": head["cpu"], "memory": head["memory"]},
+        "limits": {"cpu": head["cpu"], "memory": head["memory"]},
+    }
     hc["env"] = copy.deepcopy(secret_env)
     hc["volumeMounts"] = copy.deepcopy(volume_mounts)
     head_pod["volumes"] = copy.deepcopy(volumes)
@@ -337,5 +357,3 @@ _Dumper.add_representer(str, _str)
 
 def to_yaml(job: dict) -> str:
     return yaml.dump(job, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1 << 16)
-
-

@@ -1,4 +1,5 @@
 """Maxwell-Jia/AIME_2024: the evaluation set. Prompted like DAPO so verl's ``math_dapo`` scorer reads "Answer:"."""
+
 from pipeline_steps.data.preprocessors.base import Reject
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 

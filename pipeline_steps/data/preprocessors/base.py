@@ -7,6 +7,7 @@ A preprocessor module (one per dataset, like verl's ``utils/reward_score``) defi
 ``convert_batch(batch, split, start, data_source) -> (pa.Table, [(row, reason)])`` for vectorised ones.
 Optional ``read_rows(path) -> iterator of (row | None, reject reason | None)`` replaces the parquet reader.
 """
+
 from __future__ import annotations
 
 import pyarrow as pa

@@ -1,5 +1,6 @@
 """BytedTsinghua-SIA/DAPO-Math-17k: already in verl's schema; vectorised because the published parquet has 1.79M rows
 (17,917 unique rows repeated ~100 times). Deduplication and conflicts are handled by the shared driver."""
+
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -23,11 +24,16 @@ def convert_batch(batch: pa.RecordBatch, split: str, start: int, data_source: st
     rejected = []
     if not pc.all(ok).as_py():
         bad = t.filter(pc.invert(ok)).to_pylist()
-        rejected = [(r, "missing_ground_truth" if not (r.get("reward_model") or {}).get("ground_truth") else "empty_prompt") for r in bad]
+        rejected = [
+            (r, "missing_ground_truth" if not (r.get("reward_model") or {}).get("ground_truth") else "empty_prompt")
+            for r in bad
+        ]
         t, gt = t.filter(ok), gt.filter(ok)
     extra = t["extra_info"].combine_chunks()
-    index = pc.struct_field(extra, "index").cast(pa.string()) if "index" in [f.name for f in extra.type] else pa.array(
-        [str(start + i) for i in range(len(t))]
+    index = (
+        pc.struct_field(extra, "index").cast(pa.string())
+        if "index" in [f.name for f in extra.type]
+        else pa.array([str(start + i) for i in range(len(t))])
     )
     n = len(t)
     out = pa.table(
@@ -38,7 +44,9 @@ def convert_batch(batch: pa.RecordBatch, split: str, start: int, data_source: st
             "reward_model": pa.StructArray.from_arrays(
                 [pa.array(["rule-lean"] * n, pa.string()), pc.utf8_trim_whitespace(gt)], names=["style", "ground_truth"]
             ),
-            "extra_info": pa.StructArray.from_arrays([pa.array([split] * n, pa.string()), index], names=["split", "index"]),
+            "extra_info": pa.StructArray.from_arrays(
+                [pa.array([split] * n, pa.string()), index], names=["split", "index"]
+            ),
         }
     )
     return out, rejected

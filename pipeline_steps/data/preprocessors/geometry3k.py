@@ -1,5 +1,6 @@
 """hiyouga/geometry3k: one ``<image>`` placeholder per image; rows with missing or unreadable images are rejected
 (verl's examples/data_preprocess/geo3k.py)."""
+
 import hashlib
 import io
 

@@ -1,4 +1,5 @@
 """openai/gsm8k: the number after ``####`` is the ground truth (verl's examples/data_preprocess/gsm8k.py)."""
+
 import re
 
 from pipeline_steps.data.preprocessors.base import Reject

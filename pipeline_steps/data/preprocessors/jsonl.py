@@ -3,6 +3,7 @@
 Lines are read one by one so that a non-UTF-8 or truncated line is a counted rejection, not a failed file.
 Trailing assistant messages (reference answers) are dropped from the prompt.
 """
+
 import json
 
 from pipeline_steps.data.preprocessors.base import Reject
@@ -37,7 +38,9 @@ def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
     messages = row.get("messages")
     if not isinstance(messages, list) or not messages:
         raise Reject("missing_messages")
-    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
         raise Reject("malformed_message")
     while messages and messages[-1]["role"] == "assistant":
         messages = messages[:-1]
