@@ -17,7 +17,7 @@ import os
 import sys
 import traceback
 
-from pipeline_steps.errors import NotBuiltError, UserError
+from pipeline_steps.errors import UserError
 
 # step name -> (module, one-line help)
 STEPS: dict[str, tuple[str, str]] = {
@@ -64,12 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         if step not in STEPS:
             raise UserError(f"unknown step {step!r}; choose one of: {', '.join(STEPS)}")
         module_name, help_ = STEPS[step]
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name == module_name:
-                raise NotBuiltError(f"step {step!r} is not built yet") from None
-            raise
+        module = importlib.import_module(module_name)
         parser = _Parser(prog=f"python -m pipeline_steps {step}", description=help_)
         module.add_arguments(parser)
         args = parser.parse_args(argv[1:])
@@ -81,10 +76,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {msg}\n")
         _emit({"ok": False, "step": step, "error": msg})
         return 2
-    except NotBuiltError as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        _emit({"ok": False, "step": step, "error": str(exc)})
-        return 1
     except SystemExit as exc:  # --help from argparse
         return int(exc.code or 0)
     except KeyboardInterrupt:

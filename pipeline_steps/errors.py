@@ -4,6 +4,3 @@
 class UserError(Exception):
     """Bad input or usage. The message says which input, what is wrong and what to do."""
 
-
-class NotBuiltError(Exception):
-    """A step that exists in the pipeline but is not implemented yet."""

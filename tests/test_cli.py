@@ -1,4 +1,4 @@
-"""The step CLI's contract: last stdout line is JSON, exit 2 with one line for bad usage, loud failure for unbuilt steps."""
+"""The step CLI's contract: last stdout line is JSON, exit 2 with one line for bad usage."""
 
 from tests.conftest import run_step
 

@@ -270,7 +270,10 @@ class GRPOTrainer:
         )
         val_files = _as_list(cfg.data.get("val_files"))
         self.test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
-        self.val_prompts = load_prompts(val_files, self.tokenizer, cfg.data) if self.test_freq > 0 and val_files else []
+        self.val_before_train = bool(cfg.trainer.get("val_before_train", True))
+        wants_val = self.test_freq > 0 or self.val_before_train  # verl validates before training even when test_freq <= 0
+        self.val_prompts = load_prompts(val_files, self.tokenizer, cfg.data) if wants_val and val_files else []
+        self.total_epochs = int(cfg.trainer.total_epochs)
 
         optim_cfg = omega_conf_to_dataclass(actor.optim)
         self.optimizer = build_optimizer(self.model.parameters(), optim_cfg)
@@ -399,10 +402,17 @@ class GRPOTrainer:
         input_ids = enc["input_ids"].repeat_interleave(n, dim=0)
         attn = enc["attention_mask"].repeat_interleave(n, dim=0)
         torch.manual_seed(seed)
+        # As verl's agent loop samples with vLLM: repetition_penalty 1.0 whatever the model's generation_config says,
+        # an immediate EOS allowed (no min_new_tokens), and temperature 0 is greedy.
         kwargs = dict(
-            max_new_tokens=self.response_length, min_new_tokens=1, pad_token_id=self.pad_id, eos_token_id=self.eos_ids
+            max_new_tokens=self.response_length,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            min_new_tokens=0,
         )
-        if do_sample:
+        if do_sample and temperature > 0:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -432,7 +442,7 @@ class GRPOTrainer:
 
         scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
         lengths = batch["response_mask"].sum(-1)
-        values = []
+        values, extras = [], []
         for i, item in enumerate(batch["items"]):
             n = int(lengths[i])
             text = self.tokenizer.decode(batch["responses"][i, :n], skip_special_tokens=True)
@@ -444,9 +454,12 @@ class GRPOTrainer:
             )
             value = float(res["score"] if isinstance(res, dict) else res)
             values.append(value)
+            # verl's naive reward manager: a dict result's keys become extra infos, a plain score is also ``acc``
+            extras.append(dict(res) if isinstance(res, dict) else {"acc": value})
             scores[i, max(n - 1, 0)] = value
         batch["token_level_scores"] = scores
         batch["scores"] = values
+        batch["reward_extra"] = extras
 
     def log_probs(self, model, batch: dict, rows, with_entropy: bool = False):
         from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
@@ -646,24 +659,42 @@ class GRPOTrainer:
         return {k: (float(v) if not isinstance(v, (int, float, str)) else v) for k, v in metrics.items()}
 
     def validate(self) -> dict:
-        """Greedy (or ``rollout.val_kwargs``) generation on the validation prompts; mean reward per data source."""
+        """``rollout.val_kwargs`` generation on the validation prompts, reported under verl's own names.
+
+        The metric dict comes from verl's v1 trainer code (``PPOTrainer._val_metrics_update`` over
+        ``process_validation_metrics``), so a local run logs ``val-core/<data source>/acc/mean@N`` (the headline),
+        ``val-aux/<data source>/reward/...``, ``std@N``, ``best@N`` exactly as a cluster run does.
+        """
+        from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
-        sums: dict[str, list[float]] = {}
+        data_sources: list[str] = []
+        uids: list[str] = []
+        infos: dict[str, list] = {"reward": []}
         bs = max(self.batch_size, 1)
         for i in range(0, len(self.val_prompts), bs):
+            chunk = self.val_prompts[i : i + bs]
             batch = self.generate(
-                self.val_prompts[i : i + bs],
+                chunk,
                 int(vk.n),
                 do_sample=bool(vk.do_sample),
-                temperature=float(vk.temperature) or 1.0,
+                temperature=float(vk.temperature),
                 top_p=float(vk.top_p),
                 top_k=int(vk.top_k),
                 seed=self.seed,
             )
             self.score(batch)
-            for item, s in zip(batch["items"], batch["scores"]):
-                sums.setdefault(item.data_source, []).append(s)
-        return {f"val-core/{src}/reward/mean@{int(vk.n)}": sum(v) / len(v) for src, v in sums.items()}
+            for j, (item, s, extra) in enumerate(zip(batch["items"], batch["scores"], batch["reward_extra"])):
+                data_sources.append(item.data_source)
+                uids.append(f"val-{i + j // int(vk.n)}")
+                infos["reward"].append(s)
+                for k, v in extra.items():
+                    if k != "score" and isinstance(v, (int, float, bool)):
+                        infos.setdefault(k, []).append(float(v))
+        infos = {k: v for k, v in infos.items() if len(v) == len(uids)}  # keys every sample reported
+        # The method uses nothing of the trainer instance: called unbound so the names and rules are verl's.
+        metrics = PPOTrainer._val_metrics_update(None, data_sources, uids, infos, sample_turns=[])
+        return {k: float(v) for k, v in metrics.items()}
 
     # -- checkpoints ------------------------------------------------------------
 
@@ -694,11 +725,18 @@ class GRPOTrainer:
         log.info("resumed from %s (step %d)", ckpt, step)
         return step
 
-    def save(self, step: int) -> Path:
-        """Build ``global_step_N`` aside, rename it into place, then advance the tracker file."""
+    def save(self, step: int, epoch: int) -> Path:
+        """Build ``global_step_N`` aside (``actor/`` and ``data.pt``), rename it into place, then advance the tracker.
+
+        Retention is verl's: ``max_actor_ckpt_to_keep`` removes only the ``actor/`` folder of older steps.
+        """
+        import torch
+
         final = self.ckpt_root / f"global_step_{step}"
         with atomic.atomic_dir(final) as tmp:
             self.checkpoint.save_checkpoint(str(tmp / "actor"), global_step=step, max_ckpt_to_keep=None)
+            # verl saves its dataloader's state here; ours is the sampler position (seed, epoch, step)
+            torch.save({"seed": self.data_seed, "epoch": epoch, "global_step": step}, tmp / "data.pt")
         self.checkpoint.previous_saved_paths.clear()  # it recorded the temporary path; retention is ours
         atomic.write_text(self.ckpt_root / TRACKER, str(step))
         keep = self.cfg.trainer.get("max_actor_ckpt_to_keep")
@@ -708,10 +746,10 @@ class GRPOTrainer:
             steps = sorted(
                 int(p.name.rsplit("_", 1)[1])
                 for p in self.ckpt_root.glob("global_step_*")
-                if p.name.rsplit("_", 1)[1].isdigit()
+                if p.name.rsplit("_", 1)[1].isdigit() and (p / "actor").is_dir()
             )
             for old in steps[: -int(keep)]:
-                shutil.rmtree(self.ckpt_root / f"global_step_{old}", ignore_errors=True)
+                shutil.rmtree(self.ckpt_root / f"global_step_{old}" / "actor", ignore_errors=True)
         return final
 
     # -- the loop ---------------------------------------------------------------
@@ -722,13 +760,25 @@ class GRPOTrainer:
         self.logger = _file_logger(self.metrics_path, keep_through_step=start)
         save_freq = int(self.cfg.trainer.get("save_freq", -1) or -1)
         try:
-            if start == 0 and self.val_prompts and self.cfg.trainer.get("val_before_train", True):
-                self.logger.log(data=self.validate(), step=0)
+            # verl's loop rules (v1 trainer_base.fit): validate first whenever val_before_train (a resume too),
+            # stop at total_epochs even if total_training_steps is larger, save only when save_freq > 0,
+            # validate only when test_freq > 0; saving is timed inside the step.
+            if self.val_prompts and self.val_before_train:
+                self.logger.log(data=self.validate(), step=start)
             for step in range(start + 1, self.total_steps + 1):
+                if (step - 1) // self.steps_per_epoch >= self.total_epochs:
+                    break
                 metrics = self.train_step(step)
                 last = step == self.total_steps
-                if self.val_prompts and (step % self.test_freq == 0 or last):
+                if save_freq > 0 and (last or step % save_freq == 0):
+                    t = time.perf_counter()
+                    self.save(step, int(metrics.get("training/epoch", 0)))
+                    metrics["timing_s/save_checkpoint"] = time.perf_counter() - t
+                    metrics["timing_s/step"] = metrics.get("timing_s/step", 0.0) + metrics["timing_s/save_checkpoint"]
+                if self.val_prompts and self.test_freq > 0 and (last or step % self.test_freq == 0):
+                    t = time.perf_counter()
                     metrics.update(self.validate())
+                    metrics["timing_s/testing"] = time.perf_counter() - t
                 self.logger.log(data=metrics, step=step)
                 log.info(
                     "step %d: %s",
@@ -739,8 +789,6 @@ class GRPOTrainer:
                         if k in ("critic/score/mean", "actor/pg_loss", "actor/entropy", "timing_s/step")
                     },
                 )
-                if (save_freq > 0 and step % save_freq == 0) or last:
-                    self.save(step)
                 self.last_metrics = metrics
                 if on_step:
                     on_step(step, metrics)

@@ -46,7 +46,9 @@ CURVES = (
     ("throughput.png", "perf/throughput", "Throughput (perf/throughput)", "tokens / s / GPU"),
 )
 TABLE_KEYS = [k for _, k, _, _ in CURVES] + ["timing_s/step"]
-VAL_RE = re.compile(r"^val-core/(.+)/reward/mean@\d+$")  # verl's validation means, per data source
+# verl's headline validation means, per data source: val-core/<source>/acc/mean@N (the naive reward manager adds acc),
+# or .../reward/mean@N when a custom reward reports no acc; the std/best/maj companions stay in the table only
+VAL_RE = re.compile(r"^val-core/(.+)/(?:acc|reward)/mean@\d+$")
 MAX_PROBLEM_ROWS = 60
 
 
@@ -214,7 +216,7 @@ def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
     for key in sorted({k for d in steps.values() for k in d if VAL_RE.match(k)}):
         vx, vy = series(steps, key)
         if vx:
-            val_extra.append((f"validation {VAL_RE.match(key).group(1)}", vx, vy, "s"))
+            val_extra.append((f"validation {key.split('/', 1)[1].rsplit('/', 1)[0]}", vx, vy, "s"))
     for name, key, title, ylabel in CURVES:
         xs, ys = series(steps, key)
         if not xs:
