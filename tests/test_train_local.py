@@ -175,6 +175,8 @@ def _train_args(assets, out: Path, steps: int) -> list[str]:
         "--override",
         "trainer.save_freq=1",
         "--override",
+        "trainer.val_before_train=false",  # validation before training and on resume: tests/test_trainer_parity.py
+        "--override",
         f"reward.custom_reward_function.path={assets['varied']}",
         "--override",
         "reward.custom_reward_function.name=compute_score",

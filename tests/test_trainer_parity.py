@@ -137,3 +137,67 @@ def test_sampling_ignores_the_models_repetition_penalty(assets, tmp_path):
             )
         samples.append(batch["responses"].tolist())
     assert samples[0] == samples[1]
+
+
+def test_kl_in_reward_uses_verls_adaptive_controller_and_logs_its_metrics(assets, tmp_path):
+    from pipeline_steps.local import grpo_cpu
+
+    out = tmp_path / "kl"
+    cfg = _cfg(
+        assets,
+        out,
+        [
+            "trainer.total_training_steps=3",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.1",
+            "algorithm.kl_ctrl.target_kl=0.000001",
+            "algorithm.kl_ctrl.horizon=10",
+            "actor_rollout_ref.actor.optim.lr=0.01",
+        ],
+        val=False,
+    )
+    grpo_cpu.train(cfg, reward_fn=_half, metrics_path=out / "metrics.jsonl")
+    lines = [x["data"] for x in _lines(out / "metrics.jsonl")]
+    coeffs = [d["actor/reward_kl_penalty_coeff"] for d in lines]
+    kls = [d["actor/reward_kl_penalty"] for d in lines]
+    assert coeffs[0] == pytest.approx(0.1)
+    # verl's AdaptiveKLController: below target at step 1 (policy == reference, KL 0) the coefficient shrinks; once
+    # the policy has moved (KL > target) it grows again. A fixed coefficient would stay at 0.1.
+    assert kls[0] == pytest.approx(0.0, abs=1e-9) and kls[-1] > 1e-6
+    assert coeffs[1] < coeffs[0] and coeffs[2] > coeffs[1]
+
+
+def test_lr_logged_is_the_next_steps_as_verl_logs_it_and_losses_are_reported(assets, tmp_path):
+    from pipeline_steps.local import grpo_cpu
+
+    out = tmp_path / "lr"
+    cfg = _cfg(
+        assets,
+        out,
+        [
+            "trainer.total_training_steps=2",
+            "actor_rollout_ref.actor.optim.lr=0.001",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps=4",
+            "actor_rollout_ref.actor.entropy_coeff=0.001",
+        ],
+        val=False,
+    )
+    grpo_cpu.train(cfg, reward_fn=_half, metrics_path=out / "metrics.jsonl")
+    lines = [x["data"] for x in _lines(out / "metrics.jsonl")]
+    # linear warm-up over 4 steps: step 1 trains at 0 and logs the rate after the scheduler's step, 0.25e-3
+    # (verl's engine logs lr_scheduler_step()'s return value); step 2 logs 0.5e-3
+    assert lines[0]["actor/lr"] == pytest.approx(0.00025)
+    assert lines[1]["actor/lr"] == pytest.approx(0.0005)
+    for key in ("actor/loss", "actor/entropy_loss", "actor/pg_loss"):
+        assert key in lines[0]
+
+
+def test_reward_manager_the_cpu_backend_cannot_honour_is_refused_in_one_line(assets, tmp_path):
+    from pipeline_steps.errors import UserError
+    from pipeline_steps.local import grpo_cpu
+
+    cfg = _cfg(assets, tmp_path / "rm", ["reward.reward_manager.name=dapo"], val=False)
+    with pytest.raises(UserError, match="reward.reward_manager.name='dapo'") as err:
+        grpo_cpu.train(cfg, reward_fn=_half, metrics_path=tmp_path / "rm" / "metrics.jsonl")
+    assert "\n" not in str(err.value)

@@ -51,6 +51,7 @@ from pipeline_steps.errors import UserError
 log = logging.getLogger(__name__)
 
 TRACKER = CHECKPOINT_TRACKER
+LOCAL_REWARD_MANAGERS = ("naive",)  # verl reward managers the CPU trainer reproduces
 # Inputs an advantage estimator may ask for that this trainer provides.
 _ADV_INPUTS = {"token_level_rewards", "response_mask", "index", "config", "norm_adv_by_std_in_grpo", "epsilon", "gamma"}
 
@@ -222,6 +223,12 @@ class GRPOTrainer:
         self.algo_cfg = omega_conf_to_dataclass(cfg.algorithm)
         self.adv_fn = core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)
         self.policy_loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
+        manager = str((cfg.reward.get("reward_manager") or {}).get("name") or "naive")
+        if manager not in LOCAL_REWARD_MANAGERS:  # dapo's overlong penalty, batch/prime managers: not here
+            raise UserError(
+                f"reward.reward_manager.name={manager!r}: the local CPU backend scores like verl's "
+                f"{'/'.join(LOCAL_REWARD_MANAGERS)} reward manager only; use it locally or run on the kuberay backend"
+            )
         self.reward_fn = reward_fn or self._configured_reward_fn()
 
         # Model, tokenizer, reference copy, FSDP2 wrap.
@@ -243,6 +250,7 @@ class GRPOTrainer:
         torch.manual_seed(self.seed)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.use_ref = bool(actor.use_kl_loss) or bool(cfg.algorithm.use_kl_in_reward)
+        self.kl_ctrl_in_reward = None  # verl's KL controller for use_kl_in_reward, built on first use
         self.ref = None
         if self.use_ref:
             import copy
@@ -481,8 +489,20 @@ class GRPOTrainer:
         rewards = batch["token_level_scores"]
         cfg = self.cfg.algorithm
         if cfg.use_kl_in_reward:
-            kld = self.core.kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kl_penalty=cfg.kl_penalty) * mask
-            rewards = rewards - float(cfg.kl_ctrl.kl_coef) * kld
+            # verl's own apply_kl_penalty with its controller (fixed or adaptive, kept across steps like the trainer's)
+            from verl import DataProto
+            from verl.trainer.ppo.ray_trainer import apply_kl_penalty
+
+            if self.kl_ctrl_in_reward is None:
+                self.kl_ctrl_in_reward = self.core.get_kl_controller(cfg.kl_ctrl)
+            data = DataProto.from_dict(
+                tensors={
+                    k: batch[k] for k in ("response_mask", "token_level_scores", "old_log_probs", "ref_log_prob")
+                }
+            )
+            data, kl_metrics = apply_kl_penalty(data, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=cfg.kl_penalty)
+            rewards = data.batch["token_level_rewards"]
+            batch["kl_metrics"] = kl_metrics
         batch["token_level_rewards"] = rewards
         uids = np.array(batch["uids"], dtype=object)
         offered = {
@@ -547,6 +567,7 @@ class GRPOTrainer:
                             loss_mat=ent, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info
                         )
                         loss = loss - entropy_coeff * ent_loss
+                        mb["actor/entropy_loss"] = mb.get("actor/entropy_loss", 0.0) + float(ent_loss.detach())
                     if actor.use_kl_loss:
                         kld = self.core.kl_penalty(
                             logprob=logp, ref_logprob=batch["ref_log_prob"][rows], kl_penalty=actor.kl_loss_type
@@ -557,6 +578,7 @@ class GRPOTrainer:
                         loss = loss + kl_loss * float(actor.kl_loss_coef)
                         mb["actor/kl_loss"] = mb.get("actor/kl_loss", 0.0) + float(kl_loss.detach())
                     loss.backward()
+                    mb["actor/loss"] = mb.get("actor/loss", 0.0) + float(loss.detach())
                     for k, v in pg_metrics.items():
                         sums.setdefault(k, []).append(float(v))
                 # verl's fsdp2_clip_grad_norm_ minus its move to the accelerator (there is none here)
@@ -574,10 +596,11 @@ class GRPOTrainer:
                 for k, v in mb.items():
                     sums.setdefault(k, []).append(v)
         metrics = {k: sum(v) / len(v) for k, v in sums.items()}
-        metrics["actor/lr"] = float(self.lr_scheduler.get_last_lr()[0])
         if actor.use_kl_loss:
             metrics["actor/kl_coef"] = float(actor.kl_loss_coef)
         self.lr_scheduler.step()
+        metrics["actor/lr"] = float(self.lr_scheduler.get_last_lr()[0])  # verl logs the rate after its step
+        metrics.update(batch.get("kl_metrics") or {})
         return metrics
 
     def generate_and_score(self, step: int) -> tuple[dict, dict, int]:
