@@ -189,8 +189,9 @@ def test_lr_logged_is_the_next_steps_as_verl_logs_it_and_losses_are_reported(ass
     # (verl's engine logs lr_scheduler_step()'s return value); step 2 logs 0.5e-3
     assert lines[0]["actor/lr"] == pytest.approx(0.00025)
     assert lines[1]["actor/lr"] == pytest.approx(0.0005)
-    for key in ("actor/loss", "actor/entropy_loss", "actor/pg_loss"):
+    for key in ("actor/loss", "actor/entropy_loss", "actor/pg_loss", "global_seqlen/mean", "global_seqlen/minmax_diff"):
         assert key in lines[0]
+    assert 0 < lines[0]["perf/mfu/actor"] < 1  # verl's FlopsCounter against its CPU peak
 
 
 def test_reward_manager_the_cpu_backend_cannot_honour_is_refused_in_one_line(assets, tmp_path):

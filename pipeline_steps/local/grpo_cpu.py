@@ -675,7 +675,20 @@ class GRPOTrainer:
             tensors={k: batch[k] for k in keys},
             meta_info={"global_token_num": batch["attention_mask"].sum(-1).tolist()},
         )
+        from verl.utils import flops_counter
+        from verl.utils.seqlen_balancing import log_seqlen_unbalance
+
+        seqlens = batch["attention_mask"].sum(-1).tolist()
         metrics = {"training/global_step": step, "training/epoch": epoch, **extra}
+        # verl's own computations, on one data-parallel rank: sequence balance and the actor update's MFU
+        metrics.update(log_seqlen_unbalance(seqlens, [list(range(len(seqlens)))], prefix="global_seqlen"))
+        if timing.get("update_actor"):
+            # FlopsCounter.estimate_flops asks torch for a CUDA device name even on a CPU build, so call its
+            # per-architecture estimate and its device table (entry "CPU") directly
+            estimate = flops_counter.ESTIMATE_FUNC.get(self.model.config.model_type)
+            if estimate is not None:
+                achieved = estimate(self.model.config, sum(seqlens), seqlens, timing["update_actor"])
+                metrics["perf/mfu/actor"] = achieved / flops_counter.get_device_flops(device_name="CPU")
         metrics.update(compute_data_metrics(dp, use_critic=False))
         metrics.update(compute_timing_metrics(dp, timing))
         metrics.update(compute_throughout_metrics(dp, timing, n_gpus=1))
