@@ -202,3 +202,22 @@ def test_reward_manager_the_cpu_backend_cannot_honour_is_refused_in_one_line(ass
     with pytest.raises(UserError, match="reward.reward_manager.name='dapo'") as err:
         grpo_cpu.train(cfg, reward_fn=_half, metrics_path=tmp_path / "rm" / "metrics.jsonl")
     assert "\n" not in str(err.value)
+
+
+def test_reward_gets_verls_extra_info_and_may_be_async_and_num_turns_is_logged(assets, tmp_path):
+    from pipeline_steps.local import grpo_cpu
+
+    seen = []
+
+    async def scorer(data_source, solution_str, ground_truth, extra_info=None):  # verl awaits async scorers
+        seen.append(extra_info)
+        return {"score": 1.0, "acc": True}
+
+    out = tmp_path / "async"
+    cfg = _cfg(assets, out, ["trainer.total_training_steps=1"], val=False)
+    grpo_cpu.train(cfg, reward_fn=scorer, metrics_path=out / "metrics.jsonl")
+    assert seen and all(e["num_turns"] == 2 and e["rollout_reward_scores"] == {} for e in seen)
+    assert all("index" in e for e in seen)  # the row's own extra_info is kept
+    data = _lines(out / "metrics.jsonl")[0]["data"]
+    assert data["critic/score/mean"] == 1.0
+    assert data["training/num_turns/mean"] == 2 and data["num_turns/max"] == 2

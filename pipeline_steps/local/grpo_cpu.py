@@ -32,6 +32,7 @@ A checkpoint directory is built aside and renamed into place;
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -442,6 +443,7 @@ class GRPOTrainer:
             "response_mask": response_mask,
             "items": [p for p in prompts for _ in range(n)],
             "uids": [str(j) for j in range(len(prompts)) for _ in range(n)],  # one group per prompt
+            "num_turns": [2] * (len(prompts) * n),  # verl's single-turn agent loop: user + assistant
         }
 
     def score(self, batch: dict) -> None:
@@ -454,12 +456,16 @@ class GRPOTrainer:
         for i, item in enumerate(batch["items"]):
             n = int(lengths[i])
             text = self.tokenizer.decode(batch["responses"][i, :n], skip_special_tokens=True)
+            # verl's naive reward manager adds the turn count and the rollout's own reward scores to extra_info
+            extra_info = {**item.extra_info, "num_turns": batch["num_turns"][i], "rollout_reward_scores": {}}
             res = self.reward_fn(
                 data_source=item.data_source,
                 solution_str=text,
                 ground_truth=item.ground_truth,
-                extra_info=item.extra_info,
+                extra_info=extra_info,
             )
+            if inspect.isawaitable(res):  # an async scorer, awaited as verl's reward loop awaits it
+                res = asyncio.run(res)
             value = float(res["score"] if isinstance(res, dict) else res)
             values.append(value)
             # verl's naive reward manager: a dict result's keys become extra infos, a plain score is also ``acc``
@@ -671,8 +677,12 @@ class GRPOTrainer:
             "advantages",
             "returns",
         )
+        import numpy as np
+
+        num_turns = np.asarray(batch["num_turns"], dtype=np.int32)
         dp = DataProto.from_dict(
             tensors={k: batch[k] for k in keys},
+            non_tensors={"__num_turns__": num_turns},  # compute_data_metrics then emits num_turns/* as verl's does
             meta_info={"global_token_num": batch["attention_mask"].sum(-1).tolist()},
         )
         from verl.utils import flops_counter
@@ -690,6 +700,13 @@ class GRPOTrainer:
                 achieved = estimate(self.model.config, sum(seqlens), seqlens, timing["update_actor"])
                 metrics["perf/mfu/actor"] = achieved / flops_counter.get_device_flops(device_name="CPU")
         metrics.update(compute_data_metrics(dp, use_critic=False))
+        metrics.update(
+            {
+                "training/num_turns/mean": float(num_turns.mean()),
+                "training/num_turns/max": int(num_turns.max()),
+                "training/num_turns/min": int(num_turns.min()),
+            }
+        )
         metrics.update(compute_timing_metrics(dp, timing))
         metrics.update(compute_throughout_metrics(dp, timing, n_gpus=1))
         return {k: (float(v) if not isinstance(v, (int, float, str)) else v) for k, v in metrics.items()}
