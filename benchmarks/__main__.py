@@ -1,4 +1,6 @@
-"""`make bench`: every benchmarks/bench_*.py, one after the other (or those named: python -m benchmarks preprocess upload)."""
+"""`make bench`: every benchmarks/bench_*.py, one after the other.
+
+Or only those named: ``python -m benchmarks preprocess upload`` (``make bench BENCH=upload``)."""
 
 import importlib
 import sys

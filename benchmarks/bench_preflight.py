@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pre-flight, cold process, median of {args.repeat} (load average {load:.1f} on {os.cpu_count()} cores)")
     print(f"  {'baseline: import verl':40s} {b:7.2f} s   1.00x")
     print(
-        f"  {'preflight ' + args.experiment:40s} {p:7.2f} s   {p / b:.2f}x   target < {TARGET_S:.0f} s: {'met' if p < TARGET_S else 'MISSED'}"
+        f"  {'preflight ' + args.experiment:40s} {p:7.2f} s   {p / b:.2f}x   target < {TARGET_S:.0f} s: "
+        f"{'met' if p < TARGET_S else 'MISSED'}"
     )
 
     sys.path.insert(0, str(ROOT))

@@ -21,7 +21,8 @@ UNIQUE = int(os.environ.get("BENCH_DAPO_UNIQUE", "17917"))
 REPEAT = int(os.environ.get("BENCH_DAPO_REPEAT", "100"))
 TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of the form Answer: "
-    "$Answer (without quotes) where $Answer is the answer to the problem.\n\n{p}\n\nRemember to put your answer on its own "
+    "$Answer (without quotes) where $Answer is the answer to the problem.\n\n{p}\n\nRemember to put your answer on its "
+    "own "
     'line after "Answer:".'
 )
 
@@ -45,7 +46,10 @@ def generate(path: Path) -> None:
     rows = []
     for i in range(UNIQUE):
         a, b = 3 + i % 97, 7 + i % 89
-        problem = f"Let $f(x) = {a}x^2 + {b}x + {i}$. Problem {i}: find the sum of the roots of $f(x) = 0$ multiplied by ${a * b}$."
+        problem = (
+            f"Let $f(x) = {a}x^2 + {b}x + {i}$. Problem {i}: "
+            f"find the sum of the roots of $f(x) = 0$ multiplied by ${a * b}$."
+        )
         rows.append(
             {
                 "data_source": "math_dapo",
@@ -64,7 +68,8 @@ def generate(path: Path) -> None:
 def run_child(argv: list[str]) -> tuple[float, float]:
     """Wall seconds and peak RSS (MiB) of one child process, measured by a fresh wrapper process."""
     wrapper = (
-        "import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL); "
+        "import resource, subprocess, sys, time; t = time.perf_counter(); rc = subprocess.call(sys.argv[1:], "
+        "stdout=subprocess.DEVNULL); "
         "print(rc, time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
     )
     out = subprocess.run(
@@ -88,7 +93,8 @@ def main() -> None:
         t = time.perf_counter()
         generate(src)
         print(
-            f"generated {UNIQUE * REPEAT:,} rows ({src.stat().st_size / 2**20:.0f} MiB parquet) in {time.perf_counter() - t:.1f}s",
+            f"generated {UNIQUE * REPEAT:,} rows ({src.stat().st_size / 2**20:.0f} MiB parquet) in "
+            f"{time.perf_counter() - t:.1f}s",
             flush=True,
         )
         ours = run_child(

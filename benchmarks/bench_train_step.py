@@ -73,7 +73,8 @@ def main(argv=None) -> dict:
                 trainer.train_step(2 + i)
                 full.append(time.perf_counter() - t)
     b, f = statistics.median(base), statistics.median(full)
-    shape = f"{cfg.data.train_batch_size} prompts x n={cfg.actor_rollout_ref.rollout.n}, {cfg.actor_rollout_ref.rollout.response_length} tokens"
+    ro = cfg.actor_rollout_ref.rollout
+    shape = f"{cfg.data.train_batch_size} prompts x n={ro.n}, {ro.response_length} tokens"
     print(f"GRPO step on the tiny model ({shape}), median of {args.steps}:")
     print(f"  {'variant':44s} {'s/step':>8s} {'ratio':>7s}")
     print(f"  {'baseline: generation + scoring only':44s} {b:8.3f} {1.0:7.2f}")

@@ -158,7 +158,8 @@ def main() -> None:
         " file: copied by the kernel -> 100 MB"
     )
     hdr = (
-        f"{'backend':8s} {'naive s':>8s} {'MB/s':>6s} {'RSS':>6s} {'cpu s':>6s} | {'store s':>8s} {'MB/s':>6s} {'RSS':>6s}"
+        f"{'backend':8s} {'naive s':>8s} {'MB/s':>6s} {'RSS':>6s} {'cpu s':>6s} | {'store s':>8s} {'MB/s':>6s} "
+        f"{'RSS':>6s}"
         f" {'cpu s':>6s} {'speed x':>7s} | {'re-up s':>7s} {'re-up %':>7s} {'sent':>5s} | targets"
     )
     print(hdr)
@@ -179,7 +180,8 @@ def main() -> None:
         print(
             f"{name:8s} {naive['seconds']:8.2f} {n_tp:6.0f} {naive['rss_mb']:5.0f}M {naive['cpu_s']:6.2f} |"
             f" {first['seconds']:8.2f} {s_tp:6.0f} {first['rss_mb']:5.0f}M {first['cpu_s']:6.2f} {s_tp / n_tp:7.2f} |"
-            f" {again['seconds']:7.2f} {re_up:6.1f}% {again['sent']:5d} | {'met' if not missed else 'missed: ' + ', '.join(missed)}"
+            f" {again['seconds']:7.2f} {re_up:6.1f}% {again['sent']:5d} | "
+            f"{'met' if not missed else 'missed: ' + ', '.join(missed)}"
         )
     print(
         "\nRSS = peak RSS, cpu s = user+system CPU of the uploading process (servers not included);"

@@ -45,7 +45,8 @@ def write_gsm8k_parquet(path: Path, n: int = 8) -> Path:
                 "prompt": [
                     {
                         "role": "user",
-                        "content": f'What is {a} + {b}? Let\'s think step by step and output the final answer after "####".',
+                        "content": f"What is {a} + {b}? Let's think step by step and output the final answer "
+                        'after "####".',
                     }
                 ],
                 "ability": "math",

@@ -59,7 +59,8 @@ def commits(repo_id: str) -> tuple[list[dict], str]:
             ) from None
         except (HfHubHTTPError, OSError) as exc:
             raise UserError(
-                f"cannot list commits of {repo_id} ({exc.__class__.__name__}); pin the dataset revision or check the HF connection"
+                f"cannot list commits of {repo_id} ({exc.__class__.__name__}); "
+                "pin the dataset revision or check the HF connection"
             ) from None
         source = "hub"
     return sorted(items, key=lambda c: parse_date(c["date"]), reverse=True), source
@@ -78,5 +79,6 @@ def resolve(repo_id: str, as_of: datetime) -> dict:
             }
     first = history[-1]["date"] if history else "never"
     raise UserError(
-        f"{repo_id} has no commit at or before {as_of.isoformat()} (first commit: {first}); pick a later date or pin a revision"
+        f"{repo_id} has no commit at or before {as_of.isoformat()} (first commit: {first}); pick a later date or pin a "
+        "revision"
     )

@@ -99,7 +99,8 @@ def render(record: dict, results: dict, base: dict | None) -> str:
     ds_rows = ["| dataset | role | source | revision | content hash |", "| --- | --- | --- | --- | --- |"]
     for d in lin.get("datasets") or []:
         ds_rows.append(
-            f"| {_get(d, 'name')} | {_get(d, 'role')} | {_get(d, 'repo_id')} | `{_get(d, 'revision')}` | `{_get(d, 'content_hash')}` |"
+            f"| {_get(d, 'name')} | {_get(d, 'role')} | {_get(d, 'repo_id')} | `{_get(d, 'revision')}` | "
+            f"`{_get(d, 'content_hash')}` |"
         )
     if len(ds_rows) == 2:
         ds_rows.append(f"| {NR} | | | | |")
@@ -116,12 +117,14 @@ merged from the FSDP checkpoint of training step {_get(record, "checkpoint", "st
 ## Evaluation
 
 Evaluation set `{ev.get("name", NR)}` (sha256 `{ev.get("sha256", NR)}`), k={sampling.get("k", NR)} samples per problem,
-temperature {sampling.get("temperature", NR)}, top-p {sampling.get("top_p", NR)}, at most {sampling.get("max_new_tokens", NR)} new tokens;
+temperature {sampling.get("temperature", NR)}, top-p {sampling.get("top_p", NR)}, \
+at most {sampling.get("max_new_tokens", NR)} new tokens;
 answers scored by verl's own reward code (`{results.get("scorer", NR)}`).
 
 {eval_table(results, base)}
 
-Promotion at export time: **{"promoted to latest" if promo.get("promote") else "candidate"}** — {promo.get("reason", NR)}.
+Promotion at export time: **{"promoted to latest" if promo.get("promote") else "candidate"}** \
+— {promo.get("reason", NR)}.
 
 ## Lineage
 
@@ -131,7 +134,8 @@ Promotion at export time: **{"promoted to latest" if promo.get("promote") else "
 | experiment preset | `{exp.get("name", NR)}` (sha256 `{exp.get("preset_sha256") or exp.get("digest") or NR}`) |
 | overrides sha256 | `{ov_hash}` |
 | verl | {verl_version} |
-| Airflow DAG / run | `{lin.get("dag_id") or _get(lin, "airflow", "dag_id")}` / `{lin.get("run_id") or _get(lin, "airflow", "run_id")}` |
+| Airflow DAG / run | `{lin.get("dag_id") or _get(lin, "airflow", "dag_id")}` / \
+`{lin.get("run_id") or _get(lin, "airflow", "run_id")}` |
 | training run | {lin.get("run_uri", NR)} |
 | checkpoint | `{_get(record, "checkpoint", "dir")}` step {_get(record, "checkpoint", "step")} |
 | weights sha256 | `{record.get("weights_sha256", NR)}` |

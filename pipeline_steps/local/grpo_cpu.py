@@ -94,7 +94,8 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
             missing = [c for c in (prompt_key, source_key, "reward_model") if c not in row]
             if missing:
                 raise UserError(
-                    f"data file {f}: missing column(s) {missing}; expected verl's schema (data_source, prompt, ability, reward_model, extra_info)"
+                    f"data file {f}: missing column(s) {missing}; "
+                    "expected verl's schema (data_source, prompt, ability, reward_model, extra_info)"
                 )
             messages = row[prompt_key]
             if not (
@@ -122,7 +123,8 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
                 else:
                     raise UserError(
                         f"data file {f} row {i}: prompt has {len(ids)} tokens > data.max_prompt_length={max_len}; "
-                        "raise data.max_prompt_length, or set data.truncation=left|right|middle or data.filter_overlong_prompts=true"
+                        "raise data.max_prompt_length, or set data.truncation=left|right|middle or "
+                        "data.filter_overlong_prompts=true"
                     )
             out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], dict(row.get("extra_info") or {})))
     return out
@@ -240,7 +242,8 @@ class GRPOTrainer:
         model_path = str(cfg.actor_rollout_ref.model.path)
         if not (Path(model_path) / "config.json").is_file():
             raise UserError(
-                f"actor_rollout_ref.model.path {model_path}: no config.json; pass a Hugging Face model directory (build-tiny-model makes one)"
+                f"actor_rollout_ref.model.path {model_path}: no config.json; pass a Hugging Face model directory "
+                "(build-tiny-model makes one)"
             )
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer.padding_side = "left"
@@ -270,7 +273,8 @@ class GRPOTrainer:
         self.train_prompts = load_prompts(_as_list(cfg.data.train_files), self.tokenizer, cfg.data)
         if len(self.train_prompts) < self.batch_size:
             raise UserError(
-                f"data.train_files hold {len(self.train_prompts)} usable prompts, fewer than data.train_batch_size={self.batch_size}; lower the batch size or add data"
+                f"data.train_files hold {len(self.train_prompts)} usable prompts, fewer than "
+                f"data.train_batch_size={self.batch_size}; lower the batch size or add data"
             )
         self.steps_per_epoch = len(self.train_prompts) // self.batch_size  # verl drops the last partial batch
         total = cfg.trainer.get("total_training_steps")
@@ -280,7 +284,9 @@ class GRPOTrainer:
         val_files = _as_list(cfg.data.get("val_files"))
         self.test_freq = int(cfg.trainer.get("test_freq", -1) or -1)
         self.val_before_train = bool(cfg.trainer.get("val_before_train", True))
-        wants_val = self.test_freq > 0 or self.val_before_train  # verl validates before training even when test_freq <= 0
+        wants_val = (
+            self.test_freq > 0 or self.val_before_train
+        )  # verl validates before training even when test_freq <= 0
         self.val_prompts = load_prompts(val_files, self.tokenizer, cfg.data) if wants_val and val_files else []
         self.total_epochs = int(cfg.trainer.total_epochs)
 
@@ -302,7 +308,8 @@ class GRPOTrainer:
             )
         else:
             raise UserError(
-                f"actor_rollout_ref.actor.optim.lr_scheduler_type={optim_cfg.lr_scheduler_type!r}: use constant or cosine"
+                f"actor_rollout_ref.actor.optim.lr_scheduler_type={optim_cfg.lr_scheduler_type!r}: use constant or "
+                "cosine"
             )
         self.clip_grad = float(optim_cfg.clip_grad)
         self.checkpoint = FSDPCheckpointManager(
@@ -332,20 +339,23 @@ class GRPOTrainer:
         if not self._adv_supported(fn):
             ok = sorted(k for k, f in core_algos.ADV_ESTIMATOR_REGISTRY.items() if self._adv_supported(f))
             raise UserError(
-                f"algorithm.adv_estimator={est!r} needs inputs (critic values, baselines, ...) the local CPU backend does not produce; use one of {ok}"
+                f"algorithm.adv_estimator={est!r} needs inputs (critic values, baselines, ...) the local CPU backend "
+                f"does not produce; use one of {ok}"
             )
         try:
             core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
         except ValueError:
             raise UserError(
-                f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; choose one of {sorted(core_algos.POLICY_LOSS_REGISTRY)}"
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={actor.policy_loss.loss_mode!r} is unknown; choose one "
+                f"of {sorted(core_algos.POLICY_LOSS_REGISTRY)}"
             ) from None
         if self.n < 1:
             raise UserError(f"actor_rollout_ref.rollout.n={self.n}: must be at least 1")
         mini = int(actor.ppo_mini_batch_size)
         if mini < 1 or self.batch_size % mini:
             raise UserError(
-                f"data.train_batch_size={self.batch_size} is not divisible by actor_rollout_ref.actor.ppo_mini_batch_size={mini}; make it a divisor"
+                f"data.train_batch_size={self.batch_size} is not divisible by "
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}; make it a divisor"
             )
         if not str(cfg.trainer.default_local_dir):
             raise UserError("trainer.default_local_dir is empty; pass --output-dir")
@@ -369,13 +379,15 @@ class GRPOTrainer:
         path = self.cfg.reward.custom_reward_function.get("path")
         if path and not Path(str(path)).is_file():
             raise UserError(
-                f"reward.custom_reward_function.path={path}: file not found; pass a Python file defining the reward function"
+                f"reward.custom_reward_function.path={path}: file not found; pass a Python file defining the reward "
+                "function"
             )
         try:
             return get_custom_reward_fn(self.cfg) or default_compute_score
         except AttributeError as exc:
             raise UserError(
-                f"reward.custom_reward_function: {exc}; set reward.custom_reward_function.name to a function in that file"
+                f"reward.custom_reward_function: {exc}; set reward.custom_reward_function.name to a function in that "
+                "file"
             ) from None
 
     def _eos_ids(self, model_path) -> list[int]:
@@ -502,9 +514,7 @@ class GRPOTrainer:
             if self.kl_ctrl_in_reward is None:
                 self.kl_ctrl_in_reward = self.core.get_kl_controller(cfg.kl_ctrl)
             data = DataProto.from_dict(
-                tensors={
-                    k: batch[k] for k in ("response_mask", "token_level_scores", "old_log_probs", "ref_log_prob")
-                }
+                tensors={k: batch[k] for k in ("response_mask", "token_level_scores", "old_log_probs", "ref_log_prob")}
             )
             data, kl_metrics = apply_kl_penalty(data, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=cfg.kl_penalty)
             rewards = data.batch["token_level_rewards"]
