@@ -29,8 +29,6 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.rayjob import RayJobOperator
 
-RESUME = "trainer.resume_mode=auto"
-
 
 def normalize_overrides(value) -> list[str]:
     """Overrides as typed in the trigger form: a list, a JSON list, or one ``KEY=VALUE`` per line."""
@@ -149,7 +147,7 @@ class GRPOTrainOperator(RayJobOperator):
         self.checkpoint_uri = f"{run_dir}/checkpoints"
         self.metrics_uri = f"{run_dir}/metrics.jsonl"
 
-    def _load(self, backend: str, extra: Sequence[str] = ()):
+    def _load(self, backend: str):
         """The experiment with the pipeline's derived keys and the user's overrides (user wins)."""
         from pipeline_steps.errors import UserError
         from pipeline_steps.training import experiment
@@ -161,7 +159,7 @@ class GRPOTrainOperator(RayJobOperator):
             "trainer.default_local_dir": self.checkpoint_uri,
         }
         try:
-            exp = experiment.load(self.experiment, [*normalize_overrides(self.overrides), *extra], derived=derived)
+            exp = experiment.load(self.experiment, normalize_overrides(self.overrides), derived=derived)
         except UserError as exc:
             raise AirflowFailException(str(exc)) from None
         exp.spec["backend"] = "local" if backend == "local" else "cluster"
@@ -219,21 +217,21 @@ class GRPOTrainOperator(RayJobOperator):
                 self.namespace or self.hook.get_namespace() or "default"
             )  # the DAG may leave it to the connection
             body = build_rayjob(exp, namespace=namespace, mounts=mounts, **ids)
-            resume = build_rayjob(self._load("kuberay", [RESUME]), namespace=namespace, mounts=mounts, **ids)
+            resume = body  # the entrypoint always resumes (trainer.resume_mode=auto): a retry re-submits it
         except UserError as exc:
             raise AirflowFailException(f"render RayJob: {exc}") from None
         self.rayjob = body
         return self.submit_rayjob(context, body, resume)
 
     # -- local ----------------------------------------------------------------------------------------
-    def _job_argv(self, exp_ref: str, extra: Sequence[str]) -> list[str]:
+    def _job_argv(self, exp_ref: str) -> list[str]:
         from pipeline_steps.local import ray_cluster as local_ray
 
         train = [local_path(u, "train_files") for u in as_list(self.train_files)]
         val = [local_path(u, "val_files") for u in as_list(self.val_files)]
         argv = ["train-local", "--experiment", exp_ref]
         # "--override=K=V" keeps a value that starts with '-' from being read as an option
-        argv += [f"--override={o}" for o in [*normalize_overrides(self.overrides), *extra]]
+        argv += [f"--override={o}" for o in normalize_overrides(self.overrides)]
         argv += ["--train-files", *train]
         if val:
             argv += ["--val-files", *val]
@@ -271,7 +269,7 @@ class GRPOTrainOperator(RayJobOperator):
                 self.checkpoint_uri,
             )
         sid = f"{base}-a{attempt}"
-        argv = self._job_argv(self.experiment, [RESUME] if attempt else [])
+        argv = self._job_argv(self.experiment)  # train-local resumes from the run's checkpoints by itself
         env = {"VERL_FILE_LOGGER_PATH": local_path(self.metrics_uri, "run_dir"), "TOKENIZERS_PARALLELISM": "false"}
         try:
             local_ray.submit_or_attach(address, sid, argv, env=env)

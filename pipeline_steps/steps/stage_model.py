@@ -35,6 +35,11 @@ COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 def add_arguments(p):
     p.add_argument("--model", required=True, help="Hub repo id (org/name), a local directory, or 'tiny'")
     p.add_argument(
+        "--hub-only",
+        action="store_true",
+        help="accept only a Hub repo id or 'tiny', never a local directory (the DAG passes it: the name is untrusted)",
+    )
+    p.add_argument(
         "--revision",
         default=None,
         help="Hub branch/tag/commit (pin a commit); for local sources a label (default: content hash)",
@@ -104,7 +109,9 @@ def run(args):
             rev = _check_revision(args.revision) if args.revision else content_revision(src)
             return _stage(store, src, str(root.child(f"models/local/tiny/{rev}")), rev, "tiny")
     local = Path(model).expanduser()
-    if local.is_dir():
+    if args.hub_only and not REPO_RE.match(model):
+        raise UserError(f"--model {model!r}: expected a Hub repo id of the form org/name (or tiny)")
+    if local.is_dir() and not args.hub_only:  # --hub-only: a name from the trigger form never reads worker files
         name = local.resolve().name
         if not NAME_RE.match(name):
             raise UserError(

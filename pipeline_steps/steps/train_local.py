@@ -52,6 +52,7 @@ def derived_keys(train_files, val_files, model_path, output_dir) -> dict:
         "data.val_files": [str(Path(f).resolve()) for f in val_files],
         "actor_rollout_ref.model.path": str(Path(model_path).resolve()),
         "trainer.default_local_dir": str(Path(output_dir).resolve() / "checkpoints"),
+        "trainer.resume_mode": "auto",  # a retried job continues from the output's last checkpoint
         "trainer.device": "cpu",
     }
 

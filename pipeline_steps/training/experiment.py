@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from pipeline_steps.errors import UserError
+from pipeline_steps.training import overrides as override_rules
 
 PRESETS_ENV = "VERL_PIPELINE_PRESETS_DIR"  # a deployment's own presets; they shadow the packaged ones by name
 
@@ -116,6 +117,8 @@ def cluster_keys(spec: dict) -> dict:
 
 def parse_override(text: str) -> tuple[str, object]:
     """``KEY=VALUE`` typed by a user -> (key, value parsed as YAML scalar/list)."""
+    if text.strip().startswith("~"):  # Hydra's delete syntax (with or without a value)
+        override_rules.check(text.strip().split("=", 1)[0], None, f"override {text[:80]!r}")
     if "=" not in text:
         raise UserError(f"--override {text!r}: expected KEY=VALUE, for example actor_rollout_ref.actor.optim.lr=1e-6")
     key, raw = text.split("=", 1)
@@ -131,9 +134,10 @@ def parse_override(text: str) -> tuple[str, object]:
             value = float(value) if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", value.strip()) else value
         except ValueError:
             pass
-    if isinstance(value, (dict, list, bool, int, float)) or value is None:
-        return key, value
-    return key, str(raw)
+    if not isinstance(value, (dict, list, bool, int, float)) and value is not None:
+        value = str(raw)
+    override_rules.check(key, value, f"override {text[:80]!r}")
+    return key, value
 
 
 def resolve_path(name_or_file: str) -> Path:
@@ -158,9 +162,10 @@ def load(name_or_file: str, overrides: list[str] | None = None, derived: dict | 
     if not isinstance(spec, dict) or not isinstance(spec.get("verl", {}), dict):
         raise UserError(f"experiment {path}: must be a mapping with a 'verl' mapping of overrides")
     verl = dict(spec.pop("verl", {}) or {})
-    for key in verl:
+    for key, value in verl.items():
         if not KEY_RE.match(str(key)):
             raise UserError(f"experiment {path}: verl key {key!r} is not a dotted config key")
+        override_rules.check(str(key), value, f"experiment {path}", user=False)
     for k, v in {**cluster_keys(spec), **(derived or {})}.items():
         verl.pop(k, None)  # later sources win and are applied later
         verl[k] = v

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from pipeline_steps.data import registry
 from pipeline_steps.errors import UserError
+from pipeline_steps.store import parse_uri
 from pipeline_steps.training import experiment
 from pipeline_steps.uris import strip_file_scheme
 
 SMOKE_ROWS = 8
+MODEL_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
 def home() -> Path:
@@ -40,9 +42,11 @@ def run_key(run_id: str) -> str:
 def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) -> dict:
     from pipeline_steps.data import revisions
 
-    exp = experiment.load(params.get("experiment") or "local_tiny")
+    # every override parsed and checked now (one line in the plan task's log), not minutes later in pre-flight
+    exp = experiment.load(params.get("experiment") or "local_tiny", overrides(params))
     spec = exp.spec
     store = (params.get("store_uri") or default_store()).rstrip("/")
+    parse_uri(store)  # file:// needs an absolute path, buckets a valid name: one line naming the URI otherwise
     work = str(Path(os.environ.get("PIPELINE_WORK_DIR") or home() / "work"))
     smoke = bool(params.get("smoke"))
     train_sets = list(params.get("datasets") or spec.get("datasets", {}).get("train") or [])
@@ -51,6 +55,12 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     known = registry.load()
     items = []
     extra_sets = list(params.get("prepare_datasets") or [])
+    selected = list(dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets))
+    stray = sorted(set(pins) - set(selected))
+    if stray:  # a misspelt or unselected pin would leave the dataset it meant unpinned
+        raise UserError(
+            f"dataset_revisions: {stray} not among this run's datasets {selected}; fix the name or select the dataset"
+        )
     for name in dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets):
         if name not in known or not known[name].repo_id:
             raise UserError(
@@ -75,13 +85,24 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
                 "store": store,
             }
         )
-    model = params.get("model") or (spec.get("model") or {}).get("source") or (spec.get("model") or {}).get("repo_id")
-    model_revision = params.get("model_revision") or (spec.get("model") or {}).get("revision") or "main"
+    preset_model = spec.get("model") or {}
+    if params.get("model"):  # typed in the form: a Hub repo id (or tiny), never a path on the worker
+        model = str(params["model"]).strip()
+        if model != "tiny" and not MODEL_REPO_RE.match(model):
+            raise UserError(f"model {model!r}: expected a Hugging Face repo id such as Qwen/Qwen2.5-3B-Instruct, or tiny")
+        # the preset's revision belongs to the preset's model: a form model without a revision is staged at main
+        model_revision = params.get("model_revision") or "main"
+    else:
+        model = preset_model.get("source") or preset_model.get("repo_id")
+        model_revision = params.get("model_revision") or preset_model.get("revision") or "main"
     key = run_key(run_id)
     return {
         "experiment": exp.name,
         "datasets": items,
-        "model": {"args": ["--model", model, "--revision", model_revision, "--dest", store], "carry": {"model": model}},
+        "model": {
+            "args": ["--model", model, "--revision", model_revision, "--dest", store, "--hub-only"],
+            "carry": {"model": model},
+        },
         "store": store,
         "work": work,
         "run_key": key,

@@ -1,0 +1,77 @@
+"""What a user may override: the one gate between typed text (trigger form, ``--override``) and verl's Hydra config.
+
+Hydra instantiates any mapping that carries ``_target_`` (verl's ``validate_config`` builds its dataclasses that
+way, in the Airflow worker), so a user-typed ``{_target_: builtins.open, ...}`` would call any importable function.
+User overrides therefore may not contain:
+
+* a special key (``_target_``, ``_args_``, ``_partial_``, ``_recursive_``, ``_convert_``, or any ``_name_``) at
+  any depth of the key path or of the value;
+* an interpolation or resolver (``${...}``, e.g. ``${oc.env:AWS_SECRET_ACCESS_KEY}`` copying a worker secret into
+  the config) anywhere in the value;
+* a ``hydra.*`` key, or a deletion (``~key``);
+* a key the pipeline derives (data files, model path, checkpoint directory, resume): the message says what sets it.
+
+Presets (packaged, or a deployment's own directory) pass the same checks except the derived-key one.
+"""
+
+from __future__ import annotations
+
+import re
+
+from pipeline_steps.errors import UserError
+
+SPECIAL_KEY = re.compile(r"^_[A-Za-z0-9]*_$")
+# verl keys the pipeline sets itself, and what sets them
+PIPELINE_KEYS = {
+    "data.train_files": "the pipeline (the training splits of the datasets chosen in the form or preset)",
+    "data.val_files": "the pipeline (the validation splits of the preset's datasets)",
+    "actor_rollout_ref.model.path": "the pipeline (the model staged by stage_model; choose it with the form's model)",
+    "trainer.default_local_dir": "the pipeline (the run's checkpoint directory under the store's runs/ area)",
+    "trainer.resume_mode": "the pipeline (a retried attempt resumes from the run's last checkpoint)",
+    "trainer.resume_from_path": "the pipeline (a retried attempt resumes from the run's last checkpoint)",
+}
+
+
+def _walk(value, path: str):
+    """Yield (where, key-or-None, string-or-None) for every mapping key and string in ``value``."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield f"{path}.{k}", str(k), None
+            yield from _walk(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _walk(v, f"{path}[{i}]")
+    elif isinstance(value, str):
+        yield path, None, value
+
+
+def check(key: str, value, source: str, *, user: bool = True) -> None:
+    """Raise UserError (one line naming ``source`` and the key) when ``key=value`` may not be applied.
+
+    :param key: the dotted key as typed, with any ``+``/``++`` prefix.
+    :param value: the parsed value (scalar, list or mapping).
+    :param source: where it came from, for the message (``--override``, ``verl_overrides``, a preset file).
+    :param user: typed by a user (derived keys are refused too), or from a preset.
+    """
+    bare = key.lstrip("+")
+    if key.startswith("~"):
+        raise UserError(f"{source}: deleting a key ({key!r}) is not allowed; override its value instead")
+    if bare == "hydra" or bare.startswith("hydra."):
+        raise UserError(f"{source}: {bare!r} is Hydra's own configuration, not verl's; it cannot be overridden here")
+    for part in bare.split("."):
+        if SPECIAL_KEY.match(part):
+            raise UserError(
+                f"{source}: key {bare!r} contains {part!r}, a Hydra instantiation key; "
+                "such keys are refused because they would run code in the worker"
+            )
+    if user and bare in PIPELINE_KEYS:
+        raise UserError(f"{source}: {bare!r} is set by {PIPELINE_KEYS[bare]}; remove this override")
+    for where, k, s in _walk(value, bare):
+        if k is not None and SPECIAL_KEY.match(k):
+            raise UserError(
+                f"{source}: the value of {bare!r} holds the key {k!r} (at {where}), a Hydra instantiation key; "
+                "such keys are refused because they would run code in the worker"
+            )
+        if s is not None and ("${" in s or "_target_" in s):
+            what = "an interpolation/resolver (${...})" if "${" in s else "'_target_'"
+            raise UserError(f"{source}: the value of {bare!r} contains {what} (at {where}); write the literal value")

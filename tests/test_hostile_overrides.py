@@ -1,0 +1,106 @@
+"""Nothing a user types is instantiated: hostile verl overrides through the real CLI and through the DAG's plan.
+
+Before the fix, ``+actor_rollout_ref.actor.x={_target_: builtins.open, _args_: ["<file>","w"]}`` reached verl's
+``validate_config`` in pre-flight, whose Hydra instantiation truncated the file inside the Airflow worker. Each
+payload below names a sentinel file; after the refused run the sentinel must be byte-identical and no new file may
+appear beside it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline_steps.errors import UserError
+from tests.conftest import run_step
+
+SENTINEL_TEXT = "precious\n"
+
+# (override template, what the one-line error must mention); {s} is the sentinel path, {d} a path beside it
+HOSTILE = [
+    ('+actor_rollout_ref.actor.x={{_target_: builtins.open, _args_: ["{s}", "w"]}}', "_target_"),
+    ('actor_rollout_ref.actor.optim={{_target_: shutil.copyfile, _args_: ["{s}", "{d}"]}}', "_target_"),
+    ("+actor_rollout_ref.actor._target_=builtins.open", "_target_"),
+    ('++actor_rollout_ref.x=[{{_target_: builtins.open, _args_: ["{s}", "w"]}}]', "_target_"),
+    ('+x={{a: {{b: {{_target_: builtins.open, _args_: ["{s}", "w"]}}}}}}', "_target_"),
+    ('+x=[1, [2, {{_args_: ["{s}", "w"]}}]]', "_args_"),
+    ("+x={{_partial_: true, _recursive_: false}}", "_partial_"),
+    ("+trainer._convert_=all", "_convert_"),
+    ("+x={{_self_: 1}}", "_self_"),
+    ("trainer.experiment_name=${{oc.env:HOME}}", "interpolation"),
+    ('trainer.experiment_name="${{oc.env:AWS_SECRET_ACCESS_KEY}}"', "interpolation"),
+    ('+x={{a: "${{oc.env:HF_TOKEN}}"}}', "interpolation"),
+    ("trainer.project_name=${{trainer.experiment_name}}", "interpolation"),
+    ('+x="{{_target_: builtins.open}}"', "_target_"),
+    ("hydra.run.dir={d}", "Hydra's own"),
+    ("+hydra.job.chdir=true", "Hydra's own"),
+    ("~trainer.logger", "deleting"),
+    ("~actor_rollout_ref.model.path", "deleting"),
+    ("data.train_files={s}", "set by the pipeline"),
+    ("+data.val_files=[{s}]", "set by the pipeline"),
+    ("++actor_rollout_ref.model.path={d}", "set by the pipeline"),
+    ("trainer.default_local_dir=oss://bkt/models/exported/gsm8k", "set by the pipeline"),
+    ("trainer.resume_mode=resume_path", "set by the pipeline"),
+    ("trainer.resume_from_path={d}", "set by the pipeline"),
+]
+
+
+@pytest.fixture
+def sentinel(tmp_path):
+    s = tmp_path / "secret.txt"
+    s.write_text(SENTINEL_TEXT)
+    s.chmod(0o600)
+    return s
+
+
+@pytest.mark.parametrize("template,needle", HOSTILE, ids=[h[0][:40] for h in HOSTILE])
+def test_preflight_cli_refuses_in_one_line_and_runs_nothing(template, needle, sentinel, tmp_path):
+    override = template.format(s=sentinel, d=tmp_path / "copied.txt")
+    code, summary, err = run_step(
+        "preflight", "--experiment", "local_tiny", "--skip-store-check", f"--override={override}"
+    )
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert needle in lines[0] and "Traceback" not in err
+    assert summary["ok"] is False
+    assert sentinel.read_text() == SENTINEL_TEXT  # not truncated
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secret.txt"]  # nothing copied beside it
+
+
+def test_the_plan_task_refuses_form_overrides_before_any_step_runs(sentinel):
+    from pipeline_steps.training import plan
+
+    params = {
+        "experiment": "local_tiny",
+        "verl_overrides": [f'+actor_rollout_ref.actor.x={{_target_: builtins.open, _args_: ["{sentinel}", "w"]}}'],
+    }
+    with pytest.raises(UserError, match="_target_") as err:
+        plan.plan(params, None, "manual__1", "verl_grpo_pipeline")
+    assert "\n" not in str(err.value)
+    assert sentinel.read_text() == SENTINEL_TEXT
+
+
+def test_a_deployment_preset_cannot_smuggle_instantiation_either(tmp_path, monkeypatch, sentinel):
+    preset = tmp_path / "presets" / "team.yaml"
+    preset.parent.mkdir()
+    preset.write_text(
+        "name: team\nbackend: local\nverl:\n"
+        f'  +actor_rollout_ref.actor.x: {{_target_: builtins.open, _args_: ["{sentinel}", "w"]}}\n'
+    )
+    code, _, err = run_step("preflight", "--experiment", str(preset), "--skip-store-check")
+    assert code == 2 and "_target_" in err and err.count("\n") == 1
+    assert sentinel.read_text() == SENTINEL_TEXT
+
+
+def test_benign_overrides_still_work(tmp_path):
+    code, summary, err = run_step(
+        "preflight",
+        "--experiment",
+        "local_tiny",
+        "--skip-store-check",
+        "--override=actor_rollout_ref.actor.optim.lr=2e-6",
+        "--override=trainer.experiment_name=a'b$(id)_target",
+        "--override=+trainer.my_note={a: 1, b: [x, y]}",
+    )
+    assert code == 0, err
+    assert summary["ok"] is True
