@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 
 from airflow.sdk import BaseOperator
@@ -92,20 +93,30 @@ class PipelineStepOperator(BaseOperator):
             env.update(store_env(self.store_conn_id, self.store_uri))
         return env
 
+    def command(self, args: list[str]) -> list[str]:
+        """The child process: this interpreter running the step's CLI."""
+        return [sys.executable, "-m", "pipeline_steps", self.step, *args]
+
     def execute(self, context):
         args = [str(a) for a in self.request.get("args", [])]
-        cmd = [sys.executable, "-m", "pipeline_steps", self.step, *args]
+        cmd = self.command(args)
         self.log.info("running: python -m pipeline_steps %s %s", self.step, " ".join(args))
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.child_env(), start_new_session=True
         )
+        # stdout is drained in a thread while stderr streams into the task log: reading one pipe to its end
+        # first would block a step that fills the other pipe's buffer (64 KiB) until the task times out
+        out_chunks: list[str] = []
+        reader = threading.Thread(target=lambda: out_chunks.append(self._proc.stdout.read()), daemon=True)
+        reader.start()
         last_error = ""
         for line in self._proc.stderr:  # the step's log, streamed into the task log as it runs
             line = line.rstrip()
             self.log.info("%s", line)
             if line.startswith(("error:", "unexpected error")):
                 last_error = line
-        stdout = self._proc.stdout.read()
+        reader.join()
+        stdout = "".join(out_chunks)
         rc = self._proc.wait()
         lines = stdout.strip().splitlines()
         try:

@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline_steps import outputs
+
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
@@ -41,15 +43,23 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike):
-    """Yield a temporary directory; on success it replaces ``final`` in one rename."""
+def atomic_dir(final: str | os.PathLike, owner: str | None = None):
+    """Yield a temporary directory; on success it replaces ``final`` in one rename.
+
+    :param owner: the step writing it: an existing non-empty ``final`` must be that step's earlier output
+        (:mod:`pipeline_steps.outputs`), and the new one is marked as the step's.
+    """
     final = Path(final)
+    if owner:
+        outputs.check_reusable(final, owner)
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".tmp-{final.name}.*"):  # left by a crashed run
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=final.parent))
     try:
         yield tmp
+        if owner:
+            outputs.mark(tmp, owner)
         if final.exists():
             old = final.with_name(f".tmp-{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)

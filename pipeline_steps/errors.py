@@ -3,4 +3,3 @@
 
 class UserError(Exception):
     """Bad input or usage. The message says which input, what is wrong and what to do."""
-

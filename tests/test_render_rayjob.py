@@ -35,7 +35,7 @@ NASTY = [
     "a; rm -rf / ; b",
     "$(touch /tmp/pwned)",
     "`id`",
-    "${oc.env:HOME}",
+    "$HOME $(HOME) {HOME}",  # "${" is refused before rendering (tests/test_hostile_overrides.py)
     "line1\nline2",
     "back\\slash\\",
     "tab\there & | > < * ?",
@@ -76,8 +76,12 @@ def derived(bucket: str, preset: str, dataset: str) -> dict:
     }
 
 
-def render(preset="gsm8k_qwen2_5_3b", mounts=ACK, bucket="oss://verl-store", dataset="gsm8k", overrides=(), **kw):
-    exp = experiment.load(preset, overrides=list(overrides), derived=derived(bucket, preset, dataset))
+def render(
+    preset="gsm8k_qwen2_5_3b", mounts=ACK, bucket="oss://verl-store", dataset="gsm8k", overrides=(), pipeline=None, **kw
+):
+    """``pipeline``: derived keys the pipeline sets differently (users cannot override them)."""
+    keys = {**derived(bucket, preset, dataset), **(pipeline or {})}
+    exp = experiment.load(preset, overrides=list(overrides), derived=keys)
     args = dict(dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", namespace="verl-pipeline", mounts=mounts)
     args.update(kw)
     return exp, build_rayjob(exp, **args)
@@ -194,7 +198,7 @@ def test_untrusted_values_cannot_leave_their_argument(tmp_path, crd_schema):
 
 def test_store_uris_map_to_the_mount_and_resume_is_forced():
     exp, job = render(
-        overrides=["trainer.resume_mode=disable", "trainer.default_local_dir=oss://verl-store/elsewhere/ckpt"]
+        pipeline={"trainer.resume_mode": "disable", "trainer.default_local_dir": "oss://verl-store/elsewhere/ckpt"}
     )
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
@@ -299,9 +303,9 @@ def test_secrets_only_by_reference():
     [
         ({"mounts": MountMap()}, r"outside every mounted bucket"),
         ({"bucket": "gs://other-bucket"}, r"gs://other-bucket.*outside every mounted bucket"),
-        ({"overrides": ["trainer.default_local_dir=/local/ckpt"]}, r"trainer.default_local_dir='/local/ckpt'"),
+        ({"pipeline": {"trainer.default_local_dir": "/local/ckpt"}}, r"trainer.default_local_dir='/local/ckpt'"),
         ({"overrides": ["trainer.nnodes=two"]}, r"trainer.nnodes='two': must be an integer"),
-        ({"overrides": ["data.val_files=oss://verl-store/../../etc/passwd"]}, r"climbs out of its mount"),
+        ({"pipeline": {"data.val_files": ["oss://verl-store/../../etc/passwd"]}}, r"climbs out of its mount"),
         ({"namespace": "Bad_NS"}, r"--namespace 'Bad_NS'"),
     ],
 )

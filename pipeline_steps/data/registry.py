@@ -75,13 +75,15 @@ def load(registry_file: str | None = None) -> dict[str, DatasetSpec]:
             unknown = set(entry) - fields
             if unknown:
                 raise UserError(
-                    f"dataset registry {path}: entry {name!r} has unknown keys {sorted(unknown)}; allowed: {sorted(fields - {'name'})}"
+                    f"dataset registry {path}: entry {name!r} has unknown keys {sorted(unknown)}; allowed: "
+                    f"{sorted(fields - {'name'})}"
                 )
             if "repo_id" not in entry or "preprocessor" not in entry:
                 raise UserError(f"dataset registry {path}: entry {name!r} needs repo_id and preprocessor")
             if entry["preprocessor"] not in PREPROCESSORS:
                 raise UserError(
-                    f"dataset registry {path}: entry {name!r} preprocessor {entry['preprocessor']!r} unknown; choose one of {PREPROCESSORS}"
+                    f"dataset registry {path}: entry {name!r} preprocessor {entry['preprocessor']!r} unknown; choose "
+                    f"one of {PREPROCESSORS}"
                 )
             entry = dict(entry, allow_patterns=tuple(entry.get("allow_patterns") or ()))
             specs[name] = DatasetSpec(name=name, **entry)

@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 FIXTURES = Path(__file__).with_name("hub")  # the offline Hub fixtures (package data): their text trains the tokenizer
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -32,7 +33,15 @@ def _corpus(root: Path):
     yield "Answer: #### <think> </think> \\boxed{} 0123456789 + - * / = ."
 
 
-def build(output: str | Path, corpus: str | Path = FIXTURES, vocab_size=512, hidden_size=64, layers=2, seed=0) -> Path:
+def build(
+    output: str | Path,
+    corpus: str | Path = FIXTURES,
+    vocab_size=512,
+    hidden_size=64,
+    layers=2,
+    seed=0,
+    owner: str | None = None,
+) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -72,7 +81,7 @@ def build(output: str | Path, corpus: str | Path = FIXTURES, vocab_size=512, hid
     model = Qwen2ForCausalLM(config)
     model.generation_config.eos_token_id = fast.eos_token_id
     model.generation_config.pad_token_id = fast.pad_token_id
-    with atomic.atomic_dir(output) as tmp:
+    with atomic.atomic_dir(output, owner=owner) as tmp:
         model.save_pretrained(tmp)
         fast.save_pretrained(tmp)
     log.info("built tiny model at %s (%d parameters)", output, sum(p.numel() for p in model.parameters()))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from pipeline_steps import outputs
 from pipeline_steps.local.tiny_model import FIXTURES, build
 
 
@@ -16,5 +17,8 @@ def add_arguments(p):
 
 
 def run(args):
-    out = build(args.output, args.corpus, args.vocab_size, args.hidden_size, args.layers, args.seed)
+    outputs.refuse_overlap(args.output, {"--corpus": args.corpus})
+    out = build(
+        args.output, args.corpus, args.vocab_size, args.hidden_size, args.layers, args.seed, owner="build-tiny-model"
+    )
     return {"path": str(out)}

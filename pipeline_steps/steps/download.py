@@ -71,7 +71,8 @@ def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: 
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         where = "in the offline cache" if offline else "locally and the Hub is unreachable"
         raise UserError(
-            f"revision {revision!r} of {repo_type} {repo_id} is not available {where}; pin a revision that is cached or allow network access"
+            f"revision {revision!r} of {repo_type} {repo_id} is not available {where}; "
+            "pin a revision that is cached or allow network access"
         ) from None
 
 
@@ -83,7 +84,7 @@ def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
     if (dest / ".complete").exists():
         return 0
     n = 0
-    with atomic.atomic_dir(dest) as tmp:
+    with atomic.atomic_dir(dest, owner="download") as tmp:
         for src in sorted(snapshot.rglob("*")):
             rel = src.relative_to(snapshot).as_posix()
             if src.is_dir() or (allow_patterns and not any(fnmatch.fnmatch(rel, pat) for pat in allow_patterns)):
@@ -101,6 +102,8 @@ def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
 
 
 def run(args):
+    if Path(args.dest).exists() and not Path(args.dest).is_dir():
+        raise UserError(f"--dest {args.dest}: exists and is not a directory; pass a directory for the snapshots")
     spec = registry.get(args.dataset, args.registry)
     snapshot = fetch_snapshot(spec.repo_id, args.revision, spec.allow_patterns)
     commit = snapshot.name  # snapshot folders are named by the resolved commit
@@ -109,7 +112,8 @@ def run(args):
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file() and p.name != ".complete")
     if not any(f.endswith((".parquet", ".jsonl", ".json", ".csv", ".arrow")) for f in files):
         raise UserError(
-            f"dataset {spec.name} ({spec.repo_id}@{commit[:12]}) has no data files matching {list(spec.allow_patterns)}; check the registry entry"
+            f"dataset {spec.name} ({spec.repo_id}@{commit[:12]}) has no data files matching "
+            f"{list(spec.allow_patterns)}; check the registry entry"
         )
     log.info("dataset %s: %s@%s -> %s (%d files, %d new)", spec.name, spec.repo_id, commit, out, len(files), n)
     return {

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from pipeline_steps import atomic
+from pipeline_steps import atomic, outputs
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation import metrics as eval_metrics
 
@@ -124,7 +124,8 @@ def load_eval_set(path: str, max_problems: int = 0) -> tuple[list[dict], dict]:
         gt = (r.get("reward_model") or {}).get("ground_truth") if isinstance(r.get("reward_model"), dict) else None
         if gt is None or str(gt).strip() == "":
             raise UserError(
-                f"--data {p}: row {i} has no reward_model.ground_truth; an evaluation set needs an answer for every problem"
+                f"--data {p}: row {i} has no reward_model.ground_truth; an evaluation set needs an answer for every "
+                "problem"
             )
         if not r.get("data_source"):
             raise UserError(f"--data {p}: row {i} has no data_source; it selects verl's scorer (for AIME: aime2024)")
@@ -304,7 +305,6 @@ def _verl_version() -> str:
 def markdown(res: dict, base: dict | None) -> str:
     from pipeline_steps.evaluation.model_card import eval_table
 
-    o = res["overall"]
     lines = [
         f"# Evaluation: {res['eval_set']['name']}",
         "",
@@ -318,7 +318,8 @@ def markdown(res: dict, base: dict | None) -> str:
     ]
     for p in res["problems"]:
         lines.append(
-            f"| {p['id']} | {p['ground_truth']} | {p['correct']}/{p['n']} | {p['maj_answer'] if p['maj_answer'] is not None else '—'} |"
+            f"| {p['id']} | {p['ground_truth']} | {p['correct']}/{p['n']} | "
+            f"{p['maj_answer'] if p['maj_answer'] is not None else '—'} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -328,8 +329,18 @@ def run(args) -> dict:
     check_sampling(s)
     if args.batch_size < 0:
         raise UserError(f"--batch-size {args.batch_size}: must be >= 0")
-    rows, eval_info = load_eval_set(args.data, args.max_problems)
     out = Path(args.output)
+    outputs.refuse_overlap(
+        out,
+        {
+            "--model": args.model,
+            "--data": args.data,
+            "--base-model": args.base_model,
+            "--baseline-cache": args.baseline_cache,
+        },
+    )
+    outputs.check_reusable(out, "evaluate")
+    rows, eval_info = load_eval_set(args.data, args.max_problems)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-work.", dir=out.parent))  # merged checkpoints, removed below
     try:
@@ -346,7 +357,7 @@ def run(args) -> dict:
             }
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    with atomic.atomic_dir(out) as tmp:
+    with atomic.atomic_dir(out, owner="evaluate") as tmp:
         atomic.write_json(tmp / "results.json", res)
         if base is not None:
             atomic.write_json(tmp / "base_results.json", base)

@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline_steps import atomic
+from pipeline_steps import atomic, outputs
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
 
@@ -111,7 +111,8 @@ def resolve_checkpoint(checkpoint_dir: str | os.PathLike, step: int | None = Non
         raise UserError(f"{cfg}: world_size {recorded!r} but the shards are for {world_size}; set it to {world_size}")
     if not (actor / "huggingface" / "config.json").is_file():
         raise UserError(
-            f"{actor}/huggingface/config.json: missing; verl writes it with every save, copy the base model's config.json there"
+            f"{actor}/huggingface/config.json: missing; verl writes it with every save, copy the base model's "
+            "config.json there"
         )
     return step, actor
 
@@ -169,7 +170,8 @@ def check_model(model_dir: str | os.PathLike, max_new_tokens: int = 4) -> dict:
     except Exception as exc:  # any failure here means the export must not be published
         msg = " ".join(f"{exc.__class__.__name__}: {exc}".split())[:300]
         raise UserError(
-            f"merged model at {model_dir} fails to load or generate with transformers ({msg}); nothing was exported or promoted"
+            f"merged model at {model_dir} fails to load or generate with transformers ({msg}); nothing was exported or "
+            "promoted"
         ) from None
     return {
         "parameters": int(sum(p.numel() for p in model.parameters())),
@@ -210,7 +212,8 @@ def materialize(model_or_checkpoint: str | os.PathLike, work_dir: str | os.PathL
         merged = merge_checkpoint(actor, Path(work_dir) / f"merged-step{step}")
         return {"path": merged, "source": "checkpoint", "step": step}
     raise UserError(
-        f"--model {p}: neither a Hugging Face model directory (config.json) nor a verl checkpoints directory ({TRACKER})"
+        f"--model {p}: neither a Hugging Face model directory (config.json) nor a verl checkpoints directory "
+        f"({TRACKER})"
     )
 
 
@@ -274,6 +277,18 @@ def run(args) -> dict:
     step, actor = resolve_checkpoint(args.checkpoint_dir, args.step)
 
     out = Path(args.output)
+    outputs.refuse_overlap(
+        out,
+        {
+            "--checkpoint-dir": args.checkpoint_dir,
+            "--eval-results": args.eval_results,
+            "--base-results": args.base_results,
+            "--lineage": args.lineage,
+        },
+    )
+    outputs.check_reusable(out, "export")
+    out.mkdir(parents=True, exist_ok=True)
+    outputs.mark(out, "export")
     model_dir = out / "model"
     merge_checkpoint(actor, model_dir)
     merged_sha = dir_sha256(model_dir)  # what evaluate hashed when it merged the same checkpoint
@@ -281,7 +296,8 @@ def run(args) -> dict:
     if scored_sha and scored_sha != merged_sha:
         raise UserError(
             f"--eval-results {args.eval_results}: scored a different model (content sha256 {scored_sha[:12]}) than "
-            f"global_step_{step} ({merged_sha[:12]}); run evaluate on the same checkpoint and step, nothing was exported"
+            f"global_step_{step} ({merged_sha[:12]}); run evaluate on the same checkpoint and step, nothing was "
+            "exported"
         )
     check = check_model(model_dir)
     weights = weights_sha256(model_dir)
@@ -357,7 +373,8 @@ def push_to_hub(model_dir: Path, repo_id: str) -> dict:
     token = os.environ.get("HF_TOKEN")
     if not token:
         raise UserError(
-            f"--hub-repo {repo_id}: no HF_TOKEN in the environment; configure the Hugging Face connection or drop --hub-repo"
+            f"--hub-repo {repo_id}: no HF_TOKEN in the environment; configure the Hugging Face connection or drop "
+            "--hub-repo"
         )
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError

@@ -18,7 +18,7 @@ import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from pipeline_steps import atomic
+from pipeline_steps import atomic, outputs
 from pipeline_steps.data import registry
 from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_key, tool_agent_rows
 from pipeline_steps.errors import UserError
@@ -80,7 +80,8 @@ def _parquet_batches(path: str, required: tuple[str, ...], where: str):
         pf = pq.ParquetFile(path)
     except Exception as exc:
         raise UserError(
-            f"{where}: {Path(path).name} is not a readable parquet file ({exc.__class__.__name__}); re-download the snapshot"
+            f"{where}: {Path(path).name} is not a readable parquet file ({exc.__class__.__name__}); re-download the "
+            "snapshot"
         ) from None
     names = set(pf.schema_arrow.names)
     missing = [c for c in required if c not in names]
@@ -301,6 +302,7 @@ def run(args):
     spec = registry.get(args.dataset, args.registry)
     root = Path(args.input)
     out = Path(args.output)
+    outputs.refuse_overlap(out, {"--input": root})
     if args.skip_existing and (stats := _existing(out, root, args)):
         log.info("dataset %s: %s already holds this input's output; skipping", spec.name, out)
         return _summary(spec, out, stats, skipped=True)
@@ -308,7 +310,7 @@ def run(args):
         raise UserError(f"--max-rejected-fraction {args.max_rejected_fraction}: must be between 0 and 1")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: must be at least 1")
-    outputs, stats, rejects = process(spec, root, args.variant, args.limit)
+    tables, stats, rejects = process(spec, root, args.variant, args.limit)
     # conflicts are reported and kept out, but they are a property of the source, not malformed rows
     bad = {r: n for r, n in stats["rejected_by_reason"].items() if r != "conflicting_ground_truth"}
     fraction = sum(bad.values()) / stats["rows_in"]
@@ -318,15 +320,15 @@ def run(args):
             f"dataset {spec.name}: {sum(bad.values())} of {stats['rows_in']} rows rejected ({fraction:.1%}: {top}), "
             f"above --max-rejected-fraction {args.max_rejected_fraction}; fix the input or raise the threshold"
         )
-    if not outputs:
+    if not tables:
         raise UserError(f"dataset {spec.name}: every row was rejected or removed; nothing to write")
-    files = {f"{split}.parquet": _parquet_bytes(t) for split, t in sorted(outputs.items())}
+    files = {f"{split}.parquet": _parquet_bytes(t) for split, t in sorted(tables.items())}
     digest = hashlib.sha256()
     for name, data in sorted(files.items()):
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     stats["content_hash"] = digest.hexdigest()
     stats["source"] = {"input": str(root), "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None}
-    with atomic.atomic_dir(out) as tmp:
+    with atomic.atomic_dir(out, owner="preprocess") as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
         with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as f:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline_steps import atomic
+from pipeline_steps import atomic, outputs
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment
 from pipeline_steps.training.experiment import Experiment
@@ -51,6 +51,10 @@ def add_arguments(p):
 
 
 def run(args) -> dict:
+    mounts_file = args.mounts[1:] if args.mounts and args.mounts.startswith("@") else None
+    outputs.refuse_overlap(
+        args.output, {"--experiment": args.experiment if "/" in args.experiment else None, "--mounts": mounts_file}
+    )
     derived = {"trainer.default_local_dir": args.checkpoint_uri} if args.checkpoint_uri else None
     exp = experiment.load(args.experiment, overrides=args.override, derived=derived)
     mounts = _mounts_arg(args.mounts, exp)

@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pipeline_steps import atomic, metrics_log
+from pipeline_steps import atomic, metrics_log, outputs
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
 from pipeline_steps.uris import local_path
@@ -68,7 +68,10 @@ def add_arguments(p):
 
 
 def read_metrics(path: Path) -> dict:
-    """Metric series from verl's file-logger lines: ``{"steps": {step: data}, "skipped": [line numbers], "lines": n}``."""
+    """Metric series from verl's file-logger lines.
+
+    ``{"steps": {step: data}, "skipped": [line numbers], "lines": n, "duplicates": n}``.
+    """
     log = metrics_log.read(path)
     steps = log.by_step()  # a resumed run logs the re-run steps again: the later line wins
     return {
@@ -337,12 +340,15 @@ def lineage_section(run_dir: Path, state: dict) -> list[str]:
     lines += [
         "| | |",
         "| --- | --- |",
-        f"| base model | {code(_get(lin, 'base_model', 'name'))} at revision {code(_get(lin, 'base_model', 'revision'))} |",
+        f"| base model | {code(_get(lin, 'base_model', 'name'))} at revision "
+        f"{code(_get(lin, 'base_model', 'revision'))} |",
         f"| base model URI | {code(_get(lin, 'base_model', 'uri'))} |",
-        f"| experiment preset | {code(exp.get('name') or NR)} (sha256 {code(exp.get('preset_sha256') or exp.get('digest') or NR)}) |",
+        f"| experiment preset | {code(exp.get('name') or NR)} (sha256 "
+        f"{code(exp.get('preset_sha256') or exp.get('digest') or NR)}) |",
         f"| overrides sha256 | {code(ov_hash)} |",
         f"| verl | {cell(lin.get('verl_version') or NR)} |",
-        f"| Airflow DAG / run | {code(lin.get('dag_id') or _get(lin, 'airflow', 'dag_id'))} / {code(lin.get('run_id') or _get(lin, 'airflow', 'run_id'))} |",
+        f"| Airflow DAG / run | {code(lin.get('dag_id') or _get(lin, 'airflow', 'dag_id'))} / "
+        f"{code(lin.get('run_id') or _get(lin, 'airflow', 'run_id'))} |",
         f"| run URI | {code(lin.get('run_uri') or NR)} |",
         "",
         "Overrides applied on top of the preset:",
@@ -451,12 +457,13 @@ def run(args) -> dict:
             f"--run-dir {args.run_dir}: not a directory; pass the run directory that holds metrics.jsonl and eval/"
         )
     out = local_path(args.output, "--output") if args.output else run_dir / "report"
+    outputs.refuse_overlap(out, {"--run-dir": run_dir}, allow_inside=True)  # report/ inside the run dir is its place
     validate_links(args.dashboard_url, args.exported_uri)
     lin, _ = read_json(run_dir / "lineage.json")
     title_bits = [str(x) for x in (_get(lin or {}, "experiment", "name", default=None), (lin or {}).get("run_id")) if x]
     title = "Run report" + (": " + " · ".join(title_bits) if title_bits else "")
     state: dict = {"inputs": {}, "plots": [], "metrics_steps": 0, "metrics_skipped_lines": 0}
-    with atomic.atomic_dir(out) as tmp:
+    with atomic.atomic_dir(out, owner="report") as tmp:
         sections = [f"# {cell(title)}", "", f"Run directory {code(run_dir, table=False)}.", ""]
         sections += metrics_section(run_dir, tmp, state)
         sections += eval_section(run_dir, state)

@@ -115,7 +115,8 @@ def run(args):
         name = local.resolve().name
         if not NAME_RE.match(name):
             raise UserError(
-                f"--model {model!r}: directory name {name!r} cannot be used as a model name; rename it (letters, digits, '.', '_', '-')"
+                f"--model {model!r}: directory name {name!r} cannot be used as a model name; rename it (letters, "
+                "digits, '.', '_', '-')"
             )
         rev = _check_revision(args.revision) if args.revision else content_revision(local)
         return _stage(store, local, str(root.child(f"models/local/{name}/{rev}")), rev, str(local))

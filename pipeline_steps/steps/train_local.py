@@ -23,7 +23,7 @@ import logging
 import os
 from pathlib import Path
 
-from pipeline_steps import atomic
+from pipeline_steps import atomic, outputs
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -65,9 +65,15 @@ def run(args) -> dict:
             raise UserError(f"data file {f}: not found; pass parquet files written by the preprocess step")
     if not (Path(args.model_path) / "config.json").is_file():
         raise UserError(
-            f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model directory (build-tiny-model makes one)"
+            f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model directory "
+            "(build-tiny-model makes one)"
         )
     out = Path(args.output_dir).resolve()
+    outputs.refuse_overlap(
+        out,
+        {"--model-path": args.model_path, "--train-files": args.train_files, "--val-files": args.val_files},
+        what="--output-dir",
+    )
     exp = experiment.load(
         args.experiment, args.override, derived=derived_keys(args.train_files, args.val_files, args.model_path, out)
     )

@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pipeline_steps import atomic
+from pipeline_steps import atomic, outputs
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ def parse_uri(uri: str) -> StoreURI:
     bucket = parts.netloc
     if not _BUCKET_RE.match(bucket):
         raise UserError(
-            f"store URI {uri!r}: bucket {bucket!r} is not a valid bucket name (lower-case letters, digits, '-', 3-63 chars)"
+            f"store URI {uri!r}: bucket {bucket!r} is not a valid bucket name (lower-case letters, digits, '-', 3-63 "
+            "chars)"
         )
     if path:
         validate_key(path, f"prefix in store URI {uri!r}")
@@ -221,6 +222,8 @@ def _source_files(src: Path) -> list[tuple[str, Path]]:
             continue
         rel = p.relative_to(src).as_posix()
         if rel.startswith(".tmp-") or "/.tmp-" in rel:  # atomic.py leftovers of a crashed writer
+            continue
+        if rel == outputs.MARKER:  # which step wrote the directory: local bookkeeping, not data
             continue
         validate_key(rel, f"file name {rel!r} in --src {src}")
         if rel == MANIFEST:

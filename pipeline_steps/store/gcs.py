@@ -70,7 +70,8 @@ class GcsStore(Store):
                     credentials = service_account.Credentials.from_service_account_info(info)
                 except (ValueError, KeyError, TypeError):
                     raise UserError(
-                        f"store connection {conn_id()!r}: its GCS key file JSON is not a valid service-account key; paste the key file again"
+                        f"store connection {conn_id()!r}: its GCS key file JSON is not a valid service-account key; "
+                        "paste the key file again"
                     ) from None
                 project = project or info.get("project_id")
             self.client = storage.Client(project=project, credentials=credentials)
@@ -94,11 +95,13 @@ class GcsStore(Store):
             raise
         except (gexc.Unauthorized, gexc.Forbidden) as exc:
             raise UserError(
-                f"store connection {cid!r}: GCS refused the credentials for {where} (HTTP {exc.code}); check the connection's key file and project"
+                f"store connection {cid!r}: GCS refused the credentials for {where} (HTTP {exc.code}); check the "
+                "connection's key file and project"
             ) from None
         except gexc.NotFound:
             raise UserError(
-                f"store connection {cid!r}: bucket {self.root.bucket!r} does not exist (GCS {op} {where}); create it or fix the URI"
+                f"store connection {cid!r}: bucket {self.root.bucket!r} does not exist (GCS {op} {where}); "
+                "create it or fix the URI"
             ) from None
         except gexc.GoogleAPICallError as exc:
             raise UserError(f"store connection {cid!r}: GCS {op} {where} failed (HTTP {exc.code})") from None
@@ -113,13 +116,15 @@ class GcsStore(Store):
                 ) from None
             if isinstance(exc, gae.DefaultCredentialsError):
                 raise UserError(
-                    f"store connection {cid!r}: no GCS credentials found; set the connection's key_path/keyfile_dict (or GOOGLE_APPLICATION_CREDENTIALS)"
+                    f"store connection {cid!r}: no GCS credentials found; set the connection's key_path/keyfile_dict "
+                    "(or GOOGLE_APPLICATION_CREDENTIALS)"
                 ) from None
             if isinstance(
                 exc, (gae.TransportError, gae.RefreshError, requests.ConnectionError, requests.Timeout, gexc.RetryError)
             ):
                 raise UserError(
-                    f"store connection {cid!r}: cannot reach GCS at {self.endpoint} or get a token ({exc.__class__.__name__}); check the connection and the network"
+                    f"store connection {cid!r}: cannot reach GCS at {self.endpoint} or get a token "
+                    f"({exc.__class__.__name__}); check the connection and the network"
                 ) from None
             raise
 

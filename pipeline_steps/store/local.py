@@ -22,7 +22,9 @@ class LocalStore(Store):
 
     @property
     def _stored_sums(self) -> _ChecksumCache:
-        """sha256 of stored files keyed by their stat: unchanged stored files are not re-read (any write changes the key)."""
+        """sha256 of stored files keyed by their stat: unchanged stored files are not re-read.
+
+        Any write changes the key."""
         if self._cache is None:
             self._cache = _ChecksumCache()
         return self._cache

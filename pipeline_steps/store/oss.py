@@ -62,12 +62,14 @@ class OssStore(Store):
         endpoint = os.environ.get("OSS_ENDPOINT", "")
         if not region:
             raise UserError(
-                f"store connection {conn_id()!r}: no OSS region; set the connection's extra 'region' (or OSS_REGION), e.g. cn-hangzhou"
+                f"store connection {conn_id()!r}: no OSS region; set the connection's extra 'region' (or OSS_REGION), "
+                "e.g. cn-hangzhou"
             )
         key_id, secret = os.environ.get("OSS_ACCESS_KEY_ID", ""), os.environ.get("OSS_ACCESS_KEY_SECRET", "")
         if not key_id or not secret:
             raise UserError(
-                f"store connection {conn_id()!r}: no OSS credentials; set its login/password (or OSS_ACCESS_KEY_ID/OSS_ACCESS_KEY_SECRET)"
+                f"store connection {conn_id()!r}: no OSS credentials; set its login/password (or "
+                "OSS_ACCESS_KEY_ID/OSS_ACCESS_KEY_SECRET)"
             )
         cfg = oss.config.load_default()
         cfg.credentials_provider = oss.credentials.StaticCredentialsProvider(
@@ -115,11 +117,13 @@ class OssStore(Store):
                     "InvalidSecurityToken",
                 ):
                     raise UserError(
-                        f"store connection {cid!r}: OSS refused the credentials for {where} ({code}); check the connection's key id and secret"
+                        f"store connection {cid!r}: OSS refused the credentials for {where} ({code}); check the "
+                        "connection's key id and secret"
                     ) from None
                 if code == "NoSuchBucket":
                     raise UserError(
-                        f"store connection {cid!r}: bucket {self.bucket!r} does not exist at {self.endpoint} (NoSuchBucket); create it or fix the URI/region"
+                        f"store connection {cid!r}: bucket {self.bucket!r} does not exist at {self.endpoint} "
+                        "(NoSuchBucket); create it or fix the URI/region"
                     ) from None
                 raise UserError(
                     f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code})"
@@ -130,7 +134,8 @@ class OssStore(Store):
                 ) from None
             if isinstance(err, (oss.exceptions.RequestError, ConnectionError)):
                 raise UserError(
-                    f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} ({err.__class__.__name__}); check the connection's endpoint/region and the network"
+                    f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} ({err.__class__.__name__}); "
+                    "check the connection's endpoint/region and the network"
                 ) from None
             raise
 

@@ -230,11 +230,13 @@ def compose(exp: Experiment):
             hint = suggest_key(key)
             hint = f" (did you mean {hint}?)" if hint else ""
             raise UserError(
-                f"verl override {key!r}: no such key in verl's ppo_trainer config{hint}; fix its spelling or prefix it with '+' to add a new key"
+                f"verl override {key!r}: no such key in verl's ppo_trainer config{hint}; fix its spelling or prefix it "
+                "with '+' to add a new key"
             ) from None
         if key:
             raise UserError(
-                f"verl override {key!r} rejected: {msg[:300]}; check the key's spelling against verl's ppo_trainer config"
+                f"verl override {key!r} rejected: {msg[:300]}; check the key's spelling against verl's ppo_trainer "
+                "config"
             ) from None
         raise UserError(f"verl config does not compose: {msg[:300]}") from None
     finally:

@@ -179,7 +179,8 @@ def _parse_entry(entry, source: str) -> Mount:
     unknown = set(entry) - {"uri", "claim", "path", "readOnly", "subPath", "podAnnotations"}
     if unknown:
         raise UserError(
-            f"{source}: unknown keys {sorted(unknown)} in entry {entry.get('uri')!r}; allowed: uri, claim, path, readOnly, subPath, podAnnotations"
+            f"{source}: unknown keys {sorted(unknown)} in entry {entry.get('uri')!r}; allowed: uri, claim, path, "
+            "readOnly, subPath, podAnnotations"
         )
     uri, claim, path = (str(entry.get(k) or "") for k in ("uri", "claim", "path"))
     parts = split_uri(uri)

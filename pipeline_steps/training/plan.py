@@ -64,7 +64,8 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     for name in dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets):
         if name not in known or not known[name].repo_id:
             raise UserError(
-                f"dataset {name!r} is not a downloadable registry entry; choose from {sorted(k for k, v in known.items() if v.repo_id)}"
+                f"dataset {name!r} is not a downloadable registry entry; choose from "
+                f"{sorted(k for k, v in known.items() if v.repo_id)}"
             )
         if name in pins:
             revision, resolved = pins[name], {"source": "pinned"}
@@ -89,7 +90,9 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     if params.get("model"):  # typed in the form: a Hub repo id (or tiny), never a path on the worker
         model = str(params["model"]).strip()
         if model != "tiny" and not MODEL_REPO_RE.match(model):
-            raise UserError(f"model {model!r}: expected a Hugging Face repo id such as Qwen/Qwen2.5-3B-Instruct, or tiny")
+            raise UserError(
+                f"model {model!r}: expected a Hugging Face repo id such as Qwen/Qwen2.5-3B-Instruct, or tiny"
+            )
         # the preset's revision belongs to the preset's model: a form model without a revision is staged at main
         model_revision = params.get("model_revision") or "main"
     else:

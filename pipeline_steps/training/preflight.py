@@ -184,12 +184,14 @@ def check_value_types(exp: Experiment) -> None:
         if verdict is False:
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             raise UserError(
-                f"{key}={shown}: expected {_type_name(tp)} (verl's field type); fix the value in the preset or --override"
+                f"{key}={shown}: expected {_type_name(tp)} (verl's field type); fix the value in the preset or "
+                "--override"
             )
         if verdict is None and not _type_ok(default, value):
             shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
             raise UserError(
-                f"{key}={shown}: expected {_kind(default)} (verl's default is {default!r}); fix the value in the preset or --override"
+                f"{key}={shown}: expected {_kind(default)} (verl's default is {default!r}); "
+                "fix the value in the preset or --override"
             )
 
 
@@ -233,7 +235,8 @@ def check_registries(cfg, backend: str) -> None:
     if loss not in core_algos.POLICY_LOSS_REGISTRY:
         known = sorted(core_algos.POLICY_LOSS_REGISTRY)
         raise UserError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss!r} is not a policy loss verl knows; choose one of {known}"
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={loss!r} is not a policy loss verl knows; choose one of "
+            f"{known}"
         )
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY  # verl's own table of rollout engines
 
@@ -242,7 +245,8 @@ def check_registries(cfg, backend: str) -> None:
     allowed = engines + list(LOCAL_ROLLOUTS) if backend == "local" else engines
     if name not in allowed:
         raise UserError(
-            f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine for the {backend} backend; choose one of {allowed}"
+            f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine for the {backend} backend; choose one of "
+            f"{allowed}"
         )
 
 
@@ -271,7 +275,8 @@ def check_batch_sizes(cfg) -> dict:
     gpus = f"trainer.nnodes x trainer.n_gpus_per_node = {nnodes} x {per_node} = {n_gpus} GPUs"
     if (tbs * n) % n_gpus:
         raise UserError(
-            f"data.train_batch_size x actor_rollout_ref.rollout.n = {tbs} x {n} = {tbs * n} responses do not divide over {gpus}; change one of them"
+            f"data.train_batch_size x actor_rollout_ref.rollout.n = {tbs} x {n} = {tbs * n} responses do not divide "
+            f"over {gpus}; change one of them"
         )
     tp = OmegaConf.select(cfg, "actor_rollout_ref.rollout.tensor_model_parallel_size") or 1
     if isinstance(tp, int) and tp > 0 and n_gpus % tp:
@@ -384,7 +389,8 @@ def check_staged(cfg, backend: str) -> dict:
             found = _find_version(store, uri)
             if found is None:
                 raise UserError(
-                    f"{key}={uri!r} is not staged: no complete version (manifest) holds it; run the upload / stage-model step first"
+                    f"{key}={uri!r} is not staged: no complete version (manifest) holds it; run the upload / "
+                    "stage-model step first"
                 )
             version, manifest = found
             rel = uri.rstrip("/")[len(version) :].strip("/")
