@@ -8,6 +8,7 @@ is given.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pendulum
@@ -15,6 +16,9 @@ from airflow.sdk import AssetAlias, Param, dag, task
 
 from operators.step import PipelineStepOperator
 from pipeline_steps.training import plan as planning
+from pipeline_steps.uris import strip_file_scheme
+
+STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")
 
 
 @dag(
@@ -36,7 +40,8 @@ from pipeline_steps.training import plan as planning
             type="string",
             pattern="^((file|oss|gs)://[A-Za-z0-9._/-]+|/[A-Za-z0-9._/-]+)?$",
             title="Model URI",
-            description="An exported or staged model (store URI or local path); empty = the exported model that triggered the run.",
+            description="An exported or staged model (store URI or local path); "
+            "empty = the exported model that triggered the run.",
         ),
         "eval_dataset": Param("aime2024", type="string", pattern="^[a-z0-9][a-z0-9_.-]{0,63}$", title="Evaluation set"),
         "eval_data_uri": Param(
@@ -59,6 +64,8 @@ def verl_evaluate_model():
 
         from airflow.sdk.exceptions import AirflowFailException
 
+        from operators.failures import user_errors
+        from operators.hooks.store import store_environment
         from pipeline_steps.store import open_store
 
         store_root = (params.get("store_uri") or planning.default_store()).rstrip("/")
@@ -72,9 +79,10 @@ def verl_evaluate_model():
             )
         data = params.get("eval_data_uri")
         if not data:
-            pointer = open_store(store_root).read_bytes(
-                f"{store_root}/datasets/{params['eval_dataset']}/last_processed.json"
-            )
+            with store_environment(STORE_CONN_ID, store_root), user_errors():  # the worker reads the store itself
+                pointer = open_store(store_root).read_bytes(
+                    f"{store_root}/datasets/{params['eval_dataset']}/last_processed.json"
+                )
             if pointer is None:
                 raise AirflowFailException(
                     f"eval_dataset {params['eval_dataset']!r}: no processed version in {store_root}; "
@@ -84,9 +92,9 @@ def verl_evaluate_model():
         out = f"{planning.home() / 'work' / 'evaluations' / planning.run_key(run_id)}"
         args = [
             "--model",
-            planning.local_path(model),
+            strip_file_scheme(model),
             "--data",
-            planning.local_path(data),
+            strip_file_scheme(data),
             "--output",
             out,
             "--k",

@@ -1,4 +1,8 @@
-"""verl GRPO post-training: download -> preprocess -> upload_dataset -> stage_model -> train -> evaluate -> export.
+"""verl GRPO post-training, one run as retryable tasks:
+
+plan -> download -> preprocess -> upload_dataset (mapped per dataset) ─┐
+     -> stage_model ───────────────────────────────────────────────────┴-> collect_inputs -> train -> evaluate
+     -> export -> report (runs even when an earlier task failed)
 
 Declarative only: the work lives in ``pipeline_steps`` (plain Python, run as ``python -m pipeline_steps ...``) and
 the Airflow side in ``operators``. Nothing heavy is imported here: the scheduler re-parses this file constantly.
@@ -18,6 +22,7 @@ from operators.step import PipelineStepOperator
 from operators.train import GRPOTrainOperator
 from pipeline_steps.training import experiment
 from pipeline_steps.training import plan as planning
+from pipeline_steps.uris import strip_file_scheme
 
 PRESETS = experiment.preset_names()
 SCHEDULE = os.environ.get("VERL_PIPELINE_SCHEDULE", "@weekly")
@@ -26,12 +31,7 @@ GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")
 GPU_SLOTS = int(os.environ.get("VERL_PIPELINE_GPU_SLOTS", "8"))
 DATASET_ASSETS = "verl-processed-datasets"  # AssetAlias: one Asset per processed dataset version
 MODEL_ASSETS = "verl-exported-models"  # AssetAlias: one Asset per exported model version (verl_evaluate_model listens)
-RUN = "{{ ti.xcom_pull(task_ids='plan', key='run')"  # the run-level plan, rendered as a native object
-STORE = RUN + "['store'] }}"
-INPUTS = "{{ ti.xcom_pull(task_ids='collect_inputs')"
-PULL = (
-    "ti.xcom_pull(task_ids='collect_inputs'), ti.xcom_pull(task_ids='train'), ti.xcom_pull(task_ids='plan', key='run')"
-)
+STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")
 
 
 def retrying(timeout: timedelta, retries: int = 2) -> dict:
@@ -172,32 +172,27 @@ PARAMS = {
     default_args=retrying(timedelta(hours=1)),
     doc_md=__doc__,
     render_template_as_native_obj=True,
-    user_defined_macros={"planning": planning},
 )
 def verl_grpo_pipeline():
-    @task(task_id="plan", **retrying(timedelta(minutes=5)))
-    def plan(params=None, logical_date=None, run_id=None, dag=None, ti=None) -> list[dict]:
-        """Resolve dataset revisions (pinned, or as of the logical date) and every location of this run.
+    @task(task_id="plan", multiple_outputs=True, **retrying(timedelta(minutes=5)))
+    def plan(params=None, logical_date=None, run_id=None, dag=None) -> dict:
+        """Resolve dataset revisions (pinned, or as of the logical date) and every location of this run."""
+        from operators.failures import user_errors
 
-        Returns the dataset items to map over; the run-level plan is pushed under the XCom key ``run``.
-        """
-        from airflow.sdk.exceptions import AirflowFailException
-
-        from pipeline_steps.errors import UserError
-
-        try:
+        with user_errors():
             run = planning.plan(dict(params), logical_date, run_id, dag.dag_id)
-        except UserError as exc:
-            raise AirflowFailException(str(exc)) from None
-        ti.xcom_push(key="run", value=run)
-        return run["datasets"]
+        return {"run": run, "datasets": run["datasets"], "store": run["store"], "model": run["model"]}
 
-    datasets = plan()
+    @task(task_id="download_requests", **retrying(timedelta(minutes=5)))
+    def download_requests(datasets) -> list[dict]:
+        return [planning.download_request(item) for item in datasets]
+
+    planned = plan()
     download = PipelineStepOperator.partial(
         task_id="download",
         step="download",
         **retrying(timedelta(hours=2)),
-    ).expand(request=datasets.map(planning.download_request))
+    ).expand(request=download_requests(planned["datasets"]))
     preprocess = PipelineStepOperator.partial(
         task_id="preprocess",
         step="preprocess",
@@ -206,68 +201,89 @@ def verl_grpo_pipeline():
     upload_dataset = PipelineStepOperator.partial(
         task_id="upload_dataset",
         step="upload",
-        store_uri=STORE,
+        store_uri=planned["store"],
+        store_conn_id=STORE_CONN_ID,
         asset_alias=DATASET_ASSETS,
         **retrying(timedelta(hours=2)),
     ).expand(request=preprocess.output.map(planning.upload_request))
     stage_model = PipelineStepOperator(
         task_id="stage_model",
         step="stage-model",
-        request=RUN + "['model'] }}",
-        store_uri=STORE,
+        request=planned["model"],
+        store_uri=planned["store"],
+        store_conn_id=STORE_CONN_ID,
         **retrying(timedelta(hours=3)),
     )
-    datasets >> stage_model
 
-    @task(task_id="collect_inputs", **retrying(timedelta(minutes=10)))
-    def collect_inputs(uploaded, staged, params=None, ti=None) -> dict:
+    @task(task_id="collect_inputs", multiple_outputs=True, **retrying(timedelta(minutes=10)))
+    def collect_inputs(uploaded, staged, run, params=None) -> dict:
         """Training and evaluation inputs, and the run's lineage (stored with the run for the model card)."""
         import json
 
-        from airflow.sdk.exceptions import AirflowFailException
-
-        from pipeline_steps.errors import UserError
+        from operators.failures import user_errors
+        from operators.hooks.store import store_environment
         from pipeline_steps.store import open_store
 
-        run = ti.xcom_pull(task_ids="plan", key="run")
-        try:
+        with user_errors():
             inputs = planning.collect(list(uploaded), staged, dict(params), run)
-        except UserError as exc:
-            raise AirflowFailException(str(exc)) from None
-        store = open_store(run["store"])
         lineage_uri = f"{run['run_dir']}/lineage.json"
-        store.write_bytes(lineage_uri, json.dumps(inputs["lineage"], indent=2, sort_keys=True).encode())
-        for d in inputs["lineage"]["datasets"]:  # what verl_evaluate_model reads when no eval data is given
-            store.write_bytes(
-                f"{run['store']}/datasets/{d['name']}/last_processed.json", json.dumps(d, sort_keys=True).encode()
-            )
-        return {**inputs, "lineage_uri": lineage_uri}
+        with store_environment(STORE_CONN_ID, run["store"]), user_errors():  # the worker opens the store itself
+            store = open_store(run["store"])
+            store.write_bytes(lineage_uri, json.dumps(inputs["lineage"], indent=2, sort_keys=True).encode())
+            for d in inputs["lineage"]["datasets"]:  # what verl_evaluate_model reads when no eval data is given
+                store.write_bytes(
+                    f"{run['store']}/datasets/{d['name']}/last_processed.json", json.dumps(d, sort_keys=True).encode()
+                )
+        return {**inputs, "lineage_uri": lineage_uri, "run_dir": run["run_dir"], "run": run}
 
-    inputs = collect_inputs(upload_dataset.output, stage_model.output)
+    inputs = collect_inputs(upload_dataset.output, stage_model.output, planned["run"])
     train = GRPOTrainOperator(
         task_id="train",
         experiment="{{ params.experiment }}",
         backend="{{ params.backend }}",
-        overrides=INPUTS + "['overrides'] }}",
-        train_files=INPUTS + "['train_files'] }}",
-        val_files=INPUTS + "['val_files'] }}",
-        model_path=INPUTS + "['model_uri'] }}",
-        run_dir=RUN + "['run_dir'] }}",
+        overrides=inputs["overrides"],
+        train_files=inputs["train_files"],
+        val_files=inputs["val_files"],
+        model_path=inputs["model_uri"],
+        run_dir=inputs["run_dir"],
         pool=GPU_POOL,
         pool_slots=GPU_SLOTS,
         **retrying(timedelta(hours=48)),
     )
+
+    @task(task_id="evaluate_request", **retrying(timedelta(minutes=5)))
+    def evaluate_request(inputs, trained, params=None) -> dict:
+        return planning.evaluate_request(inputs, trained, inputs["run"], params["backend"])
+
+    @task(task_id="export_request", **retrying(timedelta(minutes=5)))
+    def export_request(inputs, trained, evaluated) -> dict:
+        lineage = strip_file_scheme(inputs["lineage_uri"])
+        return planning.export_request(inputs, trained, inputs["run"], evaluated, lineage)
+
+    @task(task_id="report_request", trigger_rule=TriggerRule.ALL_DONE, **retrying(timedelta(minutes=5)))
+    def report_request(ti=None) -> dict:
+        """Runs whatever happened upstream: a missing result is reported as such, not fatal."""
+        from operators.links import DASHBOARD_XCOM_KEY
+
+        return planning.report_request(
+            ti.xcom_pull(task_ids="plan", key="run"),
+            ti.xcom_pull(task_ids="train"),
+            ti.xcom_pull(task_ids="export"),
+            ti.xcom_pull(task_ids="train", key=DASHBOARD_XCOM_KEY),
+        )
+
     # local backend: in the worker; kuberay: as a RayJob next to the checkpoint (GPU for evaluate)
     on_backend = {
         "backend": "{{ params.backend }}",
         "experiment": "{{ params.experiment }}",
-        "overrides": INPUTS + "['overrides'] }}",
-        "store_uri": STORE,
+        "overrides": inputs["overrides"],
+        "store_uri": planned["store"],
+        "store_conn_id": STORE_CONN_ID,
     }
     evaluate = PipelineStepJobOperator(
         task_id="evaluate",
         step="evaluate",
-        request="{{ planning.evaluate_request(" + PULL + ", params.backend) }}",
+        request=evaluate_request(inputs, train.output),
         uri_args=("--model", "--data", "--output", "--base-model", "--baseline-cache"),
         **on_backend,
         pool=GPU_POOL,
@@ -281,19 +297,18 @@ def verl_grpo_pipeline():
         skip_unless="promoted",
         uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
         **on_backend,
-        request="{{ planning.export_request(" + PULL + ", ti.xcom_pull(task_ids='evaluate'), "
-        "planning.local_path(ti.xcom_pull(task_ids='collect_inputs')['lineage_uri'])) }}",
+        request=export_request(inputs, train.output, evaluate.output),
         **retrying(timedelta(hours=3)),
     )
-    report = PipelineStepOperator(
+    report_args = report_request()
+    export >> report_args
+    PipelineStepOperator(
         task_id="report",
         step="report",
         trigger_rule=TriggerRule.ALL_DONE,
-        request="{{ planning.report_request(ti.xcom_pull(task_ids='plan', key='run'), ti.xcom_pull(task_ids='train'), "
-        "ti.xcom_pull(task_ids='export'), ti.xcom_pull(task_ids='train', key='ray_dashboard_url')) }}",
+        request=report_args,
         **retrying(timedelta(minutes=20)),
     )
-    inputs >> train >> evaluate >> export >> report
 
 
 dag = verl_grpo_pipeline()

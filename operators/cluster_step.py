@@ -5,8 +5,8 @@
 * ``kuberay``: the step runs in a RayJob rendered by :func:`pipeline_steps.training.rayjob.build_rayjob` whose
   entrypoint is ``python3 -m pipeline_steps.cluster_entry --summary-file P -- <step> <args>`` (every argv item
   shell-quoted by the renderer). Store URIs in the flags named by ``uri_args`` become paths on the pods'
-  bucket mounts. Creation, re-attach after a worker restart, retries and deferral are
-  :class:`operators.rayjob.RayJobOperator`'s. The step's JSON summary comes back through the store: the job
+  bucket mounts. Creation, re-attach after a worker restart and retries are the KubeRay backend strategy's
+  (:class:`operators.backends.KubeRayJobs`). The step's JSON summary comes back through the store: the job
   writes it to ``<summary_dir>/<RayJob attempt name>.json`` on the shared mount (one file per attempt, so a
   stale summary of an earlier attempt is never read), ``execute_complete`` reads it with
   :func:`pipeline_steps.store.open_store`, turns pod paths in it back into store URIs, and returns the same
@@ -19,15 +19,16 @@ CPU-only: a head-only Ray cluster (no worker group) whose head runs the step.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import posixpath
 from collections.abc import Sequence
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from operators.rayjob import JobFailed, RayJobOperator
+from operators.backends import KubeRayJobs, complete
+from operators.failures import JobFailed, user_errors
+from operators.hooks.store import store_environment
+from operators.links import RayDashboardLink
 from operators.step import PipelineStepOperator
 
 ENTRY = ["python3", "-m", "pipeline_steps.cluster_entry"]
@@ -40,18 +41,14 @@ def to_pod_arg(value: str, flag: str, mounts) -> str:
 
     :raises AirflowFailException: the value is not on any bucket mount (one line: which flag, what to do).
     """
-    from pipeline_steps.errors import UserError
-
-    try:
+    with user_errors(f"{flag} {value!r}"):
         if "://" not in value and value.startswith("/") and mounts.find(f"file://{value}"):
-            value = f"file://{value}"  # planning.local_path strips file:// for the local backend
+            value = f"file://{value}"  # the plan strips file:// for the local backend
         return mounts.to_pod_path(value)
-    except UserError as exc:
-        raise AirflowFailException(f"{flag} {value!r}: {exc}") from None
 
 
 def map_uri_args(args: Sequence[str], uri_flags: Sequence[str], mounts) -> list[str]:
-    """``args`` with every value of a flag in ``uri_flags`` (``--flag V [V ...]`` or ``--flag=V``) mapped to pod paths."""
+    """``args`` with each value of a flag in ``uri_flags`` (``--flag V [V ...]``, ``--flag=V``) as a pod path."""
     flags = set(uri_flags)
     out, current = [], None
     for a in map(str, args):
@@ -108,26 +105,8 @@ def single_gpu_worker(body: dict) -> dict:
     return body
 
 
-@contextlib.contextmanager
-def store_environment(conn_id: str | None, uri: str):
-    """The store connection's credentials in ``os.environ`` only while the summary is read (never logged)."""
-    from operators.storage import store_env
-
-    env = store_env(conn_id, uri)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 # -- operator ----------------------------------------------------------------------------------------------
-class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
+class PipelineStepJobOperator(PipelineStepOperator):
     """Run one pipeline step in the worker (``local``) or as a KubeRay RayJob (``kuberay``).
 
     :param step: step name, as in ``python -m pipeline_steps --help``.
@@ -145,9 +124,14 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
     :param summary_dir: store URI (on a bucket mount) where the job writes its summary; default
         ``<store_uri>/tmp/step-summaries``.
     :param store_uri: store root (as for PipelineStepOperator); also the default ``summary_dir``'s root.
+    :param namespace: kuberay backend: namespace (default: the Kubernetes connection's, then ``default``).
+    :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
+    :param cluster_context: kuberay backend: kube config context.
+    :param poll_interval: seconds between polls of the RayJob.
+    :param log_tail_lines: lines of the job's log to show.
+    :param dashboard_url_template: Ray dashboard link (see :class:`operators.rayjob.RayJobOperator`).
     :param kwargs: :class:`operators.step.PipelineStepOperator` options (``store_conn_id``, ``hf_conn_id``,
-        ``summary_key``, ``skip_unless``, ``asset_alias``), :class:`operators.rayjob.RayJobOperator` options
-        (``namespace``, ``kubernetes_conn_id``, ``poll_interval``, ...) and ``BaseOperator``'s.
+        ``summary_key``, ``skip_unless``, ``asset_alias``) and ``BaseOperator``'s.
     """
 
     template_fields: Sequence[str] = (
@@ -160,6 +144,7 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
         "summary_dir",
     )
     template_fields_renderers = {"request": "json"}
+    operator_extra_links = (RayDashboardLink(),)
     ui_color = "#e3f2e8"
 
     def __init__(
@@ -174,10 +159,21 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
         gpu: bool | None = None,
         cpu_head_resources: dict | None = None,
         summary_dir: str | None = None,
-        resume_args: Sequence[str] = (),
+        namespace: str | None = None,
+        kubernetes_conn_id: str | None = "kubernetes_default",
+        cluster_context: str | None = None,
+        poll_interval: float = 30.0,
+        log_tail_lines: int = 20,
+        dashboard_url_template: str = "http://{dashboard_url}",
         **kwargs,
     ):
-        super().__init__(step=step, resume_args=resume_args, **kwargs)
+        super().__init__(step=step, **kwargs)
+        self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context
+        self.poll_interval, self.log_tail_lines = poll_interval, log_tail_lines
+        self.dashboard_url_template = dashboard_url_template
+        self.metrics_uri = self.metrics_reader = None  # a step reports no training progress
+        self.resume_args: tuple[str, ...] = ()  # a retry re-runs the same step
+        self.rayjob: dict | None = None
         self.backend, self.experiment, self.overrides = backend, experiment, overrides
         self.uri_args, self.job_kind = tuple(uri_args), job_kind or step
         self.gpu = self.job_kind in GPU_KINDS if gpu is None else gpu
@@ -195,23 +191,20 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
 
     def execute(self, context):
         if self._backend() == "local":
-            return PipelineStepOperator.execute(self, context)
-        return self._execute_kuberay(context)
+            return super().execute(context)  # the step in a child process of the worker
+        self.defer(trigger=self._submit_kuberay(context), method_name="execute_complete")
 
     # -- kuberay ----------------------------------------------------------------------------------------
     def _experiment(self):
         from operators.train import normalize_overrides
-        from pipeline_steps.errors import UserError
         from pipeline_steps.training import experiment
 
         if not self.experiment:
             raise AirflowFailException(
                 f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)"
             )
-        try:
+        with user_errors():
             return experiment.load(self.experiment, normalize_overrides(self.overrides))
-        except UserError as exc:
-            raise AirflowFailException(str(exc)) from None
 
     def _summary_dir(self) -> str:
         root = self.summary_dir or (f"{str(self.store_uri).rstrip('/')}/tmp/step-summaries" if self.store_uri else "")
@@ -230,40 +223,35 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
         pod_summary = to_pod_arg(self.summary_uri(attempt_name), "summary_dir", self._entry["mounts"])
         return [*ENTRY, "--summary-file", pod_summary, "--", self.step, *self._entry["args"]]
 
-    def _execute_kuberay(self, context):
-        from pipeline_steps.errors import UserError
-        from pipeline_steps.training.rayjob import build_rayjob, rayjob_name
+    def _submit_kuberay(self, context):
+        from pipeline_steps.training.rayjob import build_rayjob, join_argv, rayjob_name
 
         exp = self._experiment()
         dag_id = self.dag_id if self.has_dag() else "adhoc"
         ids = {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
         mounts = self._mounts(exp)
-        try:
+        jobs = KubeRayJobs(self)
+        with user_errors(f"step {self.step}: render RayJob"):
             args = map_uri_args([str(a) for a in self.request.get("args", [])], self.uri_args, mounts)
             self._entry = {"mounts": mounts, "args": args}
             base = rayjob_name(ids["dag_id"], ids["run_id"], ids["task_id"], self.job_kind)
-            namespace = self.namespace or self.hook.get_namespace() or "default"  # as RayJobOperator resolves it
             body = build_rayjob(
                 exp,
-                namespace=namespace,
+                namespace=jobs.namespace_for(),
                 mounts=mounts,
                 entrypoint=self._entrypoint(base),
                 job_kind=self.job_kind,
                 **ids,
             )
-        except UserError as exc:
-            raise AirflowFailException(f"step {self.step}: render RayJob: {exc}") from None
         body = single_gpu_worker(body) if self.gpu else cpu_only(body, self.cpu_head_resources)
         self.rayjob = body
         self.log.info("step %s as RayJob %s: %s", self.step, base, body["spec"]["entrypoint"])
-        return self.submit_rayjob(context, body, body)  # a retry re-runs the same step (no resume arguments)
 
-    def _create(self, body: dict, namespace: str) -> dict:
-        """Each attempt writes its own summary file: the entrypoint names the attempt's summary path."""
-        from pipeline_steps.training.rayjob import join_argv
+        def per_attempt(attempt: dict) -> dict:  # each attempt writes its own summary file
+            attempt["spec"]["entrypoint"] = join_argv(self._entrypoint(attempt["metadata"]["name"]))
+            return attempt
 
-        body["spec"]["entrypoint"] = join_argv(self._entrypoint(body["metadata"]["name"]))
-        return super()._create(body, namespace)
+        return jobs.submit(context, body, body, prepare=per_attempt)  # a retry re-runs the same step
 
     def read_summary(self, attempt_name: str) -> dict | None:
         """``{"exit_code": N, "summary": {...}}`` written by the attempt, or None when it wrote none."""
@@ -282,14 +270,11 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
             ) from None
         return record if isinstance(record, dict) else None
 
-    def result(self, event: dict) -> dict:  # RayJobOperator's training XCom does not apply to a step
-        return {}
-
     def execute_complete(self, context, event: dict) -> dict:
         """Resumed from the trigger: fail with KubeRay's reason (and the step's error), or return the step's XCom."""
         name = event.get("name") or ""
         try:
-            RayJobOperator.execute_complete(self, context, event)
+            complete(self, context, event, KubeRayJobs(self).dashboard_from_event(event))
         except (JobFailed, AirflowFailException) as exc:
             record = self._try_read(name)
             summary = (record or {}).get("summary") or {}
@@ -324,20 +309,17 @@ class PipelineStepJobOperator(PipelineStepOperator, RayJobOperator):
 
     def _mounts(self, exp=None):
         """Bucket mounts of the pods: ``$PIPELINE_MOUNTS``, else the preset's ``cluster.mounts`` (as render-rayjob)."""
-        from pipeline_steps.errors import UserError
         from pipeline_steps.training.mounts import MountMap
 
-        try:
+        with user_errors(f"step {self.step}"):
             mounts = MountMap.from_env()
             if not len(mounts):
                 exp = exp or self._experiment()
                 mounts = MountMap.from_config((exp.spec.get("cluster") or {}).get("mounts"), source="cluster.mounts")
             return mounts
-        except UserError as exc:
-            raise AirflowFailException(f"step {self.step}: {exc}") from None
 
     def on_kill(self) -> None:
         if self.rayjob:
-            RayJobOperator.on_kill(self)
+            KubeRayJobs(self).kill(self.rayjob)
         else:
-            PipelineStepOperator.on_kill(self)
+            super().on_kill()

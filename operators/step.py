@@ -19,19 +19,8 @@ from collections.abc import Sequence
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-
-def hf_env(conn_id: str | None) -> dict[str, str]:
-    """HF_TOKEN from a Hugging Face connection (password, or extra ``token``); none when the connection is absent."""
-    if not conn_id:
-        return {}
-    from airflow.sdk import BaseHook
-
-    try:
-        conn = BaseHook.get_connection(conn_id)
-    except Exception:  # no such connection: public repositories need no token
-        return {}
-    token = conn.password or (conn.extra_dejson or {}).get("token")
-    return {"HF_TOKEN": token} if token else {}
+from operators.hooks.huggingface import hf_env
+from operators.hooks.store import store_env
 
 
 class PipelineStepOperator(BaseOperator):
@@ -88,8 +77,6 @@ class PipelineStepOperator(BaseOperator):
         env = dict(os.environ)
         env.update(hf_env(self.hf_conn_id))
         if self.store_uri and not self.store_uri.startswith("file://"):
-            from operators.storage import store_env
-
             env.update(store_env(self.store_conn_id, self.store_uri))
         return env
 

@@ -2,15 +2,14 @@
 
 Both backends run the same CPU pre-flight first (verl's own config composition and
 checks, :func:`pipeline_steps.training.preflight.preflight`), so a bad config fails in seconds,
-before a cluster is requested. Then:
+before a cluster is requested. Then the operator delegates to a backend strategy
+(:mod:`operators.backends`):
 
-* ``kuberay``: the RayJob is rendered by :func:`pipeline_steps.training.rayjob.build_rayjob`
-  (and once more with ``trainer.resume_mode=auto`` for attempts after a failed one) and
-  handed to :class:`operators.rayjob.RayJobOperator`'s create-or-re-attach logic;
-* ``local``: :func:`pipeline_steps.local.ray_cluster.ensure_cluster` gives a local Ray cluster, the
-  ``train-local`` step is submitted under a submission id derived from dag/run/task (a
-  restarted worker re-attaches to it; after a failed attempt the next id resumes from the
-  checkpoint directory), and :class:`operators.local_ray.LocalRayJobTrigger` waits for it.
+* ``kuberay``: the RayJob rendered by :func:`pipeline_steps.training.rayjob.build_rayjob` (its entrypoint always
+  resumes from the run's checkpoints) goes to :class:`operators.backends.KubeRayJobs` (create or re-attach);
+* ``local``: the ``train-local`` step goes to :class:`operators.backends.LocalRayJobs` under a submission id
+  derived from dag/run/task (a restarted worker re-attaches to it; after a failed attempt the next one resumes
+  from the checkpoint directory).
 
 XCom (both backends): ``checkpoint_uri``, ``checkpoint_step``, ``metrics_uri``, ``last_step``,
 ``metrics`` (the last step's numeric metrics), ``backend``, ``job``.
@@ -20,14 +19,16 @@ verl, torch and Ray are imported inside ``execute`` only: DAG files must parse f
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import Sequence
 
+from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.rayjob import RayJobOperator
+from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base
+from operators.failures import user_errors
+from operators.links import RayDashboardLink
+from operators.rayjob import training_result
 
 
 def normalize_overrides(value) -> list[str]:
@@ -74,28 +75,20 @@ def as_list(value) -> list[str]:
 
 def local_path(uri: str, what: str) -> str:
     """A ``file://`` store URI or plain path as a local path (the local backend reads files directly)."""
-    from pipeline_steps.errors import UserError
     from pipeline_steps.uris import local_path as to_path
 
-    try:
+    with user_errors():
         return str(to_path(uri, what))
-    except UserError as exc:
-        raise AirflowFailException(str(exc)) from None
 
 
-def submission_base(dag_id: str, run_id: str, task_id: str) -> str:
-    """Deterministic Ray submission id prefix for one task of one DAG run (readable part + hash)."""
-    digest = hashlib.sha256(f"{dag_id}\0{run_id}\0{task_id}".encode()).hexdigest()[:12]
-    readable = re.sub(r"[^a-z0-9-]+", "-", f"{dag_id}-{task_id}".lower()).strip("-")[:40]
-    return f"{readable}-{digest}"
-
-
-class GRPOTrainOperator(RayJobOperator):
+class GRPOTrainOperator(BaseOperator):
     """Pre-flight, then GRPO training with verl on the local Ray backend or as a KubeRay RayJob.
 
-    :param experiment: preset name (``dags/experiments/NAME.yaml``) or a preset file.
+    :param experiment: preset name (``pipeline_steps/training/presets/NAME.yaml``, or a deployment's
+        ``$VERL_PIPELINE_PRESETS_DIR``) or a preset file.
     :param overrides: verl Hydra overrides (``KEY=VALUE``): a list, a JSON list, or one per line.
-        Untrusted: they only ever travel as single argv items (local) or shell-quoted arguments (RayJob).
+        Untrusted: checked by :mod:`pipeline_steps.training.overrides`, and they only ever travel as single argv
+        items (local) or shell-quoted arguments (RayJob).
     :param backend: ``"local"`` or ``"kuberay"``; default: ``local`` when the preset says so, else ``kuberay``.
     :param train_files: verl-schema parquet files (store URIs or, for the local backend, paths).
     :param val_files: validation parquet files.
@@ -103,8 +96,13 @@ class GRPOTrainOperator(RayJobOperator):
     :param run_dir: the run's directory in the store: ``checkpoints/`` and ``metrics.jsonl`` go below it.
     :param ray_address: local backend: the Ray dashboard address (default ``$RAY_ADDRESS`` or a local cluster).
     :param check_store: pre-flight also checks that data and model are staged (manifests present).
-    :param kwargs: passed to :class:`operators.rayjob.RayJobOperator` (namespace, kubernetes_conn_id,
-        poll_interval, metrics_reader, ...) and ``BaseOperator``.
+    :param namespace: kuberay backend: namespace (default: the Kubernetes connection's, then ``default``).
+    :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
+    :param cluster_context: kuberay backend: kube config context.
+    :param poll_interval: seconds between polls of the job.
+    :param metrics_reader: ``module.function`` that reads the metrics file (default: local path or store URI).
+    :param log_tail_lines: lines of the job's log to show.
+    :param dashboard_url_template: Ray dashboard link for KubeRay (see :class:`operators.rayjob.RayJobOperator`).
     """
 
     template_fields: Sequence[str] = (
@@ -118,6 +116,8 @@ class GRPOTrainOperator(RayJobOperator):
         "namespace",
         "ray_address",
     )
+    operator_extra_links = (RayDashboardLink(),)
+    ui_color = "#e8f4fd"
 
     def __init__(
         self,
@@ -131,25 +131,36 @@ class GRPOTrainOperator(RayJobOperator):
         run_dir: str,
         ray_address: str | None = None,
         check_store: bool = True,
+        namespace: str | None = None,
+        kubernetes_conn_id: str | None = "kubernetes_default",
+        cluster_context: str | None = None,
+        poll_interval: float = 30.0,
+        metrics_reader: str | None = None,
+        log_tail_lines: int = 20,
+        dashboard_url_template: str = "http://{dashboard_url}",
         **kwargs,
     ):
         super().__init__(**kwargs)
         self.experiment, self.overrides, self.backend = experiment, overrides, backend
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
         self.run_dir, self.ray_address, self.check_store = run_dir, ray_address, check_store
-        self._local_job: tuple[str, str] | None = None
+        self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context
+        self.poll_interval, self.metrics_reader, self.log_tail_lines = poll_interval, metrics_reader, log_tail_lines
+        self.dashboard_url_template = dashboard_url_template
+        self.resume_args: tuple[str, ...] = ()  # the rendered entrypoint always resumes
+        self.rayjob: dict | None = None
+        self._local: LocalRayJobs | None = None
 
-    # -- shared ---------------------------------------------------------------------------------------
-    def _derive_paths(self) -> None:
-        """Checkpoint dir and metrics file below ``run_dir`` (recomputed on resume: a deferred task
-        comes back as a fresh operator object)."""
-        run_dir = str(self.run_dir).rstrip("/")
-        self.checkpoint_uri = f"{run_dir}/checkpoints"
-        self.metrics_uri = f"{run_dir}/metrics.jsonl"
+    @property
+    def checkpoint_uri(self) -> str:
+        return f"{str(self.run_dir).rstrip('/')}/checkpoints"
+
+    @property
+    def metrics_uri(self) -> str:
+        return f"{str(self.run_dir).rstrip('/')}/metrics.jsonl"
 
     def _load(self, backend: str):
         """The experiment with the pipeline's derived keys and the user's overrides (user wins)."""
-        from pipeline_steps.errors import UserError
         from pipeline_steps.training import experiment
 
         derived = {
@@ -158,10 +169,8 @@ class GRPOTrainOperator(RayJobOperator):
             "actor_rollout_ref.model.path": str(self.model_path),
             "trainer.default_local_dir": self.checkpoint_uri,
         }
-        try:
+        with user_errors():
             exp = experiment.load(self.experiment, normalize_overrides(self.overrides), derived=derived)
-        except UserError as exc:
-            raise AirflowFailException(str(exc)) from None
         exp.spec["backend"] = "local" if backend == "local" else "cluster"
         return exp
 
@@ -175,64 +184,45 @@ class GRPOTrainOperator(RayJobOperator):
         except Exception as exc:
             raise AirflowFailException(str(exc).splitlines()[0]) from None
 
-    def _preflight(self, exp) -> dict:
-        from pipeline_steps.errors import UserError
-        from pipeline_steps.training.preflight import preflight
-
-        try:
-            summary = preflight(exp, check_store=self.check_store)
-        except UserError as exc:  # a bad config does not get better on retry
-            raise AirflowFailException(f"pre-flight: {exc}") from None
-        self.log.info("pre-flight passed: %s", json.dumps(summary, default=str, sort_keys=True)[:2000])
-        return summary
-
     def _ids(self, context) -> dict:
         """dag id, run id and task id: what makes the job's name and Ray submission id deterministic."""
         dag_id = self.dag_id if self.has_dag() else "adhoc"
         return {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
 
     def execute(self, context):
-        self._derive_paths()
+        from pipeline_steps.training.preflight import preflight
+
         backend = self._backend()
         exp = self._load(backend)
-        self._preflight(exp)
-        if backend == "local":
-            return self._execute_local(context, exp)
-        return self._execute_kuberay(context, exp)
+        with user_errors("pre-flight"):  # a bad config does not get better on retry
+            summary = preflight(exp, check_store=self.check_store)
+        self.log.info("pre-flight passed: %s", json.dumps(summary, default=str, sort_keys=True)[:2000])
+        trigger = self._submit_local(context) if backend == "local" else self._submit_kuberay(context, exp)
+        self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict) -> dict:
-        self._derive_paths()
-        return super().execute_complete(context, event)
+        url = KubeRayJobs(self).dashboard_from_event(event) if event.get("backend") == "kuberay" else None
+        complete(self, context, event, url)
+        return training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
 
-    # -- kuberay --------------------------------------------------------------------------------------
-    def _execute_kuberay(self, context, exp):
-        from pipeline_steps.errors import UserError
+    def _submit_kuberay(self, context, exp):
         from pipeline_steps.training.mounts import MountMap
         from pipeline_steps.training.rayjob import build_rayjob
 
-        ids = self._ids(context)
-        try:
-            mounts = MountMap.from_env()
-            namespace = (
-                self.namespace or self.hook.get_namespace() or "default"
-            )  # the DAG may leave it to the connection
-            body = build_rayjob(exp, namespace=namespace, mounts=mounts, **ids)
-            resume = body  # the entrypoint always resumes (trainer.resume_mode=auto): a retry re-submits it
-        except UserError as exc:
-            raise AirflowFailException(f"render RayJob: {exc}") from None
+        jobs = KubeRayJobs(self)
+        with user_errors("render RayJob"):
+            body = build_rayjob(exp, namespace=jobs.namespace_for(), mounts=MountMap.from_env(), **self._ids(context))
         self.rayjob = body
-        return self.submit_rayjob(context, body, resume)
+        return jobs.submit(context, body, body)  # the entrypoint resumes by itself: a retry re-submits it
 
-    # -- local ----------------------------------------------------------------------------------------
-    def _job_argv(self, exp_ref: str) -> list[str]:
-        from pipeline_steps.local import ray_cluster as local_ray
+    def _submit_local(self, context):
+        from pipeline_steps.local import ray_cluster
 
-        train = [local_path(u, "train_files") for u in as_list(self.train_files)]
-        val = [local_path(u, "val_files") for u in as_list(self.val_files)]
-        argv = ["train-local", "--experiment", exp_ref]
+        argv = ["train-local", "--experiment", self.experiment]
         # "--override=K=V" keeps a value that starts with '-' from being read as an option
         argv += [f"--override={o}" for o in normalize_overrides(self.overrides)]
-        argv += ["--train-files", *train]
+        argv += ["--train-files", *[local_path(u, "train_files") for u in as_list(self.train_files)]]
+        val = [local_path(u, "val_files") for u in as_list(self.val_files)]
         if val:
             argv += ["--val-files", *val]
         argv += [
@@ -241,67 +231,14 @@ class GRPOTrainOperator(RayJobOperator):
             "--output-dir",
             local_path(str(self.run_dir).rstrip("/"), "run_dir"),
         ]
-        return local_ray.job_argv(None, *argv)
-
-    def _execute_local(self, context, exp):
-        from operators.local_ray import LocalRayJobTrigger
-        from pipeline_steps.local import ray_cluster as local_ray
-
-        address = local_ray.ensure_cluster(self.ray_address)
-        ti = context.get("ti")
-        base = submission_base(**self._ids(context))
-        attempt, status = 0, None
-        while True:  # find the latest attempt of this task
-            try:
-                status = local_ray.status(address, f"{base}-a{attempt}")
-            except local_ray.JobNotFoundError:
-                break
-            attempt += 1
-        if attempt and status in local_ray.LIVE | {"SUCCEEDED"}:
-            attempt -= 1  # re-attach to the live or finished attempt
-        elif attempt:
-            self.log.warning(
-                "previous attempt %s-a%d ended %s; attempt %d resumes from %s",
-                base,
-                attempt - 1,
-                status,
-                attempt,
-                self.checkpoint_uri,
-            )
-        sid = f"{base}-a{attempt}"
-        argv = self._job_argv(self.experiment)  # train-local resumes from the run's checkpoints by itself
         env = {"VERL_FILE_LOGGER_PATH": local_path(self.metrics_uri, "run_dir"), "TOKENIZERS_PARALLELISM": "false"}
-        try:
-            local_ray.submit_or_attach(address, sid, argv, env=env)
-        except local_ray.JobAlreadyFinishedError as exc:  # raced with a failure between status and submit
-            raise RuntimeError(str(exc)) from None
-        self._local_job = (address, sid)
-        if ti is not None:
-            from operators.rayjob import DASHBOARD_XCOM_KEY
-
-            ti.xcom_push(key=DASHBOARD_XCOM_KEY, value=address)
-            ti.xcom_push(key="job", value=sid)  # the failure notice names the job even when the task fails
-        self.defer(
-            trigger=LocalRayJobTrigger(
-                address=address,
-                submission_id=sid,
-                poll_interval=self.poll_interval,
-                metrics_uri=self.metrics_uri,
-                metrics_reader=self.metrics_reader,
-                log_tail_lines=self.log_tail_lines,
-            ),
-            method_name="execute_complete",
+        self._local = LocalRayJobs(self)
+        return self._local.submit(
+            context, submission_base(**self._ids(context)), ray_cluster.job_argv(None, *argv), env
         )
 
     def on_kill(self) -> None:
-        if self._local_job:
-            from pipeline_steps.local import ray_cluster as local_ray
-
-            address, sid = self._local_job
-            try:
-                local_ray.stop(address, sid)
-                self.log.info("stopped Ray job %s", sid)
-            except local_ray.JobNotFoundError:
-                pass
-            return
-        super().on_kill()
+        if self._local is not None:
+            self._local.kill()
+        else:
+            KubeRayJobs(self).kill(self.rayjob)

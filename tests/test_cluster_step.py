@@ -33,7 +33,7 @@ from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from operators.cluster_step import PipelineStepJobOperator, map_uri_args, pod_paths_to_uris
-from operators.rayjob import JobFailed
+from operators.failures import JobFailed
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob import rayjob_name

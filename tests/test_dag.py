@@ -47,9 +47,10 @@ def test_chain_and_task_settings(dag):
     ids = set(dag.task_ids)
     for name in ("download", "preprocess", "upload_dataset", "stage_model", "train", "evaluate", "export"):
         assert name in ids
-    order = ["download", "preprocess", "upload_dataset", "collect_inputs", "train", "evaluate", "export"]
-    for a, b in zip(order, order[1:]):
-        assert b in dag.get_task(a).downstream_task_ids, (a, b)
+    order = ["plan", "download", "preprocess", "upload_dataset", "collect_inputs", "train", "evaluate", "export", "report"]
+    for a, b in zip(order, order[1:]):  # b runs after a (directly, or through a small request-builder task)
+        assert b in dag.get_task(a).get_flat_relative_ids(upstream=False), (a, b)
+    assert dag.get_task("report").trigger_rule == "all_done"
     for t in dag.tasks:
         assert t.retries >= 1 and t.retry_exponential_backoff and t.execution_timeout is not None, t.task_id
     assert dag.get_task("train").pool == "gpu" and dag.get_task("evaluate").pool == "gpu"

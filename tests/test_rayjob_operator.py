@@ -21,7 +21,10 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.rayjob import GROUP_LABEL, JobFailed, RayJobOperator, RayJobTrigger
+from operators.backends import GROUP_LABEL
+from operators.failures import JobFailed
+from operators.rayjob import RayJobOperator
+from operators.triggers.rayjob import RayJobTrigger
 from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
 from tests.deferral import deferred, run_trigger
 from tests.k8s_api_stand_in import SUCCESS
@@ -238,7 +241,7 @@ def test_retry_after_success_reattaches_and_succeeds_again(api, tmp_path):
 
 def test_create_conflict_reattaches(api, tmp_path):
     """Another worker created the RayJob between our list and our create (409): attach, do not fail."""
-    from operators.rayjob import RayJobHook
+    from operators.hooks.rayjob import RayJobHook
 
     body = rayjob_body("grpo-race", "/mnt/ckpt/run1")  # created without our labels, so the list misses it
     RayJobHook(conn_id=CONN).create_rayjob(body, NS)

@@ -27,7 +27,7 @@ import pytest
 from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.rayjob import JobFailed
+from operators.failures import JobFailed
 from operators.train import GRPOTrainOperator, normalize_overrides
 from tests.deferral import deferred, run_trigger
 
@@ -165,11 +165,13 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path,
     assert trigger.submission_id.endswith("-a1")
     info = local_ray.info(ray_cluster, trigger.submission_id)
     argv = shlex.split(info["entrypoint"])
-    assert "--override=trainer.resume_mode=auto" in argv
+    assert not any("resume_mode" in a for a in argv)  # train-local always resumes from its output's checkpoints
     assert argv[argv.index("--output-dir") + 1] == str(run_dir)  # same run dir, so the same checkpoint dir
     event = run_trigger(trigger, timeout=420)
     assert event["status"] == "success", event
     out = retry.execute_complete({"run_id": RUN_ID}, event)
+    summary = json.loads((run_dir / "train_summary.json").read_text())
+    assert summary["resumed_from_step"] == 1  # it did resume
     assert out["backend"] == "local" and out["last_step"] == 3 and out["checkpoint_step"] == 3
     assert out["checkpoint_uri"] == f"file://{run_dir}/checkpoints"
     assert {"critic/score/mean", "actor/entropy", "response_length/mean"} <= set(out["metrics"])
@@ -239,7 +241,7 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
                 check_store=False,
                 kubernetes_conn_id="k8s_standin",
                 poll_interval=0.01,
-                metrics_reader="operators.rayjob.read_mounted",
+                metrics_reader="operators.progress.read_mounted",
             )
 
     first = make_op()

@@ -1,4 +1,4 @@
-"""Airflow side of the object store: turn a store connection into the step subprocess's environment.
+"""The store connection: its credentials as environment variables, for a step subprocess or the worker itself.
 
 One connection id per store (default ``pipeline_store``). Shapes follow Airflow's own providers, so an existing
 connection can be reused:
@@ -17,8 +17,10 @@ connection id in its errors (``PIPELINE_STORE_CONN_ID``) and never the secret.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -113,3 +115,20 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
             env["STORAGE_EMULATOR_HOST"] = str(emulator)
         return env
     raise AirflowFailException(f"store URI {uri!r}: scheme not supported; use file://, oss:// or gs://")
+
+
+@contextlib.contextmanager
+def store_environment(conn_id: str | None, uri: str):
+    """The store connection's credentials in ``os.environ`` while the worker itself reads the store (progress,
+    step summaries, collected inputs); restored afterwards. The one way the worker gets store credentials."""
+    env = store_env(conn_id, uri) if "://" in uri and not uri.startswith("file://") else {}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

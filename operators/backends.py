@@ -1,0 +1,274 @@
+"""Where a job runs, as strategies the operators delegate to: KubeRay (a ``RayJob`` per attempt) or the local Ray
+cluster (a Ray job per attempt). Each returns the trigger that waits for the job; :func:`complete` turns the
+trigger's event into the task's outcome the same way for both.
+
+Attempts: a job's name is deterministic per DAG run and task, so a retried or restarted worker finds its job
+instead of submitting a second one. KubeRay: every attempt carries the label :data:`GROUP_LABEL` (= the attempt-0
+name); a failed attempt is deleted (its Ray cluster goes with it) and the next is ``<base>-r<N>``, built from the
+resume body. Local: attempts are ``<base>-a<N>``; a live or finished attempt is re-attached.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import re
+import shlex
+from collections.abc import Callable, Sequence
+from functools import cached_property
+
+from airflow.sdk.exceptions import AirflowFailException
+
+from operators.failures import JobFailed
+from operators.hooks.rayjob import RayJobHook
+from operators.links import DASHBOARD_XCOM_KEY
+from operators.progress import describe_failure, rayjob_outcome
+from operators.triggers.local_ray import LocalRayJobTrigger
+from operators.triggers.rayjob import RayJobTrigger
+from pipeline_steps.constants import RAYJOB_NAME_MAX
+
+GROUP_LABEL = "verl-pipeline/rayjob-group"  # value: the attempt-0 name; selects every attempt of one task
+ATTEMPT_LABEL = "verl-pipeline/attempt"
+
+
+def attempt_of(obj: dict) -> int:
+    try:
+        return int(((obj.get("metadata") or {}).get("labels") or {}).get(ATTEMPT_LABEL, 0))
+    except ValueError:
+        return 0
+
+
+def attempt_body(body: dict, base: str, attempt: int) -> dict:
+    """``body`` as attempt ``attempt``: its own name and Ray job id, group and attempt labels."""
+    out = copy.deepcopy(body)
+    meta = out.setdefault("metadata", {})
+    labels = meta.setdefault("labels", {})
+    labels[GROUP_LABEL], labels[ATTEMPT_LABEL] = base, str(attempt)
+    if attempt:
+        suffix = f"-r{attempt}"
+        meta["name"] = base[: RAYJOB_NAME_MAX - len(suffix)].rstrip("-") + suffix
+        if out.get("spec", {}).get("jobId"):
+            out["spec"]["jobId"] = f"{out['spec']['jobId']}{suffix}"
+    return out
+
+
+def with_resume_args(body: dict, args: Sequence[str]) -> dict:
+    """``body`` whose entrypoint ends with ``args``, each shell-quoted (Hydra: the last value wins)."""
+    out = copy.deepcopy(body)
+    if args:
+        out["spec"]["entrypoint"] = out["spec"]["entrypoint"].rstrip() + " " + " ".join(shlex.quote(a) for a in args)
+    return out
+
+
+def submission_base(dag_id: str, run_id: str, task_id: str) -> str:
+    """Deterministic Ray submission id prefix for one task of one DAG run (readable part + hash)."""
+    digest = hashlib.sha256(f"{dag_id}\0{run_id}\0{task_id}".encode()).hexdigest()[:12]
+    readable = re.sub(r"[^a-z0-9-]+", "-", f"{dag_id}-{task_id}".lower()).strip("-")[:40]
+    return f"{readable}-{digest}"
+
+
+class KubeRayJobs:
+    """Create or re-attach this task's current RayJob attempt through :class:`RayJobHook`.
+
+    :param op: the operator (its ``log``, and the RayJob options: ``namespace``, ``kubernetes_conn_id``,
+        ``cluster_context``, ``poll_interval``, ``metrics_uri``, ``metrics_reader``, ``log_tail_lines``,
+        ``dashboard_url_template``, ``resume_args``).
+    """
+
+    def __init__(self, op):
+        self.op, self.log = op, op.log
+
+    @cached_property
+    def hook(self) -> RayJobHook:
+        return RayJobHook(conn_id=self.op.kubernetes_conn_id, cluster_context=self.op.cluster_context)
+
+    def namespace_for(self, body: dict | None = None) -> str:
+        """The operator's namespace, else the body's, the connection's, then ``default``."""
+        body_ns = ((body or {}).get("metadata") or {}).get("namespace")
+        return self.op.namespace or body_ns or self.hook.get_namespace() or "default"
+
+    def submit(
+        self, context, body: dict, resume_body: dict | None, prepare: Callable[[dict], dict] | None = None
+    ) -> RayJobTrigger:
+        """The trigger waiting for this task's current attempt (created when there is none alive).
+
+        :param prepare: applied to each new attempt's body just before it is created (e.g. a per-attempt path).
+        """
+        base, namespace = body["metadata"]["name"], self.namespace_for(body)
+        attempts = sorted(self.hook.list_rayjobs(namespace, f"{GROUP_LABEL}={base}"), key=attempt_of)
+        latest = attempts[-1] if attempts else None
+        if latest is not None and rayjob_outcome(latest.get("status")) != "failed":
+            obj = latest
+            self.log.info(
+                "re-attaching to RayJob %s (attempt %d, %s)",
+                obj["metadata"]["name"],
+                attempt_of(obj),
+                (obj.get("status") or {}).get("jobDeploymentStatus") or "new",
+            )
+        else:
+            attempt = 0
+            if latest is not None:
+                attempt = attempt_of(latest) + 1
+                self.log.warning(
+                    "previous attempt %s", describe_failure(latest["metadata"]["name"], latest.get("status") or {})
+                )
+                self.log.info(
+                    "deleting failed RayJob %s (and its Ray cluster); attempt %d resumes from the checkpoint",
+                    latest["metadata"]["name"],
+                    attempt,
+                )
+                self.hook.delete_rayjob(latest["metadata"]["name"], namespace)
+                body = resume_body or with_resume_args(body, self.op.resume_args)
+            new = attempt_body(body, base, attempt)
+            obj = self._create(prepare(new) if prepare else new, namespace)
+        push_job(context, obj["metadata"]["name"], self._dashboard_url(obj))
+        mode = (
+            (obj.get("spec") or {}).get("submissionMode")
+            or (body.get("spec") or {}).get("submissionMode")
+            or "K8sJobMode"
+        )
+        return RayJobTrigger(
+            name=obj["metadata"]["name"],
+            namespace=namespace,
+            submission_mode=mode,
+            kubernetes_conn_id=self.op.kubernetes_conn_id,
+            cluster_context=self.op.cluster_context,
+            poll_interval=self.op.poll_interval,
+            metrics_uri=self.op.metrics_uri,
+            metrics_reader=self.op.metrics_reader,
+            log_tail_lines=self.op.log_tail_lines,
+        )
+
+    def _create(self, body: dict, namespace: str) -> dict:
+        from kubernetes.client.exceptions import ApiException
+
+        name = body["metadata"]["name"]
+        try:
+            obj = self.hook.create_rayjob(body, namespace)
+            self.log.info("created RayJob %s/%s", namespace, name)
+            return obj
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+        # another worker created it between our list and create: attach to that one
+        self.log.info("RayJob %s/%s already exists: re-attaching", namespace, name)
+        return self.hook.get_rayjob(name, namespace) or body
+
+    def _dashboard_url(self, obj: dict) -> str | None:
+        dashboard = (obj.get("status") or {}).get("dashboardURL")
+        if not dashboard:
+            return None
+        if dashboard.startswith(("http://", "https://")):
+            return dashboard
+        return self.op.dashboard_url_template.format(
+            dashboard_url=dashboard,
+            namespace=obj["metadata"].get("namespace", ""),
+            name=obj["metadata"]["name"],
+            ray_cluster=(obj.get("status") or {}).get("rayClusterName", ""),
+        )
+
+    def dashboard_from_event(self, event: dict) -> str | None:
+        obj = {
+            "metadata": {"name": event.get("name"), "namespace": event.get("namespace") or ""},
+            "status": {"dashboardURL": event.get("dashboard_url")},
+        }
+        return self._dashboard_url(obj)
+
+    def kill(self, body: dict | None) -> None:
+        """The task was killed while running on the worker: delete every attempt (their clusters go with them)."""
+        if not body:
+            return
+        base, namespace = body["metadata"]["name"], self.namespace_for(body)
+        for obj in self.hook.list_rayjobs(namespace, f"{GROUP_LABEL}={base}"):
+            if self.hook.delete_rayjob(obj["metadata"]["name"], namespace):
+                self.log.info("deleted RayJob %s/%s", namespace, obj["metadata"]["name"])
+
+
+class LocalRayJobs:
+    """Submit or re-attach this task's current attempt on the local Ray cluster.
+
+    :param op: the operator (its ``log``, ``ray_address``, ``poll_interval``, ``metrics_uri``, ``metrics_reader``,
+        ``log_tail_lines``).
+    """
+
+    def __init__(self, op):
+        self.op, self.log = op, op.log
+        self.job: tuple[str, str] | None = None
+
+    def submit(self, context, base: str, argv: list[str], env: dict[str, str]) -> LocalRayJobTrigger:
+        from pipeline_steps.local import ray_cluster
+
+        address = ray_cluster.ensure_cluster(self.op.ray_address)
+        attempt, status = 0, None
+        while True:  # find the latest attempt of this task
+            try:
+                status = ray_cluster.status(address, f"{base}-a{attempt}")
+            except ray_cluster.JobNotFoundError:
+                break
+            attempt += 1
+        if attempt and status in ray_cluster.LIVE | {"SUCCEEDED"}:
+            attempt -= 1  # re-attach to the live or finished attempt
+        elif attempt:
+            self.log.warning(
+                "previous attempt %s-a%d ended %s; attempt %d resumes from its checkpoints",
+                base,
+                attempt - 1,
+                status,
+                attempt,
+            )
+        sid = f"{base}-a{attempt}"
+        try:
+            ray_cluster.submit_or_attach(address, sid, argv, env=env)
+        except ray_cluster.JobAlreadyFinishedError as exc:  # raced with a failure between status and submit
+            raise RuntimeError(str(exc)) from None
+        self.job = (address, sid)
+        push_job(context, sid, address)
+        return LocalRayJobTrigger(
+            address=address,
+            submission_id=sid,
+            poll_interval=self.op.poll_interval,
+            metrics_uri=self.op.metrics_uri,
+            metrics_reader=self.op.metrics_reader,
+            log_tail_lines=self.op.log_tail_lines,
+        )
+
+    def kill(self) -> None:
+        if not self.job:
+            return
+        from pipeline_steps.local import ray_cluster
+
+        address, sid = self.job
+        try:
+            ray_cluster.stop(address, sid)
+            self.log.info("stopped Ray job %s", sid)
+        except ray_cluster.JobNotFoundError:
+            pass
+
+
+def push_job(context, name: str, dashboard_url: str | None) -> None:
+    """The job's name (the failure notice names it even when the task fails) and its dashboard link."""
+    ti = context.get("ti") if context else None
+    if ti is None:
+        return
+    ti.xcom_push(key="job", value=name)
+    if dashboard_url:
+        ti.xcom_push(key=DASHBOARD_XCOM_KEY, value=dashboard_url)
+
+
+def complete(op, context, event: dict, dashboard_url: str | None = None) -> None:
+    """Resumed from a trigger: log the last progress and log tail; fail with the job's reason on failure.
+
+    A spec the API rejected (``ValidationFailed``) fails without retry; any other failure raises
+    :class:`JobFailed` so the task's retries apply (the next attempt resumes).
+    """
+    if event.get("last_progress"):
+        op.log.info("last progress %s", event["last_progress"])
+    for line in event.get("log_tail") or []:
+        op.log.info("job log | %s", line)
+    if dashboard_url and context and context.get("ti") is not None:
+        context["ti"].xcom_push(key=DASHBOARD_XCOM_KEY, value=dashboard_url)
+    if event.get("status") != "success":
+        message = event.get("message") or f"job {event.get('name')} failed"
+        if event.get("reason") == "ValidationFailed":  # the spec itself is wrong: a retry cannot help
+            raise AirflowFailException(message)
+        raise JobFailed(message)

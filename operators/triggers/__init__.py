@@ -1,0 +1,1 @@
+"""Triggers: wait for a training or step job asynchronously (one poll loop, two backends)."""
