@@ -46,16 +46,29 @@ def retrying(timeout: timedelta, retries: int = 2) -> dict:
     }
 
 
+DEFAULT_EXPERIMENT = os.environ.get("VERL_PIPELINE_DEFAULT_EXPERIMENT", "local_tiny")  # what scheduled runs train
+DEFAULT_BACKEND = os.environ.get("VERL_PIPELINE_DEFAULT_BACKEND", "local")
+PRESET = experiment.preset_summary(DEFAULT_EXPERIMENT)  # the default preset's values, shown in the form
+NAME = "^[a-z0-9][a-z0-9_.-]{0,63}$"
+
+
+def _default(what: str) -> str:
+    return f"empty = the preset's ({DEFAULT_EXPERIMENT}: {PRESET.get(what) or 'none'})"
+
+
+# The trigger form. Airflow's form marks a field required unless its schema allows null, so every optional field
+# is ["null", <type>] with a None default: the form's Trigger button works with the defaults. What a schema cannot
+# check (an override's key, batch sizes against GPUs) is caught by the plan task and the CPU pre-flight.
 PARAMS = {
     "experiment": Param(
-        "local_tiny",
+        DEFAULT_EXPERIMENT,
         enum=PRESETS,
         title="Experiment preset",
         section="Experiment",
-        description="dags/experiments/<name>.yaml: model, datasets, cluster shape and verl settings.",
+        description="What to train and where: a preset names the model, datasets, cluster shape and verl settings.",
     ),
     "backend": Param(
-        "local",
+        DEFAULT_BACKEND,
         enum=["local", "kuberay"],
         title="Backend",
         section="Experiment",
@@ -69,53 +82,68 @@ PARAMS = {
         description=f"Train one step on the first {planning.SMOKE_ROWS} rows of each dataset before a long run.",
     ),
     "datasets": Param(
-        [],
-        type="array",
-        items={"type": "string", "pattern": "^[a-z0-9][a-z0-9_.-]{0,63}$"},
+        None,
+        type=["null", "array"],
+        items={"type": "string", "pattern": NAME},
         uniqueItems=True,
         title="Training datasets",
         section="Data",
-        description="Registry names; empty = the preset's.",
+        description="Which data, at which revision. Registry names; " + _default("datasets"),
     ),
     "prepare_datasets": Param(
-        [],
-        type="array",
-        items={"type": "string", "pattern": "^[a-z0-9][a-z0-9_.-]{0,63}$"},
+        None,
+        type=["null", "array"],
+        items={"type": "string", "pattern": NAME},
         uniqueItems=True,
         title="Also prepare",
         section="Data",
         description="Datasets to download, preprocess and upload (a new version) without training on them.",
     ),
     "eval_dataset": Param(
-        "",
-        type="string",
-        pattern="^([a-z0-9][a-z0-9_.-]{0,63})?$",
+        None,
+        type=["null", "string"],
+        pattern=NAME,
         title="Evaluation set",
         section="Data",
-        description="Empty = the preset's (aime2024).",
+        description=_default("eval_dataset"),
     ),
     "dataset_revisions": Param(
-        {},
-        type="object",
+        None,
+        type=["null", "object"],
         additionalProperties={"type": "string", "pattern": "^[A-Za-z0-9._/-]{1,128}$"},
         title="Pinned dataset revisions",
         section="Data",
         description='{"gsm8k": "<commit>"}; unpinned datasets resolve to their newest commit at the logical date.',
     ),
     "variant": Param("default", enum=["default", "tool_agent"], title="Row variant", section="Data"),
+    "revisions_as_of_logical_date": Param(
+        True, type="boolean", title="Resolve revisions as of the logical date", section="Data"
+    ),
     "model": Param(
-        "",
-        type="string",
-        pattern="^([A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?)?$",
+        None,
+        type=["null", "string"],
+        pattern="^(tiny|[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$",
         title="Model",
         section="Model",
-        description="Hugging Face repo id (org/name) or 'tiny'; empty = the preset's.",
+        description="The base model to post-train: Hugging Face repo id (org/name) or 'tiny'; " + _default("model"),
     ),
     "model_revision": Param(
-        "", type="string", pattern="^[A-Za-z0-9._/-]{0,128}$", title="Model revision", section="Model"
+        None,
+        type=["null", "string"],
+        pattern="^[A-Za-z0-9._/-]{1,128}$",
+        title="Model revision",
+        section="Model",
+        description="Branch, tag or commit; empty = main for a model typed here, else the preset's "
+        f"({PRESET.get('model_revision') or 'main'}).",
     ),
     "learning_rate": Param(
-        None, type=["null", "number"], exclusiveMinimum=0, maximum=1, title="Learning rate", section="Hyperparameters"
+        None,
+        type=["null", "number"],
+        exclusiveMinimum=0,
+        maximum=1,
+        title="Learning rate",
+        section="Hyperparameters",
+        description="The main GRPO knobs; empty = the preset's. " + _default("learning_rate"),
     ),
     "rollout_n": Param(
         None,
@@ -124,38 +152,65 @@ PARAMS = {
         maximum=1024,
         title="Rollouts per prompt (GRPO group size)",
         section="Hyperparameters",
+        description=_default("rollout_n"),
     ),
     "train_batch_size": Param(
-        None, type=["null", "integer"], minimum=1, title="Train batch size (prompts)", section="Hyperparameters"
+        None,
+        type=["null", "integer"],
+        minimum=1,
+        title="Train batch size (prompts)",
+        section="Hyperparameters",
+        description=_default("train_batch_size"),
     ),
     "total_training_steps": Param(
-        None, type=["null", "integer"], minimum=1, title="Total training steps", section="Hyperparameters"
+        None,
+        type=["null", "integer"],
+        minimum=1,
+        title="Total training steps",
+        section="Hyperparameters",
+        description=_default("total_training_steps"),
     ),
     "kl_coef": Param(
-        None, type=["null", "number"], minimum=0, title="KL loss coefficient (0 = off)", section="Hyperparameters"
+        None,
+        type=["null", "number"],
+        minimum=0,
+        title="KL loss coefficient (0 = off)",
+        section="Hyperparameters",
+        description=_default("kl_coef"),
     ),
     "verl_overrides": Param(
-        [],
-        type="array",
+        None,
+        type=["null", "array"],
         items={"type": "string", "pattern": r"^\+{0,2}[A-Za-z_][A-Za-z0-9_.]*=.*$"},
         title="verl overrides",
         section="Hyperparameters",
-        description="Free-form KEY=VALUE Hydra overrides, applied last; checked by the CPU pre-flight.",
+        description="Free-form KEY=VALUE Hydra overrides, applied last; checked by the plan task and the pre-flight.",
     ),
-    "nnodes": Param(None, type=["null", "integer"], minimum=1, maximum=64, title="Nodes", section="Cluster"),
+    "nnodes": Param(
+        None,
+        type=["null", "integer"],
+        minimum=1,
+        maximum=64,
+        title="Nodes",
+        section="Cluster",
+        description="Where training runs; empty = the preset's. " + _default("nnodes"),
+    ),
     "gpus_per_node": Param(
-        None, type=["null", "integer"], minimum=0, maximum=16, title="GPUs per node", section="Cluster"
+        None,
+        type=["null", "integer"],
+        minimum=0,
+        maximum=16,
+        title="GPUs per node",
+        section="Cluster",
+        description=_default("gpus_per_node"),
     ),
     "store_uri": Param(
-        "",
-        type="string",
-        pattern="^((file|oss|gs)://[A-Za-z0-9._/-]+)?$",
+        None,
+        type=["null", "string"],
+        pattern="^(file|oss|gs)://[A-Za-z0-9._/-]+$",
         title="Store root URI",
         section="Cluster",
         description="file:///path, oss://bucket/prefix or gs://bucket/prefix; empty = the deployment's default.",
-    ),
-    "revisions_as_of_logical_date": Param(
-        True, type="boolean", title="Resolve revisions as of the logical date", section="Data"
     ),
 }
 

@@ -23,6 +23,17 @@ from operators.hooks.huggingface import hf_env
 from operators.hooks.store import store_env
 
 
+def asset_name(uri: str) -> str:
+    """A readable Asset name for a store version: ``gsm8k@00f2904 (9007d73)`` for a dataset version
+    (``datasets/<name>/<commit>/<content hash>``), ``<experiment>@<version>`` for an exported model."""
+    parts = uri.split("://", 1)[-1].strip("/").split("/")
+    if len(parts) >= 4 and parts[-4] == "datasets":
+        return f"{parts[-3]}@{parts[-2][:7]} ({parts[-1][:7]})"
+    if len(parts) >= 3 and parts[-3] == "exported":
+        return f"{parts[-2]}@{parts[-1]}"
+    return "/".join(parts[-3:])
+
+
 class PipelineStepOperator(BaseOperator):
     """Run one pipeline step as a child process and push its JSON summary as the task's XCom.
 
@@ -124,9 +135,10 @@ class PipelineStepOperator(BaseOperator):
         summary.pop("step", None)
         carry = self.request.get("carry", {})
         if self.asset_alias and summary.get("uri"):
-            self.emit_asset(
-                context, summary["uri"], {**{k: carry[k] for k in ("dataset", "revision") if k in carry}, **summary}
-            )
+            made = {k: carry[k] for k in ("dataset", "revision") if k in carry}
+            pre = carry.get("preprocess") or {}  # a dataset version: its rows and content hash
+            made.update({k: pre[k] for k in ("rows_out", "content_hash") if k in pre})
+            self.emit_asset(context, summary["uri"], {**made, **summary})
         result = {**carry, self.summary_key: summary}
         if self.skip_unless and not summary.get(self.skip_unless):
             from airflow.sdk.exceptions import AirflowSkipException
@@ -139,9 +151,10 @@ class PipelineStepOperator(BaseOperator):
         from airflow.sdk import Asset, AssetAlias
 
         extra = {k: v for k, v in summary.items() if isinstance(v, (str, int, float, bool)) and k != "uri"}
-        name = uri.split("://", 1)[-1].strip("/").replace("/", ".")
+        extra.update({k: v for k, v in (("dag_id", self.dag_id), ("run_id", context.get("run_id"))) if v})
+        name = asset_name(uri)
         context["outlet_events"][AssetAlias(self.asset_alias)].add(Asset(uri=uri, name=name), extra=extra)
-        self.log.info("emitted asset %s via alias %s", uri, self.asset_alias)
+        self.log.info("emitted asset %s (%s) via alias %s", name, uri, self.asset_alias)
 
     def on_kill(self):
         if self._proc and self._proc.poll() is None:

@@ -104,3 +104,31 @@ def test_trigger_form_accepts_a_full_form(dag):
         }
     )
     assert params.validate()["rollout_n"] == 8
+
+
+def test_every_optional_field_allows_null_so_the_form_needs_no_input(dag):
+    """Airflow's trigger form marks a field required unless its schema allows null (checked in the UI on this
+    machine): a field whose default is empty must be ["null", <type>] with a None default."""
+    for name, param in dag.params.items():
+        value, schema = param.value, param.schema
+        types = schema.get("type")
+        types = types if isinstance(types, list) else [types]
+        if value in (None, "", [], {}):
+            assert value is None and "null" in types, (name, value, types)
+        else:
+            assert value not in ("", [], {}), name
+    assert copy.deepcopy(dag.params).validate()["experiment"] == "local_tiny"
+
+
+def test_the_default_presets_values_show_in_the_fields_they_fill(dag):
+    assert "local_tiny: gsm8k" in dag.params.get_param("datasets").description
+    assert "local_tiny: tiny" in dag.params.get_param("model").description
+    assert "local_tiny: 4" in dag.params.get_param("rollout_n").description
+
+
+def test_asset_names_read_like_versions():
+    from operators.step import asset_name
+
+    assert asset_name("file:///data/store/datasets/gsm8k/00f29045abcdef/9007d73aa11") == "gsm8k@00f2904 (9007d73)"
+    assert asset_name("oss://bkt/verl/datasets/dapo_math/" + "a" * 40 + "/" + "b" * 16) == "dapo_math@aaaaaaa (bbbbbbb)"
+    assert asset_name("gs://bkt/models/exported/gsm8k_qwen/step20-0f4bd6546423") == "gsm8k_qwen@step20-0f4bd6546423"

@@ -43,6 +43,36 @@ def preset_names() -> list[str]:
     return sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml")})
 
 
+def preset_summary(name: str) -> dict[str, str]:
+    """A preset's main values as short text for the trigger form (empty when the preset cannot be read).
+
+    Reads the YAML only: cheap enough for DAG parsing.
+    """
+    try:
+        spec = yaml.safe_load(resolve_path(name).read_text(encoding="utf-8")) or {}
+    except Exception:  # the form must render even if a deployment's preset is broken; plan reports it
+        return {}
+    verl = spec.get("verl") or {}
+    model = spec.get("model") or {}
+    cluster = spec.get("cluster") or {}
+    kl = verl.get("actor_rollout_ref.actor.kl_loss_coef") if verl.get("actor_rollout_ref.actor.use_kl_loss") else 0
+    values = {
+        "datasets": ", ".join((spec.get("datasets") or {}).get("train") or []),
+        "eval_dataset": (spec.get("evaluation") or {}).get("dataset"),
+        "model": model.get("source") or model.get("repo_id"),
+        "model_revision": model.get("revision"),
+        "learning_rate": verl.get("actor_rollout_ref.actor.optim.lr"),
+        "rollout_n": verl.get("actor_rollout_ref.rollout.n"),
+        "train_batch_size": verl.get("data.train_batch_size"),
+        "total_training_steps": verl.get("trainer.total_training_steps")
+        or "epochs: " + str(verl.get("trainer.total_epochs", "verl's default")),
+        "kl_coef": kl,
+        "nnodes": cluster.get("nnodes"),
+        "gpus_per_node": cluster.get("gpus_per_node"),
+    }
+    return {k: str(v) for k, v in values.items() if v not in (None, "")}
+
+
 KEY_RE = re.compile(r"^\+{0,2}[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
 
