@@ -31,15 +31,19 @@ MAX_ERROR_CHARS = 400
 
 # task id -> what to do; matched exactly, then by the first key the task id starts with
 HINTS: dict[str, str] = {
-    "plan": "check the trigger-form values and the dataset revision pins; a revision must exist at the run's logical date",
+    "plan": "check the trigger-form values and the dataset revision pins; a revision must exist at the run's logical "
+    "date",
     "download": "check the revision pin (dataset_revisions in the trigger form) and the Hugging Face connection "
     "(huggingface_default): the Hub must be reachable, the revision must exist and gated repositories need a token",
-    "preprocess": "open rejected.jsonl and stats.json in the preprocess output to see which rows were rejected and why, "
+    "preprocess": "open rejected.jsonl and stats.json in the preprocess output to see which rows were rejected and "
+    "why, "
     "then fix the data or raise --max-rejected-fraction (default 0.05) on purpose",
     "upload_dataset": "check the store connection (pipeline_store: credentials, bucket, endpoint) and the store URI; "
     "a retry resumes the upload",
-    "stage_model": "check the store connection (pipeline_store) and the model revision pin; a retry skips what is staged",
-    "collect_inputs": "check that the upstream datasets produced a train split and that the evaluation set was processed",
+    "stage_model": "check the store connection (pipeline_store) and the model revision pin; a retry skips what is "
+    "staged",
+    "collect_inputs": "check that the upstream datasets produced a train split and that the evaluation set was "
+    "processed",
     "train": "check the RayJob (kubectl describe rayjob; its status message) or the Ray dashboard job logs, and the "
     "pre-flight lines in this log (a bad override fails there); clearing the task resumes from the last checkpoint",
     "evaluate": "check the checkpoint the train task reported and the evaluation set (eval_dataset); evaluate runs on "

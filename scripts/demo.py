@@ -81,7 +81,8 @@ def show_run(db: Path) -> None:
         print(f"  {task_id + ('' if map_index < 0 else f'[{map_index}]'):22s} {state}")
     for d in xcom(db, run_id, "upload_dataset"):
         print(
-            f"  dataset {d['dataset']:11s} {d['download']['commit'][:12]}  rows {d['preprocess']['rows_out']:>4}  -> {d['upload']['uri']}"
+            f"  dataset {d['dataset']:11s} {d['download']['commit'][:12]}  rows {d['preprocess']['rows_out']:>4}  -> "
+            f"{d['upload']['uri']}"
         )
     for e in xcom(db, run_id, "evaluate"):
         results_md = Path(e["evaluate"]["output"]) / "results.md"

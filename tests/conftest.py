@@ -47,7 +47,8 @@ RAYJOB_CRD = ROOT / "k8s" / "crds" / "ray.io_rayjobs.v1.7.0.yaml"
 
 @pytest.fixture
 def k8s_api(tmp_path, monkeypatch):
-    """tests/k8s_api_stand_in.py's API server (RayJobs checked against the vendored KubeRay v1.7.0 CRD), reached through the Airflow connection ``k8s_standin`` (namespace ``training``)."""
+    """tests/k8s_api_stand_in.py's API server (RayJobs checked against the vendored KubeRay v1.7.0 CRD),
+    reached through the Airflow connection ``k8s_standin`` (namespace ``training``)."""
     from tests.k8s_api_stand_in import StandIn
 
     api = StandIn(crd_file=RAYJOB_CRD)

@@ -3,7 +3,8 @@
 Two processes (gloo, a file:// rendezvous so no port is needed) wrap the tiny model with
 verl's own FSDP2 wrapping (``verl.utils.fsdp_utils.apply_fsdp2``: one ``fully_shard`` per
 decoder layer and one at the root, a 1-D ``fsdp`` device mesh, so shards are DTensors;
-torch's FSDP1 refuses to run without an accelerator, FSDP2 runs on CPU), take one AdamW step so the weights differ from the base model, and save
+torch's FSDP1 refuses to run without an accelerator, FSDP2 runs on CPU), take one AdamW step so the weights
+differ from the base model, and save
 with ``verl.utils.checkpoint.fsdp_checkpoint_manager.FSDPCheckpointManager``. The tracker
 file ``latest_checkpointed_iteration.txt`` is written the way verl's trainer writes it.
 Rank 0 also saves the full fp32 state dict after the step (``reference_state_dict.pt``,

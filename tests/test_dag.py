@@ -47,7 +47,17 @@ def test_chain_and_task_settings(dag):
     ids = set(dag.task_ids)
     for name in ("download", "preprocess", "upload_dataset", "stage_model", "train", "evaluate", "export"):
         assert name in ids
-    order = ["plan", "download", "preprocess", "upload_dataset", "collect_inputs", "train", "evaluate", "export", "report"]
+    order = [
+        "plan",
+        "download",
+        "preprocess",
+        "upload_dataset",
+        "collect_inputs",
+        "train",
+        "evaluate",
+        "export",
+        "report",
+    ]
     for a, b in zip(order, order[1:]):  # b runs after a (directly, or through a small request-builder task)
         assert b in dag.get_task(a).get_flat_relative_ids(upstream=False), (a, b)
     assert dag.get_task("report").trigger_rule == "all_done"

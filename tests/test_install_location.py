@@ -78,8 +78,9 @@ def test_package_and_its_data_come_from_the_install_not_the_checkout(installed):
         import json, pipeline_steps, operators
         from pipeline_steps.training import experiment, rayjob
         from pipeline_steps.local import offline_hub
-        print(json.dumps({"pkg": pipeline_steps.__file__, "ops": operators.__file__, "presets": experiment.preset_names(),
-                          "template": str(rayjob.TEMPLATE), "hub": sorted(p.name for p in offline_hub.FIXTURES.iterdir())}))
+        hub = sorted(p.name for p in offline_hub.FIXTURES.iterdir())
+        print(json.dumps({"pkg": pipeline_steps.__file__, "ops": operators.__file__,
+                          "presets": experiment.preset_names(), "template": str(rayjob.TEMPLATE), "hub": hub}))
     """),
     )
     assert p.returncode == 0, p.stderr

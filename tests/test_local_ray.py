@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 from tests.test_train_local import REQUIRED_METRICS, VARIED_REWARD, write_gsm8k_parquet
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 

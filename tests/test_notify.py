@@ -1,4 +1,5 @@
-"""The failure notice: one paragraph (step, dataset or job, error line, what to do), posted to a webhook when configured.
+"""The failure notice: one paragraph (step, dataset or job, error line, what to do), posted to a webhook when
+configured.
 
 Real parts: a real HTTP server on 127.0.0.1 receives the POSTs; the webhook connection is read by Airflow's own
 environment-variable secrets backend (``AIRFLOW_CONN_PIPELINE_WEBHOOK``); the unit-level contexts are built from a
@@ -237,7 +238,8 @@ def test_failing_webhook_is_logged_never_raised(hook, monkeypatch, caplog, mode)
 
 @pytest.mark.slow
 def test_real_task_runner_calls_it_with_xcom_and_posts(hook, tmp_path):
-    """``airflow dags test`` of a probe DAG: a mapped step that fails on bad input and a train task that pushed its job."""
+    """``airflow dags test`` of a probe DAG: a mapped step that fails on bad input and a train task that pushed
+    its job."""
     dags, home = tmp_path / "dags", tmp_path / "home"
     dags.mkdir()
     (dags / "notify_probe.py").write_text(
@@ -250,13 +252,16 @@ def test_real_task_runner_calls_it_with_xcom_and_posts(hook, tmp_path):
         @dag(dag_id="notify_probe", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"), catchup=False,
              on_failure_callback=notify_failure, default_args={{"on_failure_callback": notify_failure, "retries": 0}})
         def notify_probe():
-            PipelineStepOperator.partial(task_id="download", step="download", hf_conn_id=None, store_conn_id=None).expand(
-                request=[{{"args": ["--dataset", "nosuch", "--dest", {str(tmp_path / "snap")!r}], "carry": {{"dataset": "nosuch"}}}}])
+            step = dict(task_id="download", step="download", hf_conn_id=None, store_conn_id=None)
+            args = ["--dataset", "nosuch", "--dest", {str(tmp_path / "snap")!r}]
+            PipelineStepOperator.partial(**step).expand(request=[{{"args": args, "carry": {{"dataset": "nosuch"}}}}])
 
             @task(task_id="train")
             def train(ti=None):
                 ti.xcom_push(key="job", value="verl-grpo-abc123")
-                raise RuntimeError("RayJob verl-grpo-abc123 ended FAILED: worker OOM\\nTraceback line that must not appear")
+                raise RuntimeError(
+                    "RayJob verl-grpo-abc123 ended FAILED: worker OOM\\nTraceback line that must not appear"
+                )
 
             train()
 

@@ -149,7 +149,8 @@ def test_dapo_dedupes_and_keeps_conflicts_out(processed):
     assert stats["conflicting_prompts"] == 1 and stats["rejected_by_reason"] == {"conflicting_ground_truth": 2}
     rows = pq.read_table(processed["dapo_math"]["dir"] / "train.parquet").to_pylist()
     assert not any("divisors" in r["prompt"][0]["content"] for r in rows)
-    rejected = [json.loads(l) for l in (processed["dapo_math"]["dir"] / "rejected.jsonl").read_text().splitlines()]
+    text = (processed["dapo_math"]["dir"] / "rejected.jsonl").read_text()
+    rejected = [json.loads(line) for line in text.splitlines()]
     assert sorted(r["row"]["reward_model"]["ground_truth"] for r in rejected) == ["8", "9"]
 
 

@@ -43,7 +43,8 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
 
     :param conn_id: Airflow connection id for the store; None means use the worker's environment as is.
     :param uri: a store URI (``file://``, ``oss://`` or ``gs://``); decides which backend's variables are set.
-    :return: e.g. ``{"OSS_ACCESS_KEY_ID": ..., "OSS_ACCESS_KEY_SECRET": ..., "OSS_REGION": ..., "PIPELINE_STORE_CONN_ID": ...}``.
+    :return: e.g. ``{"OSS_ACCESS_KEY_ID": ..., "OSS_ACCESS_KEY_SECRET": ..., "OSS_REGION": ...,
+        "PIPELINE_STORE_CONN_ID": ...}``.
     :raises AirflowFailException: the connection is of the wrong type or lacks a required field (one line, no secret).
     """
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
