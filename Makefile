@@ -25,6 +25,7 @@ demo: venv
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # The whole suite (CI runs this): lint, then every test.
 test: lint
