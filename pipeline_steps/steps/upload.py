@@ -8,7 +8,8 @@ finished), writes ``_manifest.json`` last, and prints ``uploaded``, ``skipped`` 
 
 from __future__ import annotations
 
-from pipeline_steps.store import open_store
+from pipeline_steps import outputs
+from pipeline_steps.store import open_store, parse_uri
 
 
 def add_arguments(p):
@@ -19,4 +20,6 @@ def add_arguments(p):
 
 
 def run(args):
+    if args.dest.startswith("file://"):  # a destination inside the source would upload the store into itself
+        outputs.refuse_overlap(parse_uri(args.dest).key, {"--src": args.src}, what="--dest")
     return open_store(args.dest).upload_dir(args.src, args.dest)

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -156,6 +157,10 @@ class _ChecksumCache:
             return row[3]
         return None
 
+    def forget(self, path: Path) -> None:
+        if self.db is not None:
+            self.db.execute("DELETE FROM sums WHERE path=?", (str(path),))
+
     def put(self, path: Path, st: os.stat_result, algo: str, value: str) -> None:
         if self.db is not None:
             self.db.execute(
@@ -214,26 +219,54 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
 
 
 def _source_files(src: Path) -> list[tuple[str, Path]]:
+    """The files to upload: regular files only, checked before any byte is sent.
+
+    The one rule for symlinks: a symlink is uploaded (as the file it points to) only when it resolves to a
+    regular file inside ``src``. A symlink that leaves ``src``, points to a directory or a non-regular file, or
+    dangles is refused, as are FIFOs, sockets and devices: one line naming the path.
+    """
     if not src.is_dir():
         raise UserError(f"--src {src}: not a directory; pass the directory to upload")
+    root = src.resolve()
     files = []
-    for p in sorted(src.rglob("*")):
-        if p.is_dir():
-            continue
-        rel = p.relative_to(src).as_posix()
-        if rel.startswith(".tmp-") or "/.tmp-" in rel:  # atomic.py leftovers of a crashed writer
-            continue
-        if rel == outputs.MARKER:  # which step wrote the directory: local bookkeeping, not data
-            continue
-        validate_key(rel, f"file name {rel!r} in --src {src}")
-        if rel == MANIFEST:
-            raise UserError(f"--src {src} contains {MANIFEST}, the store's reserved commit marker; rename that file")
-        if not p.exists():
-            raise UserError(f"--src {src}: {rel} is a broken symlink; fix or remove it")
-        files.append((rel, p))
+    for dirpath, dirnames, filenames in os.walk(src, followlinks=False):
+        dirnames.sort()
+        for name in sorted(dirnames + filenames):
+            p = Path(dirpath, name)
+            rel = p.relative_to(src).as_posix()
+            st = p.lstat()
+            if stat.S_ISDIR(st.st_mode):
+                continue  # walked into (never through a symlink)
+            if rel.startswith(".tmp-") or "/.tmp-" in rel:  # atomic.py leftovers of a crashed writer
+                continue
+            if rel == outputs.MARKER:  # which step wrote the directory: local bookkeeping, not data
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    target = p.resolve(strict=True)
+                except (OSError, RuntimeError):
+                    raise UserError(f"--src {src}: {rel} is a broken symlink; fix or remove it") from None
+                if root != target and root not in target.parents:
+                    raise UserError(
+                        f"--src {src}: {rel} is a symlink to {target}, outside the source; copy the file in instead"
+                    )
+                if not stat.S_ISREG(target.stat().st_mode):
+                    raise UserError(
+                        f"--src {src}: {rel} is a symlink to a directory or special file; only regular files upload"
+                    )
+            elif not stat.S_ISREG(st.st_mode):
+                raise UserError(
+                    f"--src {src}: {rel} is not a regular file (FIFO, socket or device); remove it from the source"
+                )
+            validate_key(rel, f"file name {rel!r} in --src {src}")
+            if rel == MANIFEST:
+                raise UserError(
+                    f"--src {src} contains {MANIFEST}, the store's reserved commit marker; rename that file"
+                )
+            files.append((rel, p))
     if not files:
         raise UserError(f"--src {src}: directory is empty; nothing to upload")
-    return files
+    return sorted(files)
 
 
 @dataclasses.dataclass
@@ -278,6 +311,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def _delete(self, keys: list[str]) -> int: ...
+
+    def _forget(self, key: str) -> None:
+        """Drop what is remembered about a stored object's checksum (backends that cache it)."""
 
     def _cleanup_incomplete(self, prefix: str) -> int:
         """Abort multipart uploads left open under ``prefix`` (backends that have them)."""
@@ -466,6 +502,7 @@ class Store(abc.ABC):
                 self._get_file(self._join(u.key, rel), out)
                 got = file_checksums(out, None)
                 if out.stat().st_size != e["size"] or got["sha256"] != e["sha256"]:
+                    self._forget(self._join(u.key, rel))  # so that the re-upload below re-reads it and repairs it
                     raise UserError(
                         f"{src_uri}/{rel}: stored object does not match the manifest (sha256 {got['sha256'][:12]} != "
                         f"{e['sha256'][:12]}); the version is corrupted, re-upload it from its source"

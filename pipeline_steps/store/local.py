@@ -39,6 +39,9 @@ class LocalStore(Store):
         copy_file(path, Path(key))
         return None  # sha256 is the native checksum: upload_dir hashes the source while the kernel copies it
 
+    def _forget(self, key: str) -> None:
+        self._stored_sums.forget(Path(key))
+
     def _stored(self, key: str, entry: dict) -> None:
         # the copy holds the bytes that were hashed (the source did not change meanwhile)
         self._stored_sums.put(Path(key), Path(key).stat(), "sha256", entry["sha256"])
