@@ -27,8 +27,8 @@ import logging
 import os
 import re
 import shutil
-import stat
 import sqlite3
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
