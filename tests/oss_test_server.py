@@ -36,6 +36,7 @@ and exact OSS error ``EC`` codes.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import http.client
@@ -208,6 +209,7 @@ class OssTestServer:
         self._crc_cache: dict[tuple[str, str, str], int] = {}
         self._part_crc: dict[tuple[str, int], tuple[int, int]] = {}
         self.requests: list[tuple[str, str]] = []  # (method, path?query) for assertions
+        self._create_lock = threading.Lock()  # x-oss-forbid-overwrite: check and write as one step, as OSS does
         self._httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler_class())
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -321,7 +323,13 @@ class OssTestServer:
                 continue
             fwd["x-amz-" + k[6:] if k.startswith("x-oss-") else k] = v
         fwd["Host"] = f"127.0.0.1:{self.port}"
-        status, resp_headers, out_body = self.s3.forward(method, raw_path, raw_query, fwd, body)
+        forbid = method == "PUT" and not query and headers.get("x-oss-forbid-overwrite", "").lower() == "true"
+        fwd.pop("x-amz-forbid-overwrite", None)
+        with self._create_lock if forbid else contextlib.nullcontext():
+            if forbid and self.s3.forward("HEAD", raw_path, "", {"Host": fwd["Host"]}, b"")[0] == 200:
+                err = self._error_xml("FileAlreadyExists", "The object you specified already exists.", request_id)
+                return 409, {"x-oss-request-id": request_id, "Content-Type": "application/xml"}, err
+            status, resp_headers, out_body = self.s3.forward(method, raw_path, raw_query, fwd, body)
         out_headers: dict[str, str] = {}
         for k, v in resp_headers:
             lk = k.lower()

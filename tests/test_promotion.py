@@ -72,6 +72,12 @@ def test_incomparable_evaluations_are_not_promoted():
     assert not d.promote and "temperature" in d.reason
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), float("-inf")])
+def test_non_finite_scores_never_promote_nor_reach_the_pointer(bad):
+    with pytest.raises(UserError, match="not a finite score"):
+        promotion.check_results(results(bad), "--eval-results")
+
+
 def test_results_without_scores_are_rejected():
     with pytest.raises(UserError, match="overall.avg@k"):
         promotion.check_results({"overall": {}}, "--eval-results")
@@ -96,7 +102,16 @@ def test_latest_pointer_and_retention_never_delete_latest(tmp_path):
     assert promotion.read_latest(store, exp_uri) is None
     for i in range(1, 6):
         _publish(store, exp_uri, tmp_path, f"v{i}", f"2026-01-0{i}T00:00:00+00:00")
-    promotion.write_latest(store, exp_uri, "v1", f"{exp_uri}/v1", results(0.9), "2026-01-01T00:00:00+00:00")
+    decision, pointer = promotion.promote(
+        store,
+        exp_uri,
+        "v1",
+        f"{exp_uri}/v1",
+        results(0.9),
+        "2026-01-01T00:00:00+00:00",
+        lambda current: promotion.decide(results(0.9), BASE, current, 0.0),
+    )
+    assert decision.promote and pointer["seq"] == 1
     assert promotion.read_latest(store, exp_uri)["version"] == "v1"
     deleted = promotion.prune(store, exp_uri, keep=2)
     assert sorted(deleted) == ["v2", "v3"]  # v5, v4 are the newest two; v1 is the latest

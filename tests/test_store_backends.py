@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps.errors import UserError
+from pipeline_steps.store import open_store
 from tests.storage_servers import ROOT, run_step
 
 PART_KB = 128  # >= OSS's 100 KiB minimum part; a multiple of GCS's 256 KiB chunk rounding is applied there
@@ -340,3 +341,69 @@ def test_transfer_corruption_is_caught_end_to_end(backend, tmp_path):
     assert store.read_manifest(dest) is None
     store._put_file = put
     assert store.upload_dir(src, dest)["files"] == 3 and store.verify(dest)[1] == []
+
+
+# -- concurrent promotions: the store's conditional create ----------------------------------------------------
+def _race(backend, monkeypatch, scores: list[float]) -> tuple[list, str]:
+    """Export candidates with ``scores`` promote at the same moment (threads released by one barrier)."""
+    import threading
+
+    from pipeline_steps.evaluation import promotion
+    from tests.test_promotion import BASE, results
+
+    for k, v in backend.env.items():
+        monkeypatch.setenv(k, v)
+    exp_uri = f"{backend.root_uri}/models/exported/race"
+    barrier = threading.Barrier(len(scores))
+    outcomes: list = [None] * len(scores)
+
+    def export(i: int, score: float) -> None:
+        store = open_store(backend.root_uri)  # each exporter its own client, as separate tasks have
+        barrier.wait()
+        outcomes[i] = promotion.promote(
+            store,
+            exp_uri,
+            f"v{i}",
+            f"{exp_uri}/v{i}",
+            results(score),
+            f"2026-01-01T00:00:0{i}+00:00",
+            lambda current: promotion.decide(results(score), BASE, current, 0.0),
+        )
+
+    threads = [threading.Thread(target=export, args=(i, s)) for i, s in enumerate(scores)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return outcomes, exp_uri
+
+
+def test_two_exports_promoting_at_once_leave_one_consistent_pointer(backend, monkeypatch):
+    from pipeline_steps.evaluation import promotion
+
+    outcomes, exp_uri = _race(backend, monkeypatch, [0.6, 0.5])
+    store = open_store(backend.root_uri)
+    seq, latest = promotion.newest(store, exp_uri)
+    assert latest["version"] == "v0" and latest["avg@k"] == 0.6  # the better model, whoever won the first race
+    records = store.list_names(f"{exp_uri}/latest")
+    assert records == [f"{n:08d}.json" for n in range(1, seq + 1)]  # contiguous, none lost or overwritten
+    for name in records:
+        assert json.loads(store.read_bytes(f"{exp_uri}/latest/{name}"))["seq"] == int(name[:8])  # none torn
+    assert json.loads(store.read_bytes(f"{exp_uri}/latest.json")) == latest  # the mirror agrees
+    (d0, p0), (d1, p1) = outcomes
+    assert d0.promote and p0 is not None
+    assert not d1.promote or seq == 2  # v1 won the first race and v0 then beat it, or v1 lost and re-decided
+    if not d1.promote:
+        assert "latest v0" in d1.reason  # the loser re-read the new latest and decided against it
+
+
+def test_many_exports_at_once_end_with_the_best(backend, monkeypatch):
+    from pipeline_steps.evaluation import promotion
+
+    scores = [0.3, 0.7, 0.5, 0.6]
+    outcomes, exp_uri = _race(backend, monkeypatch, scores)
+    store = open_store(backend.root_uri)
+    seq, latest = promotion.newest(store, exp_uri)
+    assert latest["version"] == "v1" and latest["avg@k"] == 0.7
+    avgs = [json.loads(store.read_bytes(f"{exp_uri}/latest/{n:08d}.json"))["avg@k"] for n in range(1, seq + 1)]
+    assert avgs == sorted(avgs) and len(set(avgs)) == len(avgs)  # every promotion beat the one before it

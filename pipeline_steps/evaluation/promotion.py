@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+from collections.abc import Callable
 
 from pipeline_steps.errors import UserError
 
@@ -46,6 +48,10 @@ def check_results(res: dict, what: str) -> dict:
     overall = res.get("overall") if isinstance(res, dict) else None
     if not isinstance(overall, dict) or not isinstance(overall.get("avg@k"), (int, float)):
         raise UserError(f"{what}: no overall.avg@k; pass a results.json written by the evaluate step")
+    if not math.isfinite(overall["avg@k"]):  # Infinity/NaN would promote anything and poison the pointer
+        raise UserError(f"{what}: overall.avg@k is {overall['avg@k']}, not a finite score; re-run evaluate")
+    if not isinstance(overall.get("problems"), int) or overall["problems"] < 1:
+        raise UserError(f"{what}: no overall.problems count; pass a results.json written by the evaluate step")
     if int(overall.get("samples_scored") or 0) < 1 or int(overall.get("k") or 0) < 1:
         raise UserError(
             f"{what}: no samples were scored (k={overall.get('k')}); re-run evaluate with --k >= 1 on a non-empty set"
@@ -122,29 +128,85 @@ def _missing(exc: Exception) -> bool:
     )
 
 
-def read_latest(store, exp_uri: str) -> dict | None:
+POINTERS = "latest"  # <exp>/latest/<seq>.json: one immutable record per promotion, created exclusively
+
+
+def _records(store, exp_uri: str) -> list[int]:
+    names = store.list_names(f"{exp_uri}/{POINTERS}")
+    return sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
+
+
+def _parse_pointer(data: bytes, where: str) -> dict | None:
+    try:
+        latest = json.loads(data)
+    except ValueError:
+        raise UserError(f"{where}: not valid JSON; fix or delete it (the next promotion rewrites it)") from None
+    return latest if isinstance(latest, dict) and latest.get("version") else None
+
+
+def newest(store, exp_uri: str) -> tuple[int, dict | None]:
+    """(sequence number, pointer) of the current latest model: the newest promotion record. Stores promoted
+    before records existed have only ``latest.json``, read as record 0."""
+    seqs = _records(store, exp_uri)
+    if seqs:
+        where = f"{exp_uri}/{POINTERS}/{seqs[-1]:08d}.json"
+        return seqs[-1], _parse_pointer(store.read_bytes(where) or b"null", where)
     try:
         data = store.read_bytes(f"{exp_uri}/latest.json")
     except Exception as exc:
         if _missing(exc):
-            return None
+            return 0, None
         raise
-    if data is None:
-        return None
-    try:
-        latest = json.loads(data)
-    except ValueError:
-        raise UserError(
-            f"{exp_uri}/latest.json: not valid JSON; fix or delete it (the next promotion rewrites it)"
-        ) from None
-    return latest if isinstance(latest, dict) and latest.get("version") else None
+    return 0, (_parse_pointer(data, f"{exp_uri}/latest.json") if data is not None else None)
 
 
-def write_latest(store, exp_uri: str, version: str, version_uri: str, results: dict, exported_at: str) -> dict:
-    s = summary_of(results)
-    pointer = {"version": version, "uri": version_uri, "exported_at": exported_at, **s}
-    store.write_bytes(f"{exp_uri}/latest.json", (json.dumps(pointer, indent=2, sort_keys=True) + "\n").encode())
-    return pointer
+def read_latest(store, exp_uri: str) -> dict | None:
+    return newest(store, exp_uri)[1]
+
+
+def promote(
+    store,
+    exp_uri: str,
+    version: str,
+    version_uri: str,
+    results: dict,
+    exported_at: str,
+    decide_against: Callable[[dict | None], Decision],
+    attempts: int = 20,
+) -> tuple[Decision, dict | None]:
+    """Make ``version`` the latest if ``decide_against(current latest)`` says so, safely against concurrent exports.
+
+    The pointer is the newest record ``latest/<seq>.json``; a promotion creates record ``seq + 1`` with the store's
+    conditional create, so of two exports promoting at the same moment exactly one wins. The loser re-reads the
+    (new) latest and decides again against it. ``latest.json`` mirrors the newest record for people and old readers.
+
+    :returns: (the final decision, the pointer written or None).
+    """
+    for _ in range(attempts):
+        seq, current = newest(store, exp_uri)
+        if current and current.get("version") == version:  # a retry after this version was promoted
+            return Decision(True, f"{version} is already the latest", "latest", current.get("avg@k")), current
+        decision = decide_against(current)
+        if not decision.promote:
+            return decision, None
+        pointer = {"version": version, "uri": version_uri, "exported_at": exported_at, "seq": seq + 1}
+        pointer.update(summary_of(results))
+        body = (json.dumps(pointer, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+        if store.create_bytes(f"{exp_uri}/{POINTERS}/{seq + 1:08d}.json", body):
+            _mirror(store, exp_uri)
+            return decision, pointer
+        log.info("another export promoted at the same moment; re-reading the latest and deciding again")
+    raise RuntimeError(f"{exp_uri}: promotion lost {attempts} races in a row; retry the export")
+
+
+def _mirror(store, exp_uri: str) -> None:
+    """``latest.json`` = the newest record (re-checked after writing, so a slower writer cannot leave it stale)."""
+    for _ in range(5):
+        seq, current = newest(store, exp_uri)
+        body = (json.dumps(current, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+        store.write_bytes(f"{exp_uri}/latest.json", body)
+        if newest(store, exp_uri)[0] == seq:
+            return
 
 
 def _exported_at(store, exp_uri: str, version: str) -> str:

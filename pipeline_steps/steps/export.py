@@ -339,8 +339,23 @@ def run(args) -> dict:
     atomic.write_json(model_dir / "export.json", record)
     upload = store.upload_dir(str(model_dir), version_uri)
 
-    if decision.promote:
-        promotion.write_latest(store, exp_uri, version, version_uri, results, exported_at)
+    if decision.promote:  # the pointer moves only with the store's conditional create (concurrent exports)
+        final, _ = promotion.promote(
+            store,
+            exp_uri,
+            version,
+            version_uri,
+            results,
+            exported_at,
+            lambda current: promotion.decide(results, base, current, args.margin),
+        )
+        if final.promote != decision.promote:  # lost a race to a better model: the card must say so
+            log.info("export %s: %s", version, final.reason)
+            decision = final
+            record["promotion"] = decision.as_dict()
+            atomic.write_text(model_dir / "README.md", model_card.render(record, results, base))
+            atomic.write_json(model_dir / "export.json", record)
+            upload = store.upload_dir(str(model_dir), version_uri)  # re-sends the two small files only
     deleted = promotion.prune(store, exp_uri, args.keep)
 
     hub = None

@@ -312,6 +312,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def _delete(self, keys: list[str]) -> int: ...
 
+    @abc.abstractmethod
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        """Write ``key`` only if it does not exist (atomically, against concurrent writers); False if it did."""
+
     def _forget(self, key: str) -> None:
         """Drop what is remembered about a stored object's checksum (backends that cache it)."""
 
@@ -340,6 +344,23 @@ class Store(abc.ABC):
         u = self._parse(uri)
         validate_key(u.key.lstrip("/"), f"object {uri!r}")
         self._put_bytes(u.key, data)
+
+    def create_bytes(self, uri: str, data: bytes) -> bool:
+        """Create a small object only if it does not exist yet: exactly one of concurrent creators wins (True).
+
+        The store's own conditional write: exclusive link on file://, ``if_generation_match=0`` on GCS,
+        ``x-oss-forbid-overwrite`` on OSS.
+        """
+        u = self._parse(uri)
+        validate_key(u.key.lstrip("/"), f"object {uri!r}")
+        return self._create_bytes(u.key, data)
+
+    def list_names(self, prefix_uri: str) -> list[str]:
+        """Names of the objects directly under ``prefix_uri`` (not the sub-prefixes)."""
+        u = self._parse(prefix_uri)
+        base = f"{u.key.rstrip('/')}/" if u.key else ""
+        keys, _ = self._list(base, "/")
+        return sorted(k[len(base) :] for k in keys if "/" not in k[len(base) :])
 
     def read_manifest(self, uri: str) -> dict | None:
         """The version's manifest, or None when the version is incomplete (no manifest yet)."""

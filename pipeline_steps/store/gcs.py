@@ -170,6 +170,17 @@ class GcsStore(Store):
         with self._errors("put", key):
             self.bucket.blob(key).upload_from_string(data, checksum="crc32c", retry=self.retry, timeout=self.timeout)
 
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        self._ensure_bucket()
+        with self._errors("create", key):
+            try:  # generation 0 = "no live object": GCS lets exactly one such write succeed
+                self.bucket.blob(key).upload_from_string(
+                    data, checksum="crc32c", if_generation_match=0, retry=self.retry, timeout=self.timeout
+                )
+                return True
+            except self._gexc.PreconditionFailed:
+                return False
+
     def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
         self._ensure_bucket()
         with self._errors("list", prefix):

@@ -9,6 +9,7 @@ downloads always re-read and verify every byte.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 from pipeline_steps import atomic
@@ -57,6 +58,26 @@ class LocalStore(Store):
 
     def _put_bytes(self, key: str, data: bytes) -> None:
         atomic.write_bytes(key, data)
+
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        """A complete temporary file, then ``link`` to the name: the kernel lets exactly one link win."""
+        final = Path(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".tmp-{final.name}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            tmp.write_bytes(data)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, final)
+                return True
+            except FileExistsError:
+                return False
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
         base = Path(prefix)

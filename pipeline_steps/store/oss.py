@@ -212,6 +212,19 @@ class OssStore(Store):
         with self._errors("put", key):
             self.client.put_object(self._oss.PutObjectRequest(bucket=self.bucket, key=key, body=data))
 
+    def _create_bytes(self, key: str, data: bytes) -> bool:
+        self._ensure_bucket()
+        oss = self._oss
+        try:  # OSS refuses the write with 409 FileAlreadyExists when the object exists
+            self.client.put_object(oss.PutObjectRequest(bucket=self.bucket, key=key, body=data, forbid_overwrite=True))
+            return True
+        except oss.exceptions.OperationError as exc:
+            err = exc.unwrap() if hasattr(exc, "unwrap") else None
+            if isinstance(err, oss.exceptions.ServiceError) and err.code == "FileAlreadyExists":
+                return False
+            with self._errors("create", key):
+                raise
+
     def _list(self, prefix: str, delimiter: str | None) -> tuple[list[str], list[str]]:
         self._ensure_bucket()
         keys, prefixes = [], []
