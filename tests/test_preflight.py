@@ -198,3 +198,11 @@ def test_cli_success_prints_the_summary_last():
     assert code == 0, stderr
     assert summary["ok"] is True and summary["experiment"] == "local_tiny" and summary["n_gpus"] == 1
     assert summary["seconds"] > 0
+
+
+@pytest.mark.parametrize("value", ["-1", "0"])
+def test_a_run_that_would_save_no_checkpoint_fails_preflight_in_one_line(value):
+    code, summary, err = run_step(
+        "preflight", "--experiment", "gsm8k_qwen2_5_3b", "--skip-store-check", f"--override=trainer.save_freq={value}"
+    )
+    assert code == 2 and err.count("\n") == 1 and "trainer.save_freq" in err and "nothing to evaluate" in err

@@ -56,6 +56,7 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     check_missing_keys(cfg, ppo_utils)
     check_registries(cfg, backend)
     batch = check_batch_sizes(cfg)
+    check_exportable(cfg)
     run_verl_validate(cfg, ppo_utils)
     staged = check_staged(cfg, backend) if check_store else {}
     return {
@@ -69,6 +70,17 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
         "store_checked": check_store,
         "seconds": round(time.monotonic() - t0, 2),
     }
+
+
+def check_exportable(cfg) -> None:
+    """verl saves a checkpoint only when ``trainer.save_freq > 0`` (then at every multiple and at the last step);
+    without one there is nothing to evaluate or export. Both backends follow that rule."""
+    save_freq = cfg.trainer.get("save_freq")
+    if save_freq is None or int(save_freq) <= 0:
+        raise UserError(
+            f"trainer.save_freq={save_freq}: verl saves no checkpoint unless it is > 0, so the run would leave "
+            "nothing to evaluate or export; set it to a positive number of steps"
+        )
 
 
 # -- value types ------------------------------------------------------------------------------------
