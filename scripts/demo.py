@@ -6,8 +6,10 @@ Hugging Face cache built from the shipped fixtures, a local Ray cluster, and the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -17,9 +19,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_temp_dir(home: Path) -> Path:
+    """The local Ray cluster's directory, per profile home (short: Ray puts Unix sockets below it)."""
+    return Path("/tmp") / f"ray-{hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:8]}"
+
+
 def local_profile_env(home: Path) -> dict[str, str]:
-    """Environment for the embedded default; tests use the same function."""
+    """Environment for the embedded default; tests use the same function. The local Ray cluster gets free ports
+    and its own directory, so it never collides with another cluster on the machine."""
     return {
+        "PIPELINE_RAY_TEMP_DIR": str(ray_temp_dir(home)),
+        "PIPELINE_RAY_PORT": str(_free_port()),
+        "PIPELINE_RAY_DASHBOARD_PORT": str(_free_port()),
         "PIPELINE_HOME": str(home),
         "PIPELINE_STORE_URI": f"file://{home / 'store'}",
         "HF_HUB_CACHE": str(home / "hf-cache"),
@@ -133,6 +150,10 @@ def main() -> int:
         print(f"  {label:45s} {path}{'' if path.exists() else '  (not produced)'}")
     print(f"  {'work dir (snapshots, processed parquet)':45s} {home / 'work'}")
     print(f"\nDAG run {'succeeded' if rc == 0 else 'FAILED (exit %d): see the task logs above' % rc}")
+    from pipeline_steps.local import ray_cluster
+
+    if ray_cluster.shutdown_cluster(ray_temp_dir(home)):  # the demo started it; leave nothing running
+        print("stopped the local Ray cluster the demo started")
     return rc
 
 

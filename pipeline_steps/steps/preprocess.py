@@ -23,6 +23,9 @@ from pipeline_steps.data import registry
 from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_key, tool_agent_rows
 from pipeline_steps.errors import UserError
 
+# Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
+PREPROCESSOR_VERSION = 2
+
 log = logging.getLogger(__name__)
 BATCH_ROWS = 65536
 VARIANTS = ("default", "tool_agent")
@@ -283,19 +286,40 @@ def _summary(spec, out: Path, stats: dict, skipped: bool) -> dict:
     }
 
 
-def _existing(out: Path, root: Path, args) -> dict | None:
-    """stats.json of a complete earlier run on the same input and settings (the directory appears atomically)."""
+def input_fingerprint(root: Path) -> str:
+    """sha256 over the input's files (names, sizes and content): a changed or appended file changes it."""
+    h = hashlib.sha256()
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    for f in files:
+        h.update(str(f.relative_to(root) if f != root else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def settings_of(spec, args, fingerprint: str) -> dict:
+    """Everything that decides a preprocess output: reused only when all of it matches."""
+    return {
+        "dataset": spec.name,
+        "preprocessor": spec.preprocessor,
+        "preprocessor_version": PREPROCESSOR_VERSION,
+        "variant": args.variant,
+        "limit": args.limit,
+        "max_rejected_fraction": args.max_rejected_fraction,
+        "input_sha256": fingerprint,
+    }
+
+
+def _existing(out: Path, settings: dict) -> dict | None:
+    """stats.json of a complete earlier run with the same settings and input (the directory appears atomically)."""
     try:
         stats = json.loads((out / "stats.json").read_text())
     except (OSError, ValueError):
         return None
-    same = (
-        stats.get("source", {}).get("input") == str(root)
-        and stats.get("variant") == args.variant
-        and stats.get("limit") == args.limit
-    )
     files_ok = all((out / f"{s}.parquet").is_file() for s, v in stats.get("splits", {}).items() if v.get("rows_out"))
-    return stats if same and files_ok else None
+    return stats if stats.get("settings") == settings and files_ok else None
 
 
 def run(args):
@@ -303,7 +327,8 @@ def run(args):
     root = Path(args.input)
     out = Path(args.output)
     outputs.refuse_overlap(out, {"--input": root})
-    if args.skip_existing and (stats := _existing(out, root, args)):
+    settings = settings_of(spec, args, input_fingerprint(root))
+    if args.skip_existing and (stats := _existing(out, settings)):
         log.info("dataset %s: %s already holds this input's output; skipping", spec.name, out)
         return _summary(spec, out, stats, skipped=True)
     if not 0.0 <= args.max_rejected_fraction <= 1.0:
@@ -327,6 +352,7 @@ def run(args):
     for name, data in sorted(files.items()):
         digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
     stats["content_hash"] = digest.hexdigest()
+    stats["settings"] = settings  # what a later run must match to reuse this output
     stats["source"] = {"input": str(root), "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None}
     with atomic.atomic_dir(out, owner="preprocess") as tmp:
         for name, data in files.items():

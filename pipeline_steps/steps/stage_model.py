@@ -71,12 +71,15 @@ def _already_staged(store, uri: str, local: Path | None) -> bool:
     if problems:
         log.warning("staged model %s does not verify (%s); re-staging", uri, "; ".join(problems[:3]))
         return False
-    if local is not None:  # same files as the source?
+    if local is not None:  # same files as the source? A committed version is never replaced by other content
         cache = _ChecksumCache()
         want = {rel: file_checksums(p, None, cache)["sha256"] for rel, p in _source_files(local)}
         have = {e["path"]: e["sha256"] for e in manifest["files"]}
         if want != have:
-            return False
+            raise UserError(
+                f"{uri} already holds a different model under that name and revision; stage this one under "
+                "another --revision (or rename its directory)"
+            )
     return True
 
 

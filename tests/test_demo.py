@@ -1,0 +1,36 @@
+"""``make demo`` as a user runs it: the whole DAG on the local profile, then nothing left running.
+
+Real Airflow (``airflow dags test``), a real local Ray cluster on free ports, the real steps. The demo must stop the
+Ray cluster it started (before: 21 processes, 2.1 GB RSS left on the fixed ports 6379 and 8265).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_runs_the_dag_and_leaves_no_ray_cluster(tmp_path):
+    from scripts.demo import ray_temp_dir
+
+    home, airflow_home = tmp_path / "demo", tmp_path / "airflow"
+    env = dict(os.environ, PIPELINE_HOME=str(home), AIRFLOW_HOME=str(airflow_home))
+    p = subprocess.run(
+        [sys.executable, "-m", "scripts.demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "DAG run succeeded" in p.stdout
+    assert "stopped the local Ray cluster the demo started" in p.stdout
+    assert "run report:" in p.stdout and "exported model:" in p.stdout
+    temp = ray_temp_dir(home)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(temp) not in ps, "a process of the demo's Ray cluster is still running"
+    assert "--port=6379" not in ps and "--dashboard-port=8265" not in ps
