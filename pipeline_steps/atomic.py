@@ -43,16 +43,24 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | os.PathLike, owner: str | None = None):
+def atomic_dir(final: str | os.PathLike, owner: str | None = None, what: str = "--output"):
     """Yield a temporary directory; on success it replaces ``final`` in one rename.
 
     :param owner: the step writing it: an existing non-empty ``final`` must be that step's earlier output
         (:mod:`pipeline_steps.outputs`), and the new one is marked as the step's.
+    :param what: the input that named ``final`` (for the one-line error when it cannot be written).
     """
     final = Path(final)
     if owner:
         outputs.check_reusable(final, owner)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        probe = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=final.parent))
+        probe.rmdir()
+    except OSError as exc:  # read-only, permission denied, a file in the way: bad input, not a crash
+        from pipeline_steps.errors import UserError
+
+        raise UserError(f"{what} {final}: cannot write there ({exc.strerror}); choose a writable directory") from None
     for stale in final.parent.glob(f".tmp-{final.name}.*"):  # left by a crashed run
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=final.parent))

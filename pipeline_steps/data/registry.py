@@ -43,13 +43,24 @@ BUILTIN: dict[str, DatasetSpec] = {
 }
 
 PREPROCESSORS = ("gsm8k", "dapo_math", "geometry3k", "aime", "jsonl")
+FIELD_TYPES = {  # registry field -> (check, what it must be)
+    "repo_id": (lambda v: isinstance(v, str), "a string (org/name)"),
+    "preprocessor": (lambda v: isinstance(v, str), "a string"),
+    "config": (lambda v: isinstance(v, str), "a string"),
+    "allow_patterns": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "a list of strings"),
+    "data_source": (lambda v: isinstance(v, str), "a string"),
+    "role": (lambda v: v in ("train", "eval"), "train or eval"),
+}
 
 
 def _load_user_registry(path: str | os.PathLike) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"dataset registry {p}: file not found; pass an existing YAML or JSON file")
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"dataset registry {p}: not UTF-8 text; save it as UTF-8 YAML or JSON") from None
     try:
         if p.suffix in (".yaml", ".yml"):
             import yaml
@@ -85,6 +96,11 @@ def load(registry_file: str | None = None) -> dict[str, DatasetSpec]:
                     f"dataset registry {path}: entry {name!r} preprocessor {entry['preprocessor']!r} unknown; choose "
                     f"one of {PREPROCESSORS}"
                 )
+            for key, want in FIELD_TYPES.items():  # a string where a list belongs would be split into characters
+                if key in entry and entry[key] is not None and not want[0](entry[key]):
+                    raise UserError(
+                        f"dataset registry {path}: entry {name!r} {key}={entry[key]!r} must be {want[1]}; fix its type"
+                    )
             entry = dict(entry, allow_patterns=tuple(entry.get("allow_patterns") or ()))
             specs[name] = DatasetSpec(name=name, **entry)
     return specs

@@ -84,7 +84,7 @@ def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
     if (dest / ".complete").exists():
         return 0
     n = 0
-    with atomic.atomic_dir(dest, owner="download") as tmp:
+    with atomic.atomic_dir(dest, owner="download", what="--dest") as tmp:
         for src in sorted(snapshot.rglob("*")):
             rel = src.relative_to(snapshot).as_posix()
             if src.is_dir() or (allow_patterns and not any(fnmatch.fnmatch(rel, pat) for pat in allow_patterns)):
@@ -102,6 +102,8 @@ def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
 
 
 def run(args):
+    if not str(args.revision).strip():
+        raise UserError("--revision '': empty; pass a branch, tag or 40-hex commit (default main)")
     if Path(args.dest).exists() and not Path(args.dest).is_dir():
         raise UserError(f"--dest {args.dest}: exists and is not a directory; pass a directory for the snapshots")
     spec = registry.get(args.dataset, args.registry)

@@ -93,6 +93,16 @@ def _parquet_batches(path: str, required: tuple[str, ...], where: str):
     yield from pf.iter_batches(batch_size=BATCH_ROWS)
 
 
+def _columns(path) -> str:
+    """``name: type`` of a parquet file's columns (for an error message)."""
+    try:
+        import pyarrow.parquet as pq
+
+        return ", ".join(f"{f.name}: {f.type}" for f in pq.read_schema(path))
+    except Exception:
+        return "schema unreadable"
+
+
 def _converted_batches(module, files, split, out_split, data_source, rejects, where):
     """Yield (rows_in, pa.Table of verl rows) per batch; rejected rows go to ``rejects``."""
     import pyarrow as pa
@@ -107,18 +117,25 @@ def _converted_batches(module, files, split, out_split, data_source, rejects, wh
                 for b in _parquet_batches(path, module.REQUIRED_COLUMNS, where)
             )
         for batch in source:
-            if hasattr(module, "convert_batch"):
-                table, bad = module.convert_batch(batch, out_split, start, data_source)
-                n_in = batch.num_rows
-                rejects.extend((out_split, r, reason) for r, reason in bad)
-            else:
-                rows, n_in = [], len(batch)
-                for i, row in enumerate(batch):
-                    try:
-                        rows.append(module.convert_row(row, out_split, start + i, data_source))
-                    except Reject as r:
-                        rejects.append((out_split, row, str(r)))
-                table = pa.Table.from_pylist(rows) if rows else None
+            try:
+                if hasattr(module, "convert_batch"):
+                    table, bad = module.convert_batch(batch, out_split, start, data_source)
+                    n_in = batch.num_rows
+                    rejects.extend((out_split, r, reason) for r, reason in bad)
+                else:
+                    rows, n_in = [], len(batch)
+                    for i, row in enumerate(batch):
+                        try:
+                            rows.append(module.convert_row(row, out_split, start + i, data_source))
+                        except Reject as r:
+                            rejects.append((out_split, row, str(r)))
+                    table = pa.Table.from_pylist(rows) if rows else None
+            except (AttributeError, TypeError, KeyError, ValueError, pa.ArrowException) as exc:
+                raise UserError(
+                    f"{where}: {Path(path).name} does not have the columns the {module.__name__.rsplit('.', 1)[-1]} "
+                    f"preprocessor reads ({_columns(path)}; {exc.__class__.__name__}: {exc}); is this the right "
+                    "--dataset?"
+                ) from None
             start += n_in
             yield n_in, table
 
