@@ -8,7 +8,7 @@ export PIPELINE_HOME ?= $(CURDIR)/.demo
 export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 
-.PHONY: venv demo test test-fast lint bench lock clean
+.PHONY: venv demo airflow test test-fast lint bench lock clean
 
 venv: $(VENV)/.installed
 
@@ -22,6 +22,10 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 
 demo: venv
 	$(BIN)/python -m scripts.demo
+
+# Airflow with its UI on the local profile (prints the URL; no login, local use only). Ctrl-C stops it.
+airflow: venv
+	$(BIN)/python -m scripts.airflow_local
 
 lint: venv
 	$(BIN)/ruff check .

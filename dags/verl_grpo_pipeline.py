@@ -143,7 +143,7 @@ PARAMS = {
         maximum=1,
         title="Learning rate",
         section="Hyperparameters",
-        description="The main GRPO knobs; empty = the preset's. " + _default("learning_rate"),
+        description="The main GRPO knobs. " + _default("learning_rate"),
     ),
     "rollout_n": Param(
         None,
@@ -193,7 +193,7 @@ PARAMS = {
         maximum=64,
         title="Nodes",
         section="Cluster",
-        description="Where training runs; empty = the preset's. " + _default("nnodes"),
+        description="Where training runs. " + _default("nnodes"),
     ),
     "gpus_per_node": Param(
         None,

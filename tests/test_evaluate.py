@@ -194,11 +194,13 @@ def test_bad_input_is_one_clear_line_and_no_output(tiny_model, tmp_path, capsys,
 
 
 def test_missing_inputs(tmp_path, capsys, aime):
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
     code, s, _ = run_cli(
-        ["evaluate", "--model", tmp_path, "--data", aime, "--output", tmp_path / "o", "--k", 1], capsys
+        ["evaluate", "--model", not_a_model, "--data", aime, "--output", tmp_path / "o", "--k", 1], capsys
     )
     assert code == 2 and "neither a Hugging Face model directory" in s["error"]
     code, s, _ = run_cli(
-        ["evaluate", "--model", tmp_path, "--data", tmp_path / "nope.parquet", "--output", tmp_path / "o"], capsys
+        ["evaluate", "--model", not_a_model, "--data", tmp_path / "nope.parquet", "--output", tmp_path / "o"], capsys
     )
     assert code == 2 and "file not found" in s["error"]

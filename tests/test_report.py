@@ -294,7 +294,7 @@ def test_base_embedded_in_results_is_used_when_base_file_is_missing(full_run, tm
     "kw,needle",
     [
         ({"run_dir": "/definitely/not/here"}, "--run-dir"),
-        ({"run_dir": "oss://bucket-x/runs/r1"}, "local run directory"),
+        ({"run_dir": "oss://bucket-x/runs/r1"}, "needs a local path or file:// URI"),
         ({"dashboard_url": "javascript:alert(1)"}, "--dashboard-url"),
         ({"exported_uri": "file:///x\nInjected: yes"}, "--exported-uri"),
     ],

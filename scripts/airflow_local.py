@@ -1,0 +1,94 @@
+"""`make airflow`: Airflow on the local profile, UI and all, for clicking through the trigger form.
+
+The same embedded default as `make demo` (offline Hugging Face cache from the shipped fixtures, the local file://
+store, the tiny model, the `gpu` pool, a local Ray cluster on free ports), then `airflow standalone` with the UI on a
+free port it prints. Local use only: every UI user is an admin without a login
+(``AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS``). Ctrl-C stops Airflow and the Ray cluster it started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from scripts.demo import ROOT, _free_port, prepare, ray_temp_dir
+
+
+def standalone_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
+    env = prepare(home, airflow_home)
+    env.update(
+        {
+            "AIRFLOW__API__PORT": str(port),
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",  # local only: no login
+            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        }
+    )
+    return env
+
+
+def start(home: Path, airflow_home: Path, port: int, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """Start `airflow standalone`; return the process and the UI URL once the UI answers."""
+    env = standalone_env(home, airflow_home, port)
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    log = open(log_path, "w")
+    proc = subprocess.Popen(
+        [airflow, "standalone"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"airflow standalone exited {proc.returncode}; see {log_path}")
+        try:
+            urllib.request.urlopen(f"{url}/api/v2/monitor/health", timeout=2)
+            return proc, url
+        except OSError:
+            time.sleep(2)
+    stop(proc, home)
+    raise RuntimeError(f"the Airflow UI did not answer at {url} within 5 minutes; see {log_path}")
+
+
+def stop(proc: subprocess.Popen, home: Path) -> None:
+    from pipeline_steps.local import ray_cluster
+
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ray_cluster.shutdown_cluster(ray_temp_dir(home))
+
+
+def main() -> int:
+    home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
+    airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
+    port = int(os.environ.get("AIRFLOW_PORT") or _free_port())
+    log_path = home / "standalone.log"
+    home.mkdir(parents=True, exist_ok=True)
+    print(f"starting Airflow on the local profile (AIRFLOW_HOME={airflow_home}, log {log_path}) ...", flush=True)
+    proc, url = start(home, airflow_home, port, log_path)
+    print(
+        f"\nAirflow UI: {url}  (no login: local use only)\n"
+        f"DAGs: verl_grpo_pipeline (Trigger opens the form), verl_evaluate_model\n"
+        f"store: {home / 'store'}\nCtrl-C stops Airflow and the local Ray cluster.\n",
+        flush=True,
+    )
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        print("stopping ...", flush=True)
+    finally:
+        stop(proc, home)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

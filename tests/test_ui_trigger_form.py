@@ -1,0 +1,154 @@
+"""The trigger form, in a real browser, the way a user starts a run from the UI.
+
+Real parts: `make airflow`'s code path (scripts/airflow_local.py: the local profile and `airflow standalone`),
+Airflow's own React UI, Debian's Chromium driven by Playwright for Python, the whole DAG on the local profile.
+Screenshots land in ``$UI_SCREENSHOTS`` (default: the test's temporary directory), named form-defaults.png,
+form-refused-*.png and run-finished.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+def _api(url: str, path: str) -> dict:
+    with urllib.request.urlopen(f"{url}/api/v2{path}", timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def ui(tmp_path_factory):
+    from scripts.airflow_local import start, stop
+    from scripts.demo import _free_port
+
+    chromium = shutil.which("chromium")
+    assert chromium, "Debian's chromium is not installed: apt-get install -y chromium (.ci/run does it)"
+    tmp = tmp_path_factory.mktemp("ui")
+    shots = Path(os.environ.get("UI_SCREENSHOTS") or tmp / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("VERL_PIPELINE_SCHEDULE")
+    os.environ["VERL_PIPELINE_SCHEDULE"] = "none"  # only the runs this test triggers
+    home = tmp / "pipeline"
+    try:
+        proc, url = start(home, tmp / "airflow-home", _free_port(), tmp / "standalone.log")
+    finally:
+        os.environ.pop("VERL_PIPELINE_SCHEDULE") if old is None else os.environ.update(VERL_PIPELINE_SCHEDULE=old)
+    from playwright.sync_api import sync_playwright
+
+    try:
+        deadline = time.time() + 300  # the DAG processor parses the DAG files
+        while time.time() < deadline:
+            try:
+                _api(url, "/dags/verl_grpo_pipeline")
+                break
+            except OSError:
+                time.sleep(3)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+            yield {"url": url, "browser": browser, "shots": shots, "home": home, "log": tmp / "standalone.log"}
+            browser.close()
+    finally:
+        stop(proc, home)
+
+
+def _open_form(ui):
+    page = ui["browser"].new_page(viewport={"width": 1400, "height": 1400})
+    page.goto(f"{ui['url']}/dags/verl_grpo_pipeline", wait_until="networkidle")
+    page.get_by_role("button", name="Trigger").first.click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Trigger Dag - verl_grpo_pipeline").wait_for()
+    return page, dialog
+
+
+def _section(page, dialog, name: str) -> None:
+    dialog.get_by_role("button", name=name).click()
+    page.wait_for_timeout(400)
+
+
+def test_the_form_opens_with_every_section_valid_and_trigger_enabled(ui):
+    page, dialog = _open_form(ui)
+    for name in ("Experiment", "Data", "Model", "Hyperparameters", "Cluster"):
+        assert dialog.get_by_role("button", name=name).is_visible()
+    assert dialog.get_by_role("button", name="Trigger").is_enabled()
+    _section(page, dialog, "Data")
+    assert "local_tiny: gsm8k" in dialog.inner_text()  # the preset's values show where they apply
+    page.screenshot(path=str(ui["shots"] / "form-defaults.png"), full_page=True)
+    page.close()
+
+
+@pytest.mark.parametrize(
+    "section,selector,value,param",
+    [
+        ("Hyperparameters", "[name=element_rollout_n]", "0", "rollout_n"),
+        ("Cluster", "#element_store_uri", "ftp://x", "store_uri"),
+        ("Hyperparameters", "#element_verl_overrides", "no equals sign", "verl_overrides"),
+    ],
+    ids=["rollout-n-0", "store-ftp", "override-without-equals"],
+)
+def test_bad_values_are_refused_with_their_message_visible(ui, section, selector, value, param):
+    before = _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"]
+    page, dialog = _open_form(ui)
+    _section(page, dialog, section)
+    dialog.locator(selector).fill(value)
+    dialog.get_by_role("button", name="Trigger").click()
+    alert = dialog.get_by_text(f"Invalid input for param {param}")
+    alert.wait_for(timeout=15000)
+    assert alert.is_visible()
+    page.screenshot(path=str(ui["shots"] / f"form-refused-{param}.png"), full_page=True)
+    page.close()
+    assert _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"] == before  # nothing was started
+
+
+def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
+    page, dialog = _open_form(ui)
+    _section(page, dialog, "Experiment")
+    dialog.get_by_text("Smoke run").click()
+    _section(page, dialog, "Hyperparameters")
+    dialog.locator("[name=element_rollout_n]").fill("2")
+    dialog.get_by_role("button", name="Trigger").click()
+    deadline = time.time() + 60
+    runs = []
+    while time.time() < deadline and not runs:
+        runs = _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]
+        time.sleep(1)
+    assert len(runs) == 1, runs
+    run = runs[0]
+    assert run["conf"]["smoke"] is True and run["conf"]["rollout_n"] == 2  # what the form sent
+    run_id = run["dag_run_id"]
+    deadline = time.time() + 1200
+    while time.time() < deadline:
+        run = _api(ui["url"], f"/dags/verl_grpo_pipeline/dagRuns/{urllib.request.quote(run_id, safe='')}")
+        if run["state"] in ("success", "failed"):
+            break
+        time.sleep(5)
+    page.goto(f"{ui['url']}/dags/verl_grpo_pipeline", wait_until="networkidle")
+    page.screenshot(path=str(ui["shots"] / "run-finished.png"), full_page=True)
+    page.close()
+    assert run["state"] == "success", Path(ui["log"]).read_text()[-4000:]
+    rid = urllib.request.quote(run_id, safe="")
+    xcom = _api(ui["url"], f"/dags/verl_grpo_pipeline/dagRuns/{rid}/taskInstances/report/xcomEntries/return_value")
+    value = xcom["value"] if isinstance(xcom["value"], dict) else json.loads(xcom["value"])
+    report = Path(value["report"]["report"])
+    assert report.is_file() and "## " in report.read_text()
+    train = _api(ui["url"], f"/dags/verl_grpo_pipeline/dagRuns/{rid}/taskInstances/train/xcomEntries/return_value")
+    trained = train["value"] if isinstance(train["value"], dict) else json.loads(train["value"])
+    assert trained["last_step"] == 1  # smoke: one step
