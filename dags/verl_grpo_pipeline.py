@@ -362,6 +362,8 @@ def verl_grpo_pipeline():
         step="report",
         trigger_rule=TriggerRule.ALL_DONE,
         request=report_args,
+        store_uri=planned["store"],  # an oss:// or gs:// run directory is read and written with the connection
+        store_conn_id=STORE_CONN_ID,
         **retrying(timedelta(minutes=20)),
     )
 

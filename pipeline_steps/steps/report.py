@@ -450,13 +450,52 @@ def validate_links(dashboard_url: str, exported_uri: str) -> None:
         )
 
 
+REMOTE_INPUTS = ("metrics.jsonl", "lineage.json", "train_summary.json", "eval/results.json", "eval/base_results.json")
+
+
 def run(args) -> dict:
-    run_dir = local_path(args.run_dir, "--run-dir")
+    """On a cloud store (``oss://``, ``gs://``) the run's few small inputs are fetched into a local copy, the report
+    is written next to it, and uploaded to ``<run dir>/report/`` as a version; locally it is written in place."""
+    if "://" in args.run_dir and not args.run_dir.startswith("file://"):
+        return _run_remote(args)
+    return _run_local(args)
+
+
+def _run_remote(args) -> dict:
+    import tempfile
+
+    from pipeline_steps.store import open_store
+
+    uri = args.run_dir.rstrip("/")
+    store = open_store(uri)
+    with tempfile.TemporaryDirectory(prefix="report-") as tmp:
+        local = Path(tmp) / "run"
+        local.mkdir()
+        for rel in REMOTE_INPUTS:  # absent inputs are reported as "not produced", as locally
+            data = store.read_bytes(f"{uri}/{rel}")
+            if data is not None:
+                (local / rel).parent.mkdir(parents=True, exist_ok=True)
+                (local / rel).write_bytes(data)
+        out = Path(tmp) / "report"
+        summary = _run_local(args, run_dir=local, out=out, shown_dir=uri)
+        upload = store.upload_dir(str(out), f"{uri}/report")
+    report_uri = f"{uri}/report"
+    summary.update(
+        report=f"{report_uri}/report.md",
+        html=f"{report_uri}/report.html" if summary.get("html") else None,
+        plots=[f"{report_uri}/{Path(x).name}" for x in summary["plots"]],
+        uploaded=upload.get("uploaded"),
+    )
+    return summary
+
+
+def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None) -> dict:
+    run_dir = run_dir or local_path(args.run_dir, "--run-dir")
     if not run_dir.is_dir():
         raise UserError(
             f"--run-dir {args.run_dir}: not a directory; pass the run directory that holds metrics.jsonl and eval/"
         )
-    out = local_path(args.output, "--output") if args.output else run_dir / "report"
+    out = out or (local_path(args.output, "--output") if args.output else run_dir / "report")
     outputs.refuse_overlap(out, {"--run-dir": run_dir}, allow_inside=True)  # report/ inside the run dir is its place
     validate_links(args.dashboard_url, args.exported_uri)
     lin, _ = read_json(run_dir / "lineage.json")
@@ -464,7 +503,7 @@ def run(args) -> dict:
     title = "Run report" + (": " + " · ".join(title_bits) if title_bits else "")
     state: dict = {"inputs": {}, "plots": [], "metrics_steps": 0, "metrics_skipped_lines": 0}
     with atomic.atomic_dir(out, owner="report") as tmp:
-        sections = [f"# {cell(title)}", "", f"Run directory {code(run_dir, table=False)}.", ""]
+        sections = [f"# {cell(title)}", "", f"Run directory {code(shown_dir or run_dir, table=False)}.", ""]
         sections += metrics_section(run_dir, tmp, state)
         sections += eval_section(run_dir, state)
         sections += lineage_section(run_dir, state)
