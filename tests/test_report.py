@@ -337,3 +337,28 @@ def test_report_of_a_run_on_an_oss_store_reads_and_writes_the_store(oss_server, 
     assert uri.encode() in md and b"critic/score/mean" in md
     manifest = client.get_object(oss.GetObjectRequest(bucket="test-bucket", key=f"{prefix}/report/_manifest.json"))
     assert manifest.body.read()  # committed like every version in the store
+
+
+def test_a_cluster_shaped_metrics_file_shows_its_validation_curve(tmp_path):
+    """verl's naive reward manager makes ``acc`` the headline: ``val-core/<source>/acc/mean@N`` (reward under
+    ``val-aux``). Key names as verl's v1 trainer writes them (tests/test_trainer_parity.py checks the CPU trainer
+    writes the same)."""
+    from verl.utils.tracking import FileLogger
+
+    run = tmp_path / "run"
+    run.mkdir()
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(run / "metrics.jsonl")
+    try:
+        logger = FileLogger("p", "e")
+        for step in range(0, 11):
+            data = {"critic/score/mean": step / 10} if step else {}
+            if step % 5 == 0:
+                data.update({"val-core/math_dapo/acc/mean@8": step / 20, "val-aux/math_dapo/reward/mean@8": step / 10})
+            logger.log(data=data, step=step)
+        logger.finish()
+    finally:
+        os.environ.pop("VERL_FILE_LOGGER_PATH", None)
+    out = report.run(args(run))
+    md = Path(out["report"]).read_text()
+    assert "| val-core/math_dapo/acc/mean@8 | 0 | 0.5 | 0 | 0.5 | 3 |" in md
+    assert "reward.png" in [Path(p).name for p in out["plots"]]
