@@ -1,1 +1,1 @@
-"""evaluation"""
+"""Evaluation: avg@k / pass@k / maj@k, the promotion gate and pointer, the model card."""
