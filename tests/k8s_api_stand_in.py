@@ -95,6 +95,38 @@ def _match(labels: dict, selector: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
+def _schema(crd_file: str) -> dict:
+    import yaml
+
+    crd = yaml.load(Path(crd_file).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    return next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+
+
+def prune(value, schema: dict):
+    """Drop fields the structural schema does not declare, as an API server does for a CRD (in place).
+
+    Unknown fields are kept only under ``x-kubernetes-preserve-unknown-fields``; ``additionalProperties`` maps
+    prune each value; ``metadata`` of the object is the API server's own (name, labels, annotations, ...)."""
+    if isinstance(value, dict) and schema.get("type") == "object":
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return value
+        props = schema.get("properties")
+        if props is not None:
+            for key in list(value):
+                if key not in props:
+                    value.pop(key)
+                else:
+                    prune(value[key], props[key])
+        elif isinstance(schema.get("additionalProperties"), dict):
+            for key in value:
+                prune(value[key], schema["additionalProperties"])
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for item in value:
+            prune(item, schema["items"])
+    return value
+
+
+@functools.lru_cache(maxsize=4)
 def _validator(crd_file: str):
     """A JSON-schema validator for the CRD's v1 openAPIV3Schema (parsed once: the file is large)."""
     import jsonschema
@@ -125,6 +157,8 @@ class StandIn:
         self.dashboard_host: str | None = None  # set by start(): this server also answers /api/jobs/<id>/logs
         self.lock = threading.RLock()
         self._validator = _validator(str(crd_file)) if crd_file else None
+        self._schema = _schema(str(crd_file)) if crd_file else None
+        self.deletion_polls = 2  # a deleted object lingers (deletionTimestamp set) for this many reads
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -287,6 +321,10 @@ class StandIn:
             return 422, _status_body(422, "Invalid", "metadata.name: Required value"), "application/json"
         if body.get("apiVersion") != "ray.io/v1" or body.get("kind") != "RayJob":
             return 400, _status_body(400, "BadRequest", "body is not a ray.io/v1 RayJob"), "application/json"
+        body_ns = body["metadata"].get("namespace")
+        if body_ns and body_ns != ns:  # the API server refuses a body for another namespace than the URL's
+            msg = "the namespace of the provided object does not match the namespace sent on the request"
+            return 400, _status_body(400, "BadRequest", msg, name), "application/json"
         if self._validator is not None:
             errors = sorted(self._validator.iter_errors(body), key=lambda e: list(e.path))
             if errors:
@@ -305,6 +343,10 @@ class StandIn:
             )
         obj = copy.deepcopy(body)
         obj.pop("status", None)  # status is a subresource: a create never sets it
+        if self._schema is not None:
+            meta = obj.get("metadata")
+            prune(obj, self._schema)  # structural schema: unknown fields are dropped, not stored
+            obj["metadata"] = meta
         meta = obj["metadata"]
         meta.update(
             namespace=ns,
@@ -361,6 +403,11 @@ class StandIn:
 
     def _get(self, ns: str, name: str):
         obj = self.objects.get((ns, name))
+        if obj is not None and obj["metadata"].get("deletionTimestamp"):
+            obj["_linger"] -= 1  # being deleted: its finalizers (the RayCluster) take a little while
+            if obj["_linger"] < 0:
+                self.objects.pop((ns, name), None)
+                obj = None
         if obj is None:
             return 404, _status_body(404, "NotFound", f'rayjobs.ray.io "{name}" not found', name), "application/json"
         self._advance(ns, obj)
@@ -382,7 +429,12 @@ class StandIn:
         )
 
     def _delete(self, ns: str, name: str):
-        obj = self.objects.pop((ns, name), None)
+        obj = self.objects.get((ns, name))
+        if obj is not None and self.deletion_polls > 0:  # lingers with a deletion timestamp, then is gone
+            obj["metadata"].setdefault("deletionTimestamp", _now())
+            obj.setdefault("_linger", self.deletion_polls)
+        else:
+            self.objects.pop((ns, name), None)
         if obj is None:
             return 404, _status_body(404, "NotFound", f'rayjobs.ray.io "{name}" not found', name), "application/json"
         self.deletes.append(name)

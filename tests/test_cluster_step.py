@@ -500,8 +500,8 @@ def test_kuberay_step_bad_input_fails_with_kuberay_reason_and_step_error_without
         name,
         [
             {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
-            {
-                "jobDeploymentStatus": "Complete",
+            {  # KubeRay v1.7.0 ends a failed application Failed with reason AppFailed
+                "jobDeploymentStatus": "Failed",
                 "jobStatus": "FAILED",
                 "reason": "AppFailed",
                 "message": "Job entrypoint command failed with exit code 2",
@@ -542,7 +542,7 @@ def test_kuberay_step_bad_input_fails_with_kuberay_reason_and_step_error_without
     with pytest.raises(AirflowFailException) as exc:
         op.execute_complete(context(), event)
     message = str(exc.value)
-    assert message.startswith(f"RayJob {name} failed: jobDeploymentStatus=Complete, jobStatus=FAILED, reason=AppFailed")
+    assert message.startswith(f"RayJob {name} failed: jobDeploymentStatus=Failed, jobStatus=FAILED, reason=AppFailed")
     assert (
         "step export: --lineage" in message
         and "file not found" in message

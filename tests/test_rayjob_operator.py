@@ -146,14 +146,14 @@ def test_success_reports_progress_and_returns_xcom(api, tmp_path, capsys):
 @pytest.mark.parametrize(
     "final, expect",
     [
-        (
+        (  # KubeRay v1.7.0 (rayjob_controller.go): a failed application ends Failed with reason AppFailed
             {
-                "jobDeploymentStatus": "Complete",
+                "jobDeploymentStatus": "Failed",
                 "jobStatus": "FAILED",
                 "reason": "AppFailed",
                 "message": "Job entrypoint command failed with exit code 1",
             },
-            ["jobStatus=FAILED", "exit code 1"],
+            ["jobDeploymentStatus=Failed", "jobStatus=FAILED", "reason=AppFailed", "exit code 1"],
         ),
         (
             {"jobDeploymentStatus": "Complete", "jobStatus": "STOPPED", "message": "Job was stopped"},
@@ -256,7 +256,8 @@ def test_killed_task_deletes_rayjob(api, tmp_path):
     defer(op)
     assert ("training", "grpo-kill") in api.objects
     op.on_kill()
-    assert api.deletes == ["grpo-kill"] and ("training", "grpo-kill") not in api.objects
+    assert api.deletes == ["grpo-kill"]
+    assert api.objects[("training", "grpo-kill")]["metadata"].get("deletionTimestamp")  # being deleted
 
 
 def test_killed_deferred_task_trigger_deletes_rayjob_and_waiter_reports_it(api, tmp_path):
@@ -308,3 +309,55 @@ def test_invalid_body_is_rejected_by_schema(api, tmp_path):
         op.execute({})
     assert exc.value.status == 422 and "activeDeadlineSeconds" in exc.value.body
     assert api.count_creates() == 0
+
+
+@pytest.mark.parametrize(
+    "middle",
+    [
+        [{"jobDeploymentStatus": "Suspending"}, {"jobDeploymentStatus": "Suspended"}, {"jobDeploymentStatus": "New"}],
+        [
+            {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed", "failed": 1},
+            {"jobDeploymentStatus": "Retrying", "jobStatus": "FAILED"},
+            {"jobDeploymentStatus": "Initializing"},
+        ][1:],  # backoffLimit > 0: KubeRay retries with a new cluster; only Retrying is seen between polls
+    ],
+    ids=["suspended-by-kueue", "retrying-backoff"],
+)
+def test_suspended_and_retrying_are_waited_out_not_failures(api, tmp_path, middle):
+    api.script(
+        "grpo-wait",
+        [
+            {"jobDeploymentStatus": "Initializing"},
+            *middle,
+            {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"},
+            {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED"},
+        ],
+    )
+    op = make_op("grpo-wait", tmp_path)
+    event = run_trigger(defer(op))
+    assert event["status"] == "success", event
+
+
+def test_the_api_server_prunes_unknown_fields_and_refuses_a_foreign_namespace(api, tmp_path):
+    from operators.hooks.rayjob import RayJobHook
+
+    hook = RayJobHook(conn_id=CONN)
+    body = rayjob_body("grpo-prune", "/mnt/ckpt/run1")
+    body["spec"]["notAKubeRayField"] = {"x": 1}
+    created = hook.create_rayjob(body, NS)
+    assert "notAKubeRayField" not in created["spec"]  # a structural schema drops what it does not declare
+    assert created["spec"]["entrypoint"] == body["spec"]["entrypoint"]
+    other = rayjob_body("grpo-ns", "/mnt/ckpt/run1")
+    other["metadata"]["namespace"] = "somewhere-else"
+    from kubernetes.client.exceptions import ApiException
+
+    with pytest.raises(ApiException) as exc:
+        hook.create_rayjob(other, NS)
+    assert exc.value.status == 400
+    assert hook.delete_rayjob("grpo-prune", NS)
+    lingering = hook.get_rayjob("grpo-prune", NS)  # deletion takes a moment: a deletion timestamp, then gone
+    assert lingering is not None and lingering["metadata"].get("deletionTimestamp")
+    for _ in range(5):
+        if hook.get_rayjob("grpo-prune", NS) is None:
+            break
+    assert hook.get_rayjob("grpo-prune", NS) is None
