@@ -60,7 +60,9 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
     airflow = str(Path(sys.executable).with_name("airflow"))
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
     subprocess.run(
-        [airflow, "pools", "set", "gpu", "8", "GPUs on the training cluster"],
+        # --include-deferred: a deferred train task keeps holding its slots while its job runs (Airflow's default
+        # frees them, and a second run's train would start on the same GPUs)
+        [airflow, "pools", "set", "gpu", "8", "GPUs on the training cluster", "--include-deferred"],
         env=env,
         check=True,
         stdout=subprocess.DEVNULL,

@@ -123,7 +123,9 @@ def _when(ts: str) -> datetime:
 
 def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow_pg):
     url = airflow_pg["url"]
-    assert _api(url, "/pools/gpu")["slots"] == 8
+    pool = _api(url, "/pools/gpu")
+    # a deferred train waits for its job without a worker slot; without include_deferred it would free the pool
+    assert pool["slots"] == 8 and pool["include_deferred"] is True
     _api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
     runs = [
         _api(
