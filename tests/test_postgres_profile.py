@@ -7,7 +7,10 @@ airflow`'s code path, the whole DAG on the local profile, Airflow's REST API. Wh
 * two manual runs at once, a ``gpu`` pool of 8 slots and 8 slots per training task: the second run's ``train`` waits
   until the first run's ``train`` has released the pool (their start and end times do not overlap);
 * both runs export the same experiment: the store's latest-model pointer ends consistent (contiguous promotion
-  records, none torn, the mirror equal to the newest record).
+  records, none torn, the mirror equal to the newest record);
+* a backfill over three dates with ``max_active_runs`` 2 runs to the end;
+* every Airflow process (scheduler, triggerer, the LocalExecutor's task processes) killed while ``train`` is
+  deferred, then Airflow started again: the run completes with exactly one training job submitted.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 import urllib.request
@@ -92,29 +96,51 @@ def airflow_pg(postgres, tmp_path_factory):
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": postgres,
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "4",
-        "VERL_PIPELINE_SCHEDULE": "none",
+        # weekly, ending on the backfill's last date: no scheduled run competes with the runs the tests make
+        "VERL_PIPELINE_SCHEDULE": "@weekly",
+        "VERL_PIPELINE_END_DATE": DATES[-1],
         "VERL_PIPELINE_MAX_ACTIVE_RUNS": "2",
         "VERL_PIPELINE_GPU_SLOTS": "8",
     }
-    old = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
     home = tmp / "pipeline"
-    try:
-        proc, url = start(home, tmp / "airflow-home", _free_port(), tmp / "standalone.log")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.update({k: v})
-    try:
+    state = {"home": home, "log": tmp / "standalone.log"}
+
+    def up():
+        old = {k: os.environ.get(k) for k in settings}
+        os.environ.update(settings)
+        try:
+            state["proc"], state["url"] = start(home, tmp / "airflow-home", _free_port(), state["log"])
+        finally:
+            for k, v in old.items():
+                os.environ.pop(k) if v is None else os.environ.update({k: v})
         deadline = time.time() + 300
         while time.time() < deadline:
             try:
-                _api(url, "/dags/verl_grpo_pipeline")
-                break
+                _api(state["url"], "/dags/verl_grpo_pipeline")
+                return
             except OSError:
                 time.sleep(3)
-        yield {"url": url, "home": home, "log": tmp / "standalone.log"}
+
+    state["up"] = up
+    up()
+    try:
+        yield state
     finally:
-        stop(proc, home)
+        stop(state["proc"], home)
+
+
+DATES = ["2026-10-04", "2026-10-11", "2026-10-18"]
+
+
+def _wait_runs(url: str, runs: list[str], timeout: float = 1800) -> dict:
+    deadline = time.time() + timeout
+    states = {}
+    while time.time() < deadline:
+        states = {r: _api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}")["state"] for r in runs}
+        if all(s in ("success", "failed") for s in states.values()):
+            break
+        time.sleep(10)
+    return states
 
 
 def _when(ts: str) -> datetime:
@@ -160,3 +186,72 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
     assert names == [f"{n:08d}.json" for n in range(1, seq + 1)]
     if latest is not None:
         assert json.loads(store.read_bytes(f"{exp_uri}/latest.json")) == latest
+
+
+def test_a_backfill_over_three_dates_with_two_active_runs_completes(airflow_pg):
+    url = airflow_pg["url"]
+    _api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
+    backfill = _api(
+        url,
+        "/backfills",
+        "POST",
+        {
+            "dag_id": "verl_grpo_pipeline",
+            "from_date": f"{DATES[0]}T00:00:00Z",
+            "to_date": f"{DATES[-1]}T00:00:00Z",
+            "max_active_runs": 2,
+            "dag_run_conf": {"smoke": True},
+            "reprocess_behavior": "none",
+        },
+    )
+    assert backfill["max_active_runs"] == 2
+    deadline = time.time() + 120
+    runs = []
+    while time.time() < deadline and len(runs) < 3:
+        runs = [
+            r["dag_run_id"]
+            for r in _api(url, "/dags/verl_grpo_pipeline/dagRuns?limit=100")["dag_runs"]
+            if (r["logical_date"] or "")[:10] in DATES
+        ]
+        time.sleep(3)
+    assert len(runs) == 3, runs
+    states = _wait_runs(url, runs)
+    assert set(states.values()) == {"success"}, (states, Path(airflow_pg["log"]).read_text()[-4000:])
+
+
+def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_pg):
+    from pipeline_steps.local import ray_cluster
+
+    url = airflow_pg["url"]
+    _api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
+    run = _api(
+        url,
+        "/dags/verl_grpo_pipeline/dagRuns",
+        "POST",
+        {"dag_run_id": "pg_kill", "logical_date": None, "conf": {"smoke": True}},
+    )["dag_run_id"]
+    deadline = time.time() + 900
+    state = None
+    while time.time() < deadline:
+        try:
+            state = _api(url, f"/dags/verl_grpo_pipeline/dagRuns/{run}/taskInstances/train")["state"]
+        except OSError:
+            state = None
+        if state in ("deferred", "success", "failed"):
+            break
+        time.sleep(2)
+    assert state == "deferred", state
+    proc = airflow_pg["proc"]
+    os.killpg(proc.pid, signal.SIGKILL)  # scheduler, triggerer, API server and the task's processes, no goodbye
+    proc.wait(30)
+    airflow_pg["up"]()  # the same database; Airflow notices the dead task and the triggerer resumes waiting
+    states = _wait_runs(airflow_pg["url"], [run])
+    assert states[run] == "success", Path(airflow_pg["log"]).read_text()[-4000:]
+    from scripts.demo import ray_temp_dir
+
+    address = json.loads((ray_temp_dir(airflow_pg["home"]) / ray_cluster.STATE_FILE).read_text())["address"]
+    jobs = [j for j in ray_cluster._client(address).list_jobs() if "-train-" in (j.submission_id or "")]
+    from operators.backends import submission_base
+
+    base = submission_base("verl_grpo_pipeline", run, "train")
+    assert [j.submission_id for j in jobs if j.submission_id.startswith(base)] == [f"{base}-a0"]  # exactly one job

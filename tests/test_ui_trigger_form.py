@@ -30,6 +30,9 @@ CHROMIUM_ARGS = [
 ]
 
 
+BACKFILL = ["2026-10-04", "2026-10-11"]
+
+
 def _api(url: str, path: str) -> dict:
     with urllib.request.urlopen(f"{url}/api/v2{path}", timeout=30) as r:
         return json.loads(r.read())
@@ -45,13 +48,16 @@ def ui(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ui")
     shots = Path(os.environ.get("UI_SCREENSHOTS") or tmp / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
-    old = os.environ.get("VERL_PIPELINE_SCHEDULE")
-    os.environ["VERL_PIPELINE_SCHEDULE"] = "none"  # only the runs this test triggers
+    # weekly, ending on the backfill's last date: a backfill has dates to run, no later scheduled run competes
+    settings = {"VERL_PIPELINE_SCHEDULE": "@weekly", "VERL_PIPELINE_END_DATE": BACKFILL[-1]}
+    old = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     home = tmp / "pipeline"
     try:
         proc, url = start(home, tmp / "airflow-home", _free_port(), tmp / "standalone.log")
     finally:
-        os.environ.pop("VERL_PIPELINE_SCHEDULE") if old is None else os.environ.update(VERL_PIPELINE_SCHEDULE=old)
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
     from playwright.sync_api import sync_playwright
 
     try:
@@ -138,7 +144,9 @@ def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
     runs = []
     while time.time() < deadline and not runs:
         runs = [
-            r for r in _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"] if r["dag_run_id"] not in known
+            r
+            for r in _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]
+            if r["dag_run_id"] not in known and r["run_type"] == "manual"
         ]
         time.sleep(1)
     assert len(runs) == 1, runs
@@ -163,3 +171,42 @@ def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
     train = _api(ui["url"], f"/dags/verl_grpo_pipeline/dagRuns/{rid}/taskInstances/train/xcomEntries/return_value")
     trained = train["value"] if isinstance(train["value"], dict) else json.loads(train["value"])
     assert trained["last_step"] == 1  # smoke: one step
+
+
+def _wait(ui, runs: list[str], timeout: float = 1500) -> dict:
+    deadline, states = time.time() + timeout, {}
+    while time.time() < deadline:
+        states = {
+            r: _api(ui["url"], f"/dags/verl_grpo_pipeline/dagRuns/{urllib.request.quote(r, safe='')}")["state"]
+            for r in runs
+        }
+        if all(v in ("success", "failed") for v in states.values()):
+            break
+        time.sleep(5)
+    return states
+
+
+def test_a_backfill_over_two_dates_created_from_the_form_runs_to_the_end(ui):
+    page, dialog = _open_form(ui)
+    dialog.get_by_text("Backfill").first.click()
+    page.get_by_text("Run Backfill - verl_grpo_pipeline").wait_for()
+    dialog.get_by_label("From").fill(f"{BACKFILL[0]}T00:00")
+    dialog.get_by_label("To").fill(f"{BACKFILL[-1]}T00:00")
+    _section(page, dialog, "Experiment")
+    dialog.get_by_text("Smoke run").click()
+    page.screenshot(path=str(ui["shots"] / "backfill-form.png"), full_page=True)
+    dialog.get_by_role("button", name="Run Backfill").click()
+    deadline, runs = time.time() + 120, []
+    while time.time() < deadline and len(runs) < len(BACKFILL):
+        runs = [
+            r["dag_run_id"]
+            for r in _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns?limit=100")["dag_runs"]
+            if (r["logical_date"] or "")[:10] in BACKFILL
+        ]
+        time.sleep(2)
+    page.close()
+    assert len(runs) == len(BACKFILL), runs
+    backfills = _api(ui["url"], "/backfills?dag_id=verl_grpo_pipeline")["backfills"]
+    assert backfills and backfills[-1]["dag_run_conf"].get("smoke") is True  # what the form sent
+    states = _wait(ui, runs)
+    assert set(states.values()) == {"success"}, (states, Path(ui["log"]).read_text()[-4000:])
