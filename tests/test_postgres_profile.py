@@ -147,6 +147,7 @@ def _when(ts: str) -> datetime:
     return datetime.fromisoformat(ts.replace("Z", "+00:00"))
 
 
+@pytest.mark.stress  # make test-stress: passed twice here, failed once in CI under full load (see the README)
 def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow_pg):
     url = airflow_pg["url"]
     pool = _api(url, "/pools/gpu")

@@ -36,6 +36,7 @@ def airflow(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("airflow-e2e")
     port = free_port()
+    saved = dict(os.environ)  # restored at the end: these settings must not leak into later test modules
     os.environ.update(
         {
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
@@ -81,6 +82,8 @@ def airflow(tmp_path_factory):
         from pipeline_steps.local import ray_cluster as local_ray
 
         local_ray.shutdown_cluster(os.environ["PIPELINE_RAY_TEMP_DIR"])
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def cli_json(stdout: str) -> list:
