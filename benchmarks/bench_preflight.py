@@ -6,7 +6,7 @@ Cold (a fresh process, as the train task runs it):
 Warm (in one process, verl already imported): pre-flight of every preset.
 Target: cold pre-flight under 15 s on this machine, so a bad config fails before a cluster is requested.
 
-    PYTHONPATH=. .venv/bin/python -m benchmarks.bench_preflight [--repeat N]
+    .venv/bin/python -m benchmarks.bench_preflight [--repeat N]   (or: make bench BENCH=preflight)
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ TARGET_S = 15.0
 
 
 def _timed(cmd: list[str]) -> float:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     dt = time.perf_counter() - t0
     if p.returncode != 0:
         raise SystemExit(f"benchmark command failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-2000:]}")
@@ -68,7 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         f"{'met' if p < TARGET_S else 'MISSED'}"
     )
 
-    sys.path.insert(0, str(ROOT))
     import verl  # noqa: F401  (warm: the import is paid once per worker process)
 
     from pipeline_steps.training import experiment, preflight

@@ -16,7 +16,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 UNIQUE = int(os.environ.get("BENCH_DAPO_UNIQUE", "17917"))
 REPEAT = int(os.environ.get("BENCH_DAPO_REPEAT", "100"))
 TEMPLATE = (
@@ -76,7 +75,6 @@ def run_child(argv: list[str]) -> tuple[float, float]:
         [sys.executable, "-c", wrapper, *argv],
         capture_output=True,
         text=True,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
     rc, wall, rss = out.stdout.strip().splitlines()[-1].split()
     if rc != "0":

@@ -6,7 +6,7 @@ preset's shapes (2 prompts x rollout.n 4, 16 response tokens).
 Baseline: the same step with the verl-core-algos part removed, i.e. generation and
 scoring only. Both run in this process on the same trainer, after one warm-up step.
 
-Run: ``cd /work/main && PYTHONPATH=. .venv/bin/python benchmarks/bench_train_step.py [--steps 5]``
+Run: ``make bench BENCH=train_step`` (or ``.venv/bin/python -m benchmarks.bench_train_step --steps 5``)
 """
 
 from __future__ import annotations
@@ -14,13 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def _parquet(path: Path, n: int = 16) -> Path:

@@ -1,6 +1,6 @@
 """Upload one large file through each store backend and the naive way, side by side.
 
-    make bench BENCH=upload               # or: PYTHONPATH=. .venv/bin/python benchmarks/bench_upload.py
+    make bench BENCH=upload               # or: .venv/bin/python -m benchmarks.bench_upload
     BENCH_UPLOAD_MB=256 BENCH_BACKENDS=gs,oss/weed make bench BENCH=upload    # smaller, fewer rows
 
 Servers are the test ones, started here and stopped at the end: the OSS-dialect layer
@@ -38,7 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _child(case: str, backend: str, src: str, uri: str) -> None:
-    sys.path.insert(0, str(ROOT))
     t0 = time.perf_counter()
     sent = None
     if case == "naive":
@@ -89,9 +88,9 @@ def _child(case: str, backend: str, src: str, uri: str) -> None:
 
 def _run(case: str, backend: str, src: Path, uri: str, env: dict) -> dict:
     r = subprocess.run(
-        [sys.executable, __file__, "--child", case, backend, str(src), uri],
+        [sys.executable, "-m", "benchmarks.bench_upload", "--child", case, backend, str(src), uri],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        env={**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=3600,
@@ -104,12 +103,10 @@ def _run(case: str, backend: str, src: Path, uri: str, env: dict) -> dict:
 def main() -> None:
     size_mb = int(os.environ.get("BENCH_UPLOAD_MB", "1024"))
     only = set(filter(None, os.environ.get("BENCH_BACKENDS", "").split(",")))  # e.g. BENCH_BACKENDS=gs,oss/weed
-    sys.path.insert(0, str(ROOT))
     from pipeline_steps.store.oss import _tuning
 
     oss_part, parallel = _tuning(16)
     gcs_part = _tuning(100)[0]
-    sys.path.insert(0, str(ROOT / "tests"))
     from tests.storage_servers import GcsServer, OssServer, SeaweedServer
 
     with tempfile.TemporaryDirectory(prefix="bench-upload-") as tmp:
