@@ -133,10 +133,7 @@ class KubeRayJobs:
             submission_mode=mode,
             kubernetes_conn_id=self.op.kubernetes_conn_id,
             cluster_context=self.op.cluster_context,
-            poll_interval=self.op.poll_interval,
-            metrics_uri=self.op.metrics_uri,
-            metrics_reader=self.op.metrics_reader,
-            log_tail_lines=self.op.log_tail_lines,
+            **poll_settings(self.op),
         )
 
     def _create(self, body: dict, namespace: str) -> dict:
@@ -226,10 +223,7 @@ class LocalRayJobs:
         return LocalRayJobTrigger(
             address=address,
             submission_id=sid,
-            poll_interval=self.op.poll_interval,
-            metrics_uri=self.op.metrics_uri,
-            metrics_reader=self.op.metrics_reader,
-            log_tail_lines=self.op.log_tail_lines,
+            **poll_settings(self.op),
         )
 
     def kill(self) -> None:
@@ -243,6 +237,16 @@ class LocalRayJobs:
             self.log.info("stopped Ray job %s", sid)
         except ray_cluster.JobNotFoundError:
             pass
+
+
+def poll_settings(op) -> dict:
+    """What every job trigger takes from its operator (see :class:`operators.triggers.base.JobPollTrigger`)."""
+    return {
+        "poll_interval": op.poll_interval,
+        "metrics_uri": op.metrics_uri,
+        "metrics_reader": op.metrics_reader,
+        "log_tail_lines": op.log_tail_lines,
+    }
 
 
 def push_job(context, name: str, dashboard_url: str | None) -> None:

@@ -82,3 +82,12 @@ def run_step(*args, env=None, check=None, cwd=ROOT):
     if check is not None:
         assert p.returncode == check, f"exit {p.returncode}, stderr:\n{p.stderr[-3000:]}"
     return p.returncode, summary, p.stderr
+
+
+def assert_refused(code: int, err: str, *needles: str) -> None:
+    """A step refused bad input as users should see it: exit 2, one stderr line naming it, no traceback."""
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], lines[0]

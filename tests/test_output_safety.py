@@ -13,19 +13,11 @@ import json
 import pytest
 
 from pipeline_steps.outputs import MARKER
-from tests.conftest import run_step
+from tests.conftest import assert_refused, run_step
 
 
 def _tree(root):
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-def _refused(code, err, *needles):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in lines[0], lines[0]
 
 
 @pytest.fixture
@@ -35,17 +27,17 @@ def snapshot(offline_hub, tmp_path):
     return tmp_path / "snaps", s
 
 
-def test_preprocess_into_the_folder_holding_its_input_is_refused(snapshot, tmp_path):
+def test_preprocess_into_the_folder_holding_its_input_isassert_refused(snapshot, tmp_path):
     snaps, s = snapshot
     (snaps / "gsm8k" / "notes.txt").write_text("unrelated")
     before = _tree(snaps)
     code, _, err = run_step("preprocess", "--dataset", "gsm8k", "--input", s["path"], "--output", snaps / "gsm8k")
-    _refused(code, err, "--output", "contains the input --input")
+    assert_refused(code, err, "--output", "contains the input --input")
     assert _tree(snaps) == before
     code, _, err = run_step("preprocess", "--dataset", "gsm8k", "--input", s["path"], "--output", s["path"])
-    _refused(code, err, "is the input --input")
+    assert_refused(code, err, "is the input --input")
     code, _, err = run_step("preprocess", "--dataset", "gsm8k", "--input", s["path"], "--output", f"{s['path']}/x")
-    _refused(code, err, "lies inside the input --input")
+    assert_refused(code, err, "lies inside the input --input")
     assert _tree(snaps) == before
 
 
@@ -55,7 +47,7 @@ def test_preprocess_refuses_an_unrelated_non_empty_directory_but_reruns_into_its
     other.mkdir()
     (other / "thesis.tex").write_text("years of work")
     code, _, err = run_step("preprocess", "--dataset", "gsm8k", "--input", s["path"], "--output", other)
-    _refused(code, err, "not a pipeline output", "new or empty directory")
+    assert_refused(code, err, "not a pipeline output", "new or empty directory")
     assert (other / "thesis.tex").read_text() == "years of work"
 
     out = tmp_path / "processed"
@@ -66,7 +58,7 @@ def test_preprocess_refuses_an_unrelated_non_empty_directory_but_reruns_into_its
         assert code == 0, err
     assert json.loads((out / MARKER).read_text()) == {"step": "preprocess"}
     code, _, err = run_step("build-tiny-model", "--output", out)  # another step's output is not its to replace
-    _refused(code, err, "an output of step 'preprocess'")
+    assert_refused(code, err, "an output of step 'preprocess'")
     assert (out / "train.parquet").is_file()
 
 
@@ -77,11 +69,11 @@ def test_report_cannot_replace_the_run_directory_or_its_checkpoints(tmp_path):
     (run / "metrics.jsonl").write_text('{"step": 1, "data": {"critic/score/mean": 0.5}}\n')
     before = _tree(run)
     code, _, err = run_step("report", "--run-dir", run, "--output", run)
-    _refused(code, err, "is the input --run-dir")
+    assert_refused(code, err, "is the input --run-dir")
     code, _, err = run_step("report", "--run-dir", run, "--output", tmp_path)
-    _refused(code, err, "contains the input --run-dir")
+    assert_refused(code, err, "contains the input --run-dir")
     code, _, err = run_step("report", "--run-dir", run, "--output", run / "checkpoints")
-    _refused(code, err, "not a pipeline output")
+    assert_refused(code, err, "not a pipeline output")
     assert _tree(run) == before
     code, _, err = run_step("report", "--run-dir", run)  # the default place, inside the run dir, still works
     assert code == 0, err
@@ -93,7 +85,7 @@ def test_build_tiny_model_keeps_an_existing_directory_that_is_not_its_own(tmp_pa
     target.mkdir()
     (target / "keep.bin").write_bytes(b"\0" * 10)
     code, _, err = run_step("build-tiny-model", "--output", target)
-    _refused(code, err, "not a pipeline output")
+    assert_refused(code, err, "not a pipeline output")
     assert (target / "keep.bin").is_file()
     out = tmp_path / "tiny"
     for _ in range(2):
@@ -101,11 +93,11 @@ def test_build_tiny_model_keeps_an_existing_directory_that_is_not_its_own(tmp_pa
         assert code == 0, err
     assert (out / "config.json").is_file()
     code, _, err = run_step("build-tiny-model", "--output", tmp_path / "x", "--corpus", tmp_path)
-    _refused(code, err, "lies inside the input --corpus")
+    assert_refused(code, err, "lies inside the input --corpus")
 
 
 def test_a_dest_that_is_a_file_is_one_line(tmp_path, offline_hub):
     f = tmp_path / "file"
     f.write_text("x")
     code, _, err = run_step("download", "--dataset", "gsm8k", "--revision", "main", "--dest", f)
-    _refused(code, err, "--dest", "not a directory")
+    assert_refused(code, err, "--dest", "not a directory")

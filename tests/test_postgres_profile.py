@@ -163,13 +163,7 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
         )["dag_run_id"]
         for i in (1, 2)
     ]
-    deadline = time.time() + 1800
-    states = {}
-    while time.time() < deadline:
-        states = {r: _api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}")["state"] for r in runs}
-        if all(s in ("success", "failed") for s in states.values()):
-            break
-        time.sleep(10)
+    states = _wait_runs(url, runs)
     assert set(states.values()) == {"success"}, (states, Path(airflow_pg["log"]).read_text()[-4000:])
     trains = [_api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}/taskInstances/train") for r in runs]
     assert all(t["pool"] == "gpu" and t["pool_slots"] == 8 for t in trains)
