@@ -14,7 +14,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import AssetAlias, Param, dag, task
 
-from operators.step import PipelineStepOperator
+from operators.cluster_step import PipelineStepJobOperator
 from pipeline_steps.training import plan as planning
 from pipeline_steps.uris import strip_file_scheme
 
@@ -106,9 +106,20 @@ def verl_evaluate_model():
             "--max-new-tokens",
             str(params["max_new_tokens"]),
         ]
-        return {"args": args, "carry": {"model": model, "data": data}}
+        return {"args": args, "carry": {"model": model, "data": data}, "store": store_root}
 
-    PipelineStepOperator(task_id="evaluate", step="evaluate", request=plan(), pool="gpu", pool_slots=1)
+    planned = plan()
+    PipelineStepJobOperator(  # in the worker; model and data on a cloud store are fetched into its local mirror
+        task_id="evaluate",
+        step="evaluate",
+        backend="local",
+        request=planned,
+        uri_args=("--model", "--data"),
+        store_uri="{{ ti.xcom_pull(task_ids='plan')['store'] }}",
+        store_conn_id=STORE_CONN_ID,
+        pool="gpu",
+        pool_slots=1,
+    )
 
 
 dag = verl_evaluate_model()

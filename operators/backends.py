@@ -243,8 +243,9 @@ def poll_settings(op) -> dict:
     """What every job trigger takes from its operator (see :class:`operators.triggers.base.JobPollTrigger`)."""
     return {
         "poll_interval": op.poll_interval,
-        "metrics_uri": op.metrics_uri,
+        "metrics_uri": getattr(op, "progress_uri", None) or op.metrics_uri,
         "metrics_reader": op.metrics_reader,
+        "store_conn_id": getattr(op, "store_conn_id", None),
         "log_tail_lines": op.log_tail_lines,
     }
 

@@ -1,7 +1,9 @@
 """``PipelineStepJobOperator``: a pipeline step in the worker (local backend) or as a KubeRay RayJob.
 
 * ``local``: exactly :class:`operators.step.PipelineStepOperator` (child process, same ``request``, XCom and
-  exit-code semantics).
+  exit-code semantics). On a cloud store the store URIs in ``uri_args`` are given to the step as their local
+  mirror (:mod:`pipeline_steps.store.mirror`: fetched first), the ``output_args`` among them are uploaded after it,
+  and mirror paths in its summary are turned back into store URIs.
 * ``kuberay``: the step runs in a RayJob rendered by :func:`pipeline_steps.training.rayjob.build_rayjob` whose
   entrypoint is ``python3 -m pipeline_steps.cluster_entry --summary-file P -- <step> <args>`` (every argv item
   shell-quoted by the renderer). Store URIs in the flags named by ``uri_args`` become paths on the pods'
@@ -47,24 +49,29 @@ def to_pod_arg(value: str, flag: str, mounts) -> str:
         return mounts.to_pod_path(value)
 
 
-def map_uri_args(args: Sequence[str], uri_flags: Sequence[str], mounts) -> list[str]:
-    """``args`` with each value of a flag in ``uri_flags`` (``--flag V [V ...]``, ``--flag=V``) as a pod path."""
-    flags = set(uri_flags)
+def map_flag_values(args: Sequence[str], flags: Sequence[str], convert) -> list[str]:
+    """``args`` with each value of a flag in ``flags`` (``--flag V [V ...]``, ``--flag=V``) as ``convert(V, flag)``."""
+    flags = set(flags)
     out, current = [], None
     for a in map(str, args):
         if a.startswith("--"):
             flag, eq, value = a.partition("=")
             if eq and flag in flags:
-                out.append(f"{flag}={to_pod_arg(value, flag, mounts)}")
+                out.append(f"{flag}={convert(value, flag)}")
                 current = None
             else:
                 out.append(a)
                 current = flag if flag in flags and not eq else None
         elif current:
-            out.append(to_pod_arg(a, current, mounts))  # nargs="+" flags: every value up to the next flag
+            out.append(convert(a, current))  # nargs="+" flags: every value up to the next flag
         else:
             out.append(a)
     return out
+
+
+def map_uri_args(args: Sequence[str], uri_flags: Sequence[str], mounts) -> list[str]:
+    """``args`` with each value of a flag in ``uri_flags`` as its path on the pods' bucket mounts."""
+    return map_flag_values(args, uri_flags, lambda value, flag: to_pod_arg(value, flag, mounts))
 
 
 def pod_paths_to_uris(value, mounts):
@@ -117,6 +124,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         ``trainer.n_gpus_per_node``; only the cluster shape is read from them.
     :param uri_args: flags whose values are store URIs to turn into pod paths (kuberay), e.g.
         ``("--model", "--data", "--output")``; every other argument is passed as is (shell-quoted).
+    :param output_args: those of ``uri_args`` the step writes (local backend on a cloud store: uploaded after it).
     :param job_kind: RayJob kind (name and label); default: the step name.
     :param gpu: run on a GPU worker (default: ``job_kind == "evaluate"``); otherwise a head-only CPU cluster.
     :param cpu_head_resources: ``{"cpu", "memory"}`` for the head of a CPU-only job (default: the preset's
@@ -155,6 +163,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         experiment: str | None = None,
         overrides=(),
         uri_args: Sequence[str] = (),
+        output_args: Sequence[str] = (),
         job_kind: str | None = None,
         gpu: bool | None = None,
         cpu_head_resources: dict | None = None,
@@ -175,7 +184,8 @@ class PipelineStepJobOperator(PipelineStepOperator):
         self.resume_args: tuple[str, ...] = ()  # a retry re-runs the same step
         self.rayjob: dict | None = None
         self.backend, self.experiment, self.overrides = backend, experiment, overrides
-        self.uri_args, self.job_kind = tuple(uri_args), job_kind or step
+        self.uri_args, self.output_args, self.job_kind = tuple(uri_args), tuple(output_args), job_kind or step
+        self._published: list[str] = []  # local backend on a cloud store: the output URIs to upload at the end
         self.gpu = self.job_kind in GPU_KINDS if gpu is None else gpu
         self.cpu_head_resources, self.summary_dir = cpu_head_resources, summary_dir
         self._entry: dict | None = None
@@ -191,8 +201,38 @@ class PipelineStepJobOperator(PipelineStepOperator):
 
     def execute(self, context):
         if self._backend() == "local":
+            self._mirror_inputs()
             return super().execute(context)  # the step in a child process of the worker
         self.defer(trigger=self._submit_kuberay(context), method_name="execute_complete")
+
+    # -- local ------------------------------------------------------------------------------------------
+    def _mirror_inputs(self) -> None:
+        """On a cloud store: the store URIs among the step's arguments -> their local mirror, fetched."""
+        from pipeline_steps.store import mirror
+
+        if not (self.store_uri and mirror.is_remote(self.store_uri)):
+            return
+
+        def to_local(value: str, flag: str) -> str:
+            if not mirror.is_remote(value):
+                return value
+            if flag in self.output_args:
+                self._published.append(value)
+            return str(mirror.fetch(value))
+
+        with store_environment(self.store_conn_id, self.store_uri), user_errors(f"step {self.step}: fetch inputs"):
+            args = map_flag_values([str(a) for a in self.request.get("args", [])], self.uri_args, to_local)
+        self.request = {**self.request, "args": args}
+
+    def finish(self, context, summary: dict) -> dict:
+        if self._published:
+            from pipeline_steps.store import mirror
+
+            with store_environment(self.store_conn_id, self.store_uri), user_errors(f"step {self.step}: upload"):
+                for uri in self._published:
+                    self.log.info("uploading %s: %s", uri, mirror.publish(uri))
+            summary = mirror.to_uris(summary)
+        return super().finish(context, summary)
 
     # -- kuberay ----------------------------------------------------------------------------------------
     def _experiment(self):

@@ -107,8 +107,11 @@ def new_log_lines(previous: Sequence[str], tail: Sequence[str]) -> list[str]:
 class ProgressTracker:
     """Reads the metrics file and yields the rows not reported yet (state kept in ``last_step``)."""
 
-    def __init__(self, metrics_uri: str | None, reader: str | None, last_step: int = 0):
+    def __init__(
+        self, metrics_uri: str | None, reader: str | None, last_step: int = 0, store_conn_id: str | None = None
+    ):
         self.metrics_uri, self.reader, self.last_step = metrics_uri, reader, last_step
+        self.store_conn_id = store_conn_id
         self.last_row: dict | None = None
         self.warned = False
 
@@ -116,7 +119,7 @@ class ProgressTracker:
         if not self.metrics_uri:
             return
         try:
-            text = await asyncio.to_thread(resolve_reader(self.reader), self.metrics_uri)
+            text = await asyncio.to_thread(self._read)
         except Exception as exc:  # progress is best effort: never fail the wait on it
             if not self.warned:
                 log.warning("cannot read metrics %s (%s); progress not shown", self.metrics_uri, exc)
@@ -129,6 +132,12 @@ class ProgressTracker:
             if row["step"] > self.last_step:
                 log.info("progress %s", format_progress(row))
                 self.last_step = row["step"]
+
+    def _read(self) -> str | None:
+        from operators.hooks.store import store_environment
+
+        with store_environment(self.store_conn_id, self.metrics_uri):  # a cloud store: the connection's credentials
+            return resolve_reader(self.reader)(self.metrics_uri)
 
 
 def checkpoint_step(checkpoint_uri: str | None, reader: str | None) -> int | None:

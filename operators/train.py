@@ -27,6 +27,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base
 from operators.failures import user_errors
+from operators.hooks.store import store_environment
 from operators.links import RayDashboardLink
 from operators.rayjob import training_result
 
@@ -73,14 +74,6 @@ def as_list(value) -> list[str]:
     return [str(v) for v in value]
 
 
-def local_path(uri: str, what: str) -> str:
-    """A ``file://`` store URI or plain path as a local path (the local backend reads files directly)."""
-    from pipeline_steps.uris import local_path as to_path
-
-    with user_errors():
-        return str(to_path(uri, what))
-
-
 class GRPOTrainOperator(BaseOperator):
     """Pre-flight, then GRPO training with verl on the local Ray backend or as a KubeRay RayJob.
 
@@ -96,6 +89,8 @@ class GRPOTrainOperator(BaseOperator):
     :param run_dir: the run's directory in the store: ``checkpoints/`` and ``metrics.jsonl`` go below it.
     :param ray_address: local backend: the Ray dashboard address (default ``$RAY_ADDRESS`` or a local cluster).
     :param check_store: pre-flight also checks that data and model are staged (manifests present).
+    :param store_conn_id: the store connection: the worker reads the store with it (pre-flight, progress,
+        the local backend's mirror of a cloud store; see :mod:`pipeline_steps.store.mirror`).
     :param namespace: kuberay backend: namespace (default: the Kubernetes connection's, then ``default``).
     :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
     :param cluster_context: kuberay backend: kube config context.
@@ -131,6 +126,7 @@ class GRPOTrainOperator(BaseOperator):
         run_dir: str,
         ray_address: str | None = None,
         check_store: bool = True,
+        store_conn_id: str | None = None,
         namespace: str | None = None,
         kubernetes_conn_id: str | None = "kubernetes_default",
         cluster_context: str | None = None,
@@ -144,6 +140,8 @@ class GRPOTrainOperator(BaseOperator):
         self.experiment, self.overrides, self.backend = experiment, overrides, backend
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
         self.run_dir, self.ray_address, self.check_store = run_dir, ray_address, check_store
+        self.store_conn_id = store_conn_id
+        self.progress_uri: str | None = None  # where the trigger reads progress, when not metrics_uri
         self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context
         self.poll_interval, self.metrics_reader, self.log_tail_lines = poll_interval, metrics_reader, log_tail_lines
         self.dashboard_url_template = dashboard_url_template
@@ -194,16 +192,23 @@ class GRPOTrainOperator(BaseOperator):
 
         backend = self._backend()
         exp = self._load(backend)
-        with user_errors("pre-flight"):  # a bad config does not get better on retry
-            summary = preflight(exp, check_store=self.check_store)
+        with store_environment(self.store_conn_id, str(self.run_dir)), user_errors("pre-flight"):
+            summary = preflight(exp, check_store=self.check_store)  # a bad config does not get better on retry
         self.log.info("pre-flight passed: %s", json.dumps(summary, default=str, sort_keys=True)[:2000])
         trigger = self._submit_local(context) if backend == "local" else self._submit_kuberay(context, exp)
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict) -> dict:
+        from pipeline_steps.store import mirror
+
         url = KubeRayJobs(self).dashboard_from_event(event) if event.get("backend") == "kuberay" else None
         complete(self, context, event, url)
-        return training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
+        run_dir = str(self.run_dir).rstrip("/")
+        with store_environment(self.store_conn_id, run_dir):
+            if event.get("backend") != "kuberay" and mirror.is_remote(run_dir):
+                with user_errors("upload the run directory"):
+                    self.log.info("uploaded the run directory to %s: %s", run_dir, mirror.publish(run_dir))
+            return training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
 
     def _submit_kuberay(self, context, exp):
         from pipeline_steps.training.mounts import MountMap
@@ -216,22 +221,28 @@ class GRPOTrainOperator(BaseOperator):
         return jobs.submit(context, body, body)  # the entrypoint resumes by itself: a retry re-submits it
 
     def _submit_local(self, context):
+        """The train-local step as a local Ray job, on local files: on a cloud store, the inputs' and the run
+        directory's local mirror (:mod:`pipeline_steps.store.mirror`); the run directory is uploaded at the end."""
         from pipeline_steps.local import ray_cluster
+        from pipeline_steps.store import mirror
 
+        run_dir = str(self.run_dir).rstrip("/")
+        with store_environment(self.store_conn_id, run_dir), user_errors("fetch the training inputs"):
+            train = [str(mirror.fetch(u)) for u in as_list(self.train_files)]
+            val = [str(mirror.fetch(u)) for u in as_list(self.val_files)]
+            model = str(mirror.fetch(str(self.model_path)))
+            local_run = mirror.local_for(run_dir)
+            if mirror.is_remote(run_dir) and not local_run.exists():  # another worker's run: resume from the store
+                mirror.fetch(run_dir)
         argv = ["train-local", "--experiment", self.experiment]
         # "--override=K=V" keeps a value that starts with '-' from being read as an option
         argv += [f"--override={o}" for o in normalize_overrides(self.overrides)]
-        argv += ["--train-files", *[local_path(u, "train_files") for u in as_list(self.train_files)]]
-        val = [local_path(u, "val_files") for u in as_list(self.val_files)]
+        argv += ["--train-files", *train]
         if val:
             argv += ["--val-files", *val]
-        argv += [
-            "--model-path",
-            local_path(str(self.model_path), "model_path"),
-            "--output-dir",
-            local_path(str(self.run_dir).rstrip("/"), "run_dir"),
-        ]
-        env = {"VERL_FILE_LOGGER_PATH": local_path(self.metrics_uri, "run_dir"), "TOKENIZERS_PARALLELISM": "false"}
+        argv += ["--model-path", model, "--output-dir", str(local_run)]
+        self.progress_uri = str(local_run / "metrics.jsonl")
+        env = {"VERL_FILE_LOGGER_PATH": self.progress_uri, "TOKENIZERS_PARALLELISM": "false"}
         self._local = LocalRayJobs(self)
         return self._local.submit(
             context, submission_base(**self._ids(context)), ray_cluster.job_argv(None, *argv), env

@@ -83,6 +83,15 @@ def xcom(db: Path, run_id: str, task_id: str, key: str = "return_value") -> list
     return out
 
 
+def run_state(db: Path) -> str | None:
+    """The newest pipeline run's state (``success``, ``failed``, ...)."""
+    with sqlite3.connect(db) as c:
+        row = c.execute(
+            "SELECT state FROM dag_run WHERE dag_id='verl_grpo_pipeline' ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+    return row[0] if row else None
+
+
 def show_run(db: Path) -> None:
     """Task states, the evaluation table, the exported model and the report of the newest run."""
     with sqlite3.connect(db) as c:
@@ -139,6 +148,9 @@ def main() -> int:
             stdout=f,
             stderr=subprocess.STDOUT,
         ).returncode
+    state = run_state(airflow_home / "airflow.db")
+    if rc == 0 and state != "success":  # `airflow dags test` exits 0 even when a task failed
+        rc = 1
     show_run(airflow_home / "airflow.db")
     store = home / "store"
     print("\noutputs:")
@@ -151,7 +163,7 @@ def main() -> int:
         path = store / sub
         print(f"  {label:45s} {path}{'' if path.exists() else '  (not produced)'}")
     print(f"  {'work dir (snapshots, processed parquet)':45s} {home / 'work'}")
-    print(f"\nDAG run {'succeeded' if rc == 0 else 'FAILED (exit %d): see the task logs above' % rc}")
+    print(f"\nDAG run {'succeeded' if rc == 0 else f'FAILED (state {state}): see the task logs in {log}'}")
     from pipeline_steps.local import ray_cluster
 
     if ray_cluster.shutdown_cluster(ray_temp_dir(home)):  # the demo started it; leave nothing running

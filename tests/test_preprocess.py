@@ -5,6 +5,7 @@ the real repositories), plus bad inputs made by the tests.
 """
 
 import json
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -376,3 +377,30 @@ def test_limit_and_bad_flags(processed, tmp_path, capsys):
         "2",
     )
     assert rc == 2 and "between 0 and 1" in s["error"]
+
+
+@pytest.mark.timeout(300)
+def test_jsonl_is_streamed_memory_does_not_grow_with_the_input(tmp_path):
+    """Issue 16 item 12: a 300 MB JSONL used to peak at 2.5 GB RSS (every row, and every prompt string for the
+    dedupe, held in memory). Here 15 MiB and 60 MiB inputs (generated as in ``make bench BENCH=jsonl``) are
+    preprocessed in child processes: the peak RSS must stay bounded and barely grow with 4x the input."""
+    from benchmarks.bench_jsonl import generate
+    from benchmarks.bench_preprocess import run_child
+
+    peaks, stats = {}, {}
+    for mb in (15, 60):
+        src = tmp_path / f"in{mb}" / "rows.jsonl"
+        src.parent.mkdir()
+        lines = generate(src, mb)
+        out = tmp_path / f"out{mb}"
+        _, peaks[mb] = run_child(
+            [sys.executable, "-m", "pipeline_steps", "preprocess", "--dataset", "jsonl", "--input", str(src)]
+            + ["--output", str(out), "--max-rejected-fraction", "0.05"]
+        )
+        stats[mb] = json.loads((out / "stats.json").read_text())
+        assert stats[mb]["rows_in"] == lines
+        assert stats[mb]["rejected_by_reason"] == {"invalid_json": lines // 100}
+        assert not list(out.glob(".*part*")) and not list(out.glob(".shaped-*"))  # no spill files left behind
+    assert stats[60]["rows_out"] > 3 * stats[15]["rows_out"]
+    assert peaks[60] < 400, peaks
+    assert peaks[60] - peaks[15] < 100, peaks

@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -118,18 +119,26 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
     raise AirflowFailException(f"store URI {uri!r}: scheme not supported; use file://, oss:// or gs://")
 
 
+_ENVIRONMENT = threading.RLock()  # os.environ is process-wide: one store's credentials at a time (triggerer)
+
+
 @contextlib.contextmanager
 def store_environment(conn_id: str | None, uri: str):
     """The store connection's credentials in ``os.environ`` while the worker itself reads the store (progress,
-    step summaries, collected inputs); restored afterwards. The one way the worker gets store credentials."""
+    step summaries, collected inputs, the local backend's mirror); restored afterwards. The one way the worker
+    gets store credentials. Store clients read their credentials when opened, so open them inside."""
     env = store_env(conn_id, uri) if "://" in uri and not uri.startswith("file://") else {}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    if not env:
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        return
+    with _ENVIRONMENT:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import io
 import json
 import logging
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 from pipeline_steps import atomic, outputs
@@ -24,10 +23,11 @@ from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_
 from pipeline_steps.errors import UserError
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
-PREPROCESSOR_VERSION = 2
+PREPROCESSOR_VERSION = 3
 
 log = logging.getLogger(__name__)
 BATCH_ROWS = 65536
+LINE_BATCH_ROWS = 4096  # JSONL rows are Python dicts until converted: smaller batches bound memory
 VARIANTS = ("default", "tool_agent")
 
 
@@ -148,7 +148,7 @@ def _chunks(rows_and_reasons, rejects, split):
             chunk.append(None)  # still counts as a row read
         else:
             chunk.append(row)
-        if len(chunk) >= BATCH_ROWS:
+        if len(chunk) >= LINE_BATCH_ROWS:
             yield _Chunk(chunk)
             chunk = []
     if chunk:
@@ -165,15 +165,46 @@ class _Chunk(list):
         return list.__len__(self)
 
 
-def _dedupe(tables_in):
-    """Streamed exact-duplicate removal; returns (kept tables, rows seen, prompt -> set of ground truths)."""
+class _Rejects:
+    """Rejected rows, written to ``rejected.jsonl`` as they come: a large bad input is never held in memory."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "w", encoding="utf-8")
+        self.by_reason: Counter = Counter()
+
+    def append(self, item) -> None:
+        split, row, reason = item
+        record = {"split": split, "reason": reason, "row": _json_safe(row)}
+        self.file.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+        self.by_reason[reason] += 1
+
+    def extend(self, items) -> None:
+        for item in items:
+            self.append(item)
+
+    def __len__(self) -> int:
+        return sum(self.by_reason.values())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _dedupe(tables_in, write):
+    """Streamed exact-duplicate removal: each batch's first occurrences go to ``write(table)`` with a ``_key``
+    column (the prompt's 16-byte digest). Only digests are kept across batches, never prompts, so memory grows by
+    ~100 bytes per unique row. Returns (rows seen, rows converted, rows kept, digests of conflicting prompts)."""
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    seen: set[str] = set()
-    truths: dict[str, set[str]] = defaultdict(set)
-    kept, rows_in, converted = [], 0, 0
+    seen: set[bytes] = set()  # (prompt, ground truth) pairs kept so far
+    truth_of: dict[bytes, bytes] = {}  # prompt -> the first ground truth seen for it
+    conflicts: set[bytes] = set()
+    rows_in = converted = unique = 0
     for n_in, t in tables_in:
         rows_in += n_in
         if t is None or len(t) == 0:
@@ -190,16 +221,77 @@ def _dedupe(tables_in):
         keep = []
         for u, f in zip(uniq.tolist(), first.tolist()):
             v = values[u]
-            if v in seen:
+            d = _digest(v)
+            if d in seen:
                 continue
-            seen.add(v)
+            seen.add(d)
             k, g = v.split("\x00", 1)
-            truths[k].add(g)
-            keep.append(f)
+            kd, gd = _digest(k), _digest(g)
+            if truth_of.setdefault(kd, gd) != gd:
+                conflicts.add(kd)
+            keep.append((f, kd))
         keep.sort()
-        kept_t = t.take(pa.array(keep, pa.int64()))
-        kept.append(kept_t.append_column("_key", key.take(pa.array(keep, pa.int64()))))
-    return kept, rows_in, converted, truths
+        if keep:
+            rows = pa.array([f for f, _ in keep], pa.int64())
+            write(t.take(rows).append_column("_key", pa.array([kd for _, kd in keep], pa.binary(16))))
+            unique += len(keep)
+        del values, pair
+    return rows_in, converted, unique, conflicts
+
+
+class _Parts:
+    """A split's kept rows as part files below the output's temporary directory (one per batch)."""
+
+    def __init__(self, where: Path, name: str):
+        self.where, self.name, self.paths = where, name, []
+
+    def write(self, table) -> None:
+        import pyarrow.parquet as pq
+
+        path = self.where / f".part-{self.name}-{len(self.paths):05d}.parquet"
+        pq.write_table(table, path, compression="zstd")
+        self.paths.append(path)
+
+
+def _finish_split(parts: _Parts, conflicts: set[bytes], limit: int | None, variant: str, module, rejects, dest: Path):
+    """Conflicting prompts out, ``limit`` applied, the variant's shape, then one parquet file in one schema
+    (batches may infer different types: they are unified as ``concat_tables`` would). Returns (rows, conflict rows).
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    value_set = pa.array(sorted(conflicts), pa.binary(16))
+    shaped, rows, conflict_rows = [], 0, 0
+    for i, path in enumerate(parts.paths):
+        table = pq.read_table(path)
+        path.unlink()
+        if conflicts:
+            is_conflict = pc.is_in(table["_key"], value_set=value_set)
+            for row in table.filter(is_conflict).drop_columns(["_key"]).to_pylist():
+                rejects.append((parts.name, row, "conflicting_ground_truth"))
+            conflict_rows += pc.sum(is_conflict).as_py() or 0
+            table = table.filter(pc.invert(is_conflict))
+        table = table.drop_columns(["_key"])
+        if limit is not None:
+            table = table.slice(0, max(0, limit - rows))
+        if variant == "tool_agent" and len(table):
+            table = pa.Table.from_pylist(tool_agent_rows(table.to_pylist(), module.TOOL_NAME))
+        if len(table):
+            out = parts.where / f".shaped-{parts.name}-{i:05d}.parquet"
+            pq.write_table(table, out, compression="zstd")
+            shaped.append(out)
+            rows += len(table)
+    if not shaped:
+        return 0, conflict_rows
+    schema = pa.unify_schemas([pq.read_schema(p) for p in shaped], promote_options="permissive")
+    empty = schema.empty_table()
+    with pq.ParquetWriter(dest, schema, compression="zstd") as writer:
+        for path in shaped:
+            table = pa.concat_tables([empty, pq.read_table(path)], promote_options="permissive")
+            writer.write_table(table, row_group_size=BATCH_ROWS)
+            path.unlink()
+    return rows, conflict_rows
 
 
 def _json_safe(obj):
@@ -212,58 +304,47 @@ def _json_safe(obj):
     return obj
 
 
-def process(spec: registry.DatasetSpec, root: Path, variant: str = "default", limit: int | None = None):
-    """Returns ({split: pa.Table}, stats, rejects). Raises UserError for unusable input."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
+def process(spec: registry.DatasetSpec, root: Path, out: Path, variant: str = "default", limit: int | None = None):
+    """Write ``out/<split>.parquet`` and ``out/rejected.jsonl`` streaming (memory bounded by a batch, plus 16-byte
+    digests per unique row); returns the stats. Raises UserError for unusable input."""
     module = importlib.import_module(f"pipeline_steps.data.preprocessors.{spec.preprocessor}")
     data_source = spec.data_source or module.DATA_SOURCE
     splits = resolve_splits(spec, root)
     if not splits:
         raise UserError(f"--input {root}: no data files found for dataset {spec.name}")
-    outputs, stats_splits, rejects = {}, {}, []
-    for split, files in sorted(splits.items()):
-        out_split = getattr(module, "SPLIT_NAMES", {}).get(split, split)
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", out_split):
-            raise UserError(f"--input {root}: split name {out_split!r} is not a safe file name; rename the data files")
-        where = f"dataset {spec.name} split {split}"
-        before = len(rejects)
-        kept, rows_in, converted, truths = _dedupe(
-            _converted_batches(module, files, split, out_split, data_source, rejects, where)
-        )
-        conflicts = {k for k, gts in truths.items() if len(gts) > 1}
-        table = pa.concat_tables(kept, promote_options="permissive") if kept else None
-        conflict_rows = 0
-        if table is not None and conflicts:
-            is_conflict = pc.is_in(table["_key"], value_set=pa.array(sorted(conflicts)))
-            for row in table.filter(is_conflict).drop_columns(["_key"]).to_pylist():
-                rejects.append((out_split, row, "conflicting_ground_truth"))
-            conflict_rows = pc.sum(is_conflict).as_py() or 0
-            table = table.filter(pc.invert(is_conflict))
-        if table is not None:
-            table = table.drop_columns(["_key"])
-            if limit is not None:
-                table = table.slice(0, limit)
-            if variant == "tool_agent":
-                table = pa.Table.from_pylist(tool_agent_rows(table.to_pylist(), module.TOOL_NAME))
-        unique = sum(len(t) for t in kept)
-        stats_splits[out_split] = {
-            "files": [Path(f).name for f in files],
-            "rows_in": rows_in,
-            "rows_out": 0 if table is None else len(table),
-            "duplicates": converted - unique,
-            "conflicting_prompts": len(conflicts),
-            "conflicting_rows": conflict_rows,
-            "rejected": len(rejects) - before,
-        }
-        if table is not None and len(table):
-            outputs[out_split] = table
+    stats_splits = {}
+    rejects = _Rejects(out / "rejected.jsonl")
+    try:
+        for split, files in sorted(splits.items()):
+            out_split = getattr(module, "SPLIT_NAMES", {}).get(split, split)
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", out_split):
+                raise UserError(
+                    f"--input {root}: split name {out_split!r} is not a safe file name; rename the data files"
+                )
+            where = f"dataset {spec.name} split {split}"
+            before = len(rejects)
+            parts = _Parts(out, out_split)
+            rows_in, converted, unique, conflicts = _dedupe(
+                _converted_batches(module, files, split, out_split, data_source, rejects, where), parts.write
+            )
+            rows_out, conflict_rows = _finish_split(
+                parts, conflicts, limit, variant, module, rejects, out / f"{out_split}.parquet"
+            )
+            stats_splits[out_split] = {
+                "files": [Path(f).name for f in files],
+                "rows_in": rows_in,
+                "rows_out": rows_out,
+                "duplicates": converted - unique,
+                "conflicting_prompts": len(conflicts),
+                "conflicting_rows": conflict_rows,
+                "rejected": len(rejects) - before,
+            }
+    finally:
+        rejects.close()
     rows_in = sum(s["rows_in"] for s in stats_splits.values())
     if rows_in == 0:
         raise UserError(f"--input {root}: dataset {spec.name} has no rows; check the snapshot and --dataset")
-    by_reason = Counter(reason for _, _, reason in rejects)
-    stats = {
+    return {
         "dataset": spec.name,
         "preprocessor": spec.preprocessor,
         "data_source": data_source,
@@ -275,17 +356,16 @@ def process(spec: registry.DatasetSpec, root: Path, variant: str = "default", li
         "duplicates": sum(s["duplicates"] for s in stats_splits.values()),
         "conflicting_prompts": sum(s["conflicting_prompts"] for s in stats_splits.values()),
         "rejected": len(rejects),
-        "rejected_by_reason": dict(sorted(by_reason.items())),
+        "rejected_by_reason": dict(sorted(rejects.by_reason.items())),
     }
-    return outputs, stats, rejects
 
 
-def _parquet_bytes(table) -> bytes:
-    import pyarrow.parquet as pq
-
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd", row_group_size=BATCH_ROWS)
-    return buf.getvalue()
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _summary(spec, out: Path, stats: dict, skipped: bool) -> dict:
@@ -352,34 +432,30 @@ def run(args):
         raise UserError(f"--max-rejected-fraction {args.max_rejected_fraction}: must be between 0 and 1")
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit {args.limit}: must be at least 1")
-    tables, stats, rejects = process(spec, root, args.variant, args.limit)
-    # conflicts are reported and kept out, but they are a property of the source, not malformed rows
-    bad = {r: n for r, n in stats["rejected_by_reason"].items() if r != "conflicting_ground_truth"}
-    fraction = sum(bad.values()) / stats["rows_in"]
-    if fraction > args.max_rejected_fraction:
-        top = ", ".join(f"{r}={n}" for r, n in sorted(bad.items(), key=lambda x: -x[1])[:3])
-        raise UserError(
-            f"dataset {spec.name}: {sum(bad.values())} of {stats['rows_in']} rows rejected ({fraction:.1%}: {top}), "
-            f"above --max-rejected-fraction {args.max_rejected_fraction}; fix the input or raise the threshold"
-        )
-    if not tables:
-        raise UserError(f"dataset {spec.name}: every row was rejected or removed; nothing to write")
-    files = {f"{split}.parquet": _parquet_bytes(t) for split, t in sorted(tables.items())}
-    digest = hashlib.sha256()
-    for name, data in sorted(files.items()):
-        digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
-    stats["content_hash"] = digest.hexdigest()
-    stats["settings"] = settings  # what a later run must match to reuse this output
-    stats["source"] = {"input": str(root), "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None}
     with atomic.atomic_dir(out, owner="preprocess") as tmp:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        with open(tmp / "rejected.jsonl", "w", encoding="utf-8") as f:
-            for split, row, reason in rejects:
-                f.write(
-                    json.dumps({"split": split, "reason": reason, "row": _json_safe(row)}, sort_keys=True, default=str)
-                    + "\n"
-                )
+        stats = process(spec, root, tmp, args.variant, args.limit)
+        # conflicts are reported and kept out, but they are a property of the source, not malformed rows
+        bad = {r: n for r, n in stats["rejected_by_reason"].items() if r != "conflicting_ground_truth"}
+        fraction = sum(bad.values()) / stats["rows_in"]
+        if fraction > args.max_rejected_fraction:
+            top = ", ".join(f"{r}={n}" for r, n in sorted(bad.items(), key=lambda x: -x[1])[:3])
+            raise UserError(
+                f"dataset {spec.name}: {sum(bad.values())} of {stats['rows_in']} rows rejected ({fraction:.1%}: "
+                f"{top}), above --max-rejected-fraction {args.max_rejected_fraction}; fix the input or raise the "
+                "threshold"
+            )
+        if not stats["rows_out"]:
+            raise UserError(f"dataset {spec.name}: every row was rejected or removed; nothing to write")
+        digest = hashlib.sha256()
+        for split in sorted(k for k, v in stats["splits"].items() if v["rows_out"]):
+            name = f"{split}.parquet"
+            digest.update(name.encode() + b"\0" + bytes.fromhex(_file_sha256(tmp / name)))
+        stats["content_hash"] = digest.hexdigest()
+        stats["settings"] = settings  # what a later run must match to reuse this output
+        stats["source"] = {
+            "input": str(root),
+            "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None,
+        }
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True, default=str) + "\n")
     log.info(
         "dataset %s: %d rows in, %d out, %d duplicates, %d rejected -> %s",

@@ -39,6 +39,7 @@ from pipeline_steps.errors import UserError
 log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
+MIRROR_MARKER = ".mirrored-from.json"  # a local copy's record of the version it mirrors (store/mirror.py)
 MANIFEST_FORMAT = 1
 SCHEMES = ("file", "oss", "gs")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$")
@@ -239,7 +240,7 @@ def _source_files(src: Path) -> list[tuple[str, Path]]:
                 continue  # walked into (never through a symlink)
             if rel.startswith(".tmp-") or "/.tmp-" in rel:  # atomic.py leftovers of a crashed writer
                 continue
-            if rel == outputs.MARKER:  # which step wrote the directory: local bookkeeping, not data
+            if rel == outputs.MARKER or name == MIRROR_MARKER:  # local bookkeeping, not data
                 continue
             if stat.S_ISLNK(st.st_mode):
                 try:
@@ -520,7 +521,10 @@ class Store(abc.ABC):
                 rel = validate_key(e["path"], f"manifest path in {src_uri}")
                 out = tmp / rel
                 out.parent.mkdir(parents=True, exist_ok=True)
-                self._get_file(self._join(u.key, rel), out)
+                if e["size"] == 0:  # nothing to fetch (a ranged GET of an empty object is a 416 on GCS)
+                    out.touch()
+                else:
+                    self._get_file(self._join(u.key, rel), out)
                 got = file_checksums(out, None)
                 if out.stat().st_size != e["size"] or got["sha256"] != e["sha256"]:
                     self._forget(self._join(u.key, rel))  # so that the re-upload below re-reads it and repairs it
