@@ -26,6 +26,11 @@ file (what verl's file logger writes), so progress reporting is exercised. A ste
 ``{"wait_for": GATE}`` holds the job in its current state until the test adds GATE to
 ``open_gates`` (to stop a waiting worker at a known point).
 
+The controller also applies KubeRay's own spec validation (``ValidateRayJobMetadata`` and ``ValidateRayJobSpec``
+in ``ray-operator/controllers/ray/utils/validation.go``, the checks that apply to what this project renders): a
+RayJob that fails them is accepted by the API server (KubeRay has no RayJob admission webhook) and then set to
+``jobDeploymentStatus=ValidationFailed``, ``reason=ValidationFailed`` with KubeRay's message.
+
 What it does NOT cover: admission webhooks, the real KubeRay controller (RayCluster
 creation, submitter Job, backoffLimit retries, TTL and deletion rules), schema
 defaulting and CEL ``x-kubernetes-validations`` rules, finalizers (DELETE removes the
@@ -62,6 +67,69 @@ SUCCESS = [
         "message": "Job finished successfully.",
     },
 ]
+
+
+MAX_RAYJOB_NAME = 47  # KubeRay's MaxRayJobNameLength
+DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+RAY_START_RESOURCES = ("num-cpus", "num-gpus", "memory", "resources")
+
+
+def kuberay_validation_error(obj: dict) -> str | None:
+    """KubeRay's message for a RayJob its controller refuses, or None (the subset of validation.go that applies)."""
+    import yaml
+
+    name = (obj.get("metadata") or {}).get("name") or ""
+    if len(name) > MAX_RAYJOB_NAME:
+        return f"The RayJob metadata is invalid: RayJob name should be no more than {MAX_RAYJOB_NAME} characters"
+    if len(name) > 63 or not DNS1035.match(name):
+        return "The RayJob metadata is invalid: RayJob name should be a valid DNS1035 label"
+    spec = obj.get("spec") or {}
+    if spec.get("suspend") and not spec.get("shutdownAfterJobFinishes"):
+        return (
+            "The RayJob spec is invalid: a RayJob with shutdownAfterJobFinishes set to false is not allowed to be "
+            "suspended"
+        )
+    if (spec.get("ttlSecondsAfterFinished") or 0) < 0:
+        return "The RayJob spec is invalid: TTLSecondsAfterFinished must be a non-negative integer"
+    if not spec.get("shutdownAfterJobFinishes") and (spec.get("ttlSecondsAfterFinished") or 0) > 0:
+        return (
+            "The RayJob spec is invalid: a RayJob with shutdownAfterJobFinishes set to false cannot have "
+            "TTLSecondsAfterFinished"
+        )
+    if spec.get("deletionStrategy"):  # the RayJobDeletionPolicy feature gate is off by default
+        return "RayJobDeletionPolicy feature gate must be enabled to use DeletionStrategy"
+    cluster = spec.get("rayClusterSpec")
+    if cluster is None and not spec.get("clusterSelector"):
+        return "The RayJob spec is invalid: one of RayClusterSpec or ClusterSelector must be set"
+    if cluster is not None:
+        groups = [("Head", cluster.get("headGroupSpec") or {})]
+        groups += [(g.get("groupName", ""), g) for g in cluster.get("workerGroupSpecs") or []]
+        for group_name, group in groups:
+            if not ((group.get("template") or {}).get("spec") or {}).get("containers"):
+                which = "headGroupSpec" if group_name == "Head" else "workerGroupSpec"
+                return f"The RayJob spec is invalid: {which} should have at least one container"
+            params = group.get("rayStartParams") or {}
+            if any(params.get(k) for k in RAY_START_RESOURCES) and group.get("resources"):
+                return (
+                    "The RayJob spec is invalid: resource fields should not be set in both rayStartParams and "
+                    f"Resources for {group_name} group; please use only one"
+                )
+            if "labels" in params:
+                return (
+                    f"The RayJob spec is invalid: rayStartParams['labels'] is not supported for {group_name} group; "
+                    "please use the top-level Labels field instead"
+                )
+    try:
+        env = yaml.safe_load(spec.get("runtimeEnvYAML") or "") or {}
+        if not isinstance(env, dict):
+            raise ValueError("not a mapping")
+    except (yaml.YAMLError, ValueError) as exc:
+        return f"failed to unmarshal RuntimeEnvYAML: {str(exc).splitlines()[0]}"
+    if spec.get("activeDeadlineSeconds") is not None and spec["activeDeadlineSeconds"] <= 0:
+        return "The RayJob spec is invalid: activeDeadlineSeconds must be a positive integer"
+    if spec.get("backoffLimit") is not None and spec["backoffLimit"] < 0:
+        return "The RayJob spec is invalid: backoffLimit must be a positive integer"
+    return None
 
 
 def _now() -> str:
@@ -361,6 +429,9 @@ class StandIn:
         if script is None:
             base = next((k for k in self.scripts if name.startswith(k + "-")), None)  # later attempts of a scripted job
             script = self.scripts.get(base, self.default_script) if base else self.default_script
+        invalid = kuberay_validation_error(obj)
+        if invalid:  # KubeRay's controller refuses it on its first reconcile, whatever the test scripted
+            script = [{"jobDeploymentStatus": "ValidationFailed", "reason": "ValidationFailed", "message": invalid}]
         obj["_script"] = [dict(s) for s in script]  # private to the stand-in; stripped from responses
         obj["_metrics"] = self.metrics_files.get(name) or next(
             (p for k, p in self.metrics_files.items() if name.startswith(k + "-")), None

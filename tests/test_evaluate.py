@@ -204,3 +204,38 @@ def test_missing_inputs(tmp_path, capsys, aime):
         ["evaluate", "--model", not_a_model, "--data", tmp_path / "nope.parquet", "--output", tmp_path / "o"], capsys
     )
     assert code == 2 and "file not found" in s["error"]
+
+
+def test_gain_over_the_base_is_measured_not_assumed(tiny_model, aime, tmp_path, capsys, monkeypatch):
+    """Numbers that are not all zero: the tiny model answers no AIME problem, so its real evaluation above compares
+    0 with 0. Here the generator is a stand-in (no model can be trained to answer here): the "trained" model writes
+    the right answer in every sample, the base only in the first sample of the first problem. Scoring (verl's
+    ``default_compute_score``), avg/pass/maj@k and the gain are the real code and must come out exactly."""
+    import shutil
+
+    trained = tmp_path / "trained"
+    shutil.copytree(tiny_model, trained)
+    (trained / "trained.txt").write_text("a different model directory (its content hash differs)\n")
+
+    def generate(model_dir, prompts, s, batch_size=0):
+        out = []
+        for p, prompt in enumerate(prompts):
+            i = int(prompt[-1]["content"].split("Find ", 1)[1].split(" +", 1)[0])
+            right = [f"Answer: {2 * i}"] * s["k"]
+            wrong = [f"Answer: {2 * i + 1}"] * s["k"]
+            if model_dir.name == "trained":
+                out.append(right)
+            else:
+                out.append(right[:1] + wrong[1:] if p == 0 else wrong)
+        return out
+
+    monkeypatch.setitem(evaluate.GENERATORS, "hf", generate)
+    code, s, err = run_cli(eval_args(trained, aime, tmp_path / "out", "--base-model", tiny_model), capsys)
+    assert code == 0, err
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    base_avg = (1 / K + 0) / 2
+    assert res["overall"]["avg@k"] == pytest.approx(1.0) and s["avg@k"] == pytest.approx(1.0)
+    assert res["base"]["overall"]["avg@k"] == pytest.approx(base_avg)
+    assert res["gain"]["avg@k"] == pytest.approx(1.0 - base_avg) and s["gain_avg@k"] == pytest.approx(1.0 - base_avg)
+    assert res["base"]["overall"]["pass@k"][str(K)] == pytest.approx(0.5)  # one of two problems solved at all
+    assert res["overall"]["maj@k"] == pytest.approx(1.0) and res["base"]["overall"]["maj@k"] == pytest.approx(0.0)

@@ -361,3 +361,29 @@ def test_the_api_server_prunes_unknown_fields_and_refuses_a_foreign_namespace(ap
         if hook.get_rayjob("grpo-prune", NS) is None:
             break
     assert hook.get_rayjob("grpo-prune", NS) is None
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda b: b["metadata"].update(name="grpo-" + "x" * 50), "no more than 47 characters"),
+        (lambda b: b["spec"].update(suspend=True, shutdownAfterJobFinishes=False), "not allowed to be suspended"),
+        (lambda b: b["spec"].update(activeDeadlineSeconds=0), "activeDeadlineSeconds must be a positive integer"),
+        (
+            lambda b: b["spec"]["rayClusterSpec"]["headGroupSpec"].update(
+                rayStartParams={"num-gpus": "0"}, resources={"cpu": "4"}
+            ),
+            "both rayStartParams and Resources for Head group",
+        ),
+        (lambda b: b["spec"].update(runtimeEnvYAML="env_vars: [unclosed"), "RuntimeEnvYAML"),
+    ],
+    ids=["name-too-long", "suspend-without-shutdown", "deadline-zero", "resources-twice", "runtime-env-yaml"],
+)
+def test_kuberay_validation_failures_fail_the_task_with_kuberays_message(api, tmp_path, change, message):
+    """Bodies the CRD schema accepts but KubeRay's controller refuses (validation.go): the stand-in's controller
+    sets ValidationFailed with KubeRay's message, whatever was scripted, and the task fails without retry."""
+    op = make_op("grpo-kuberay-invalid", tmp_path)
+    change(op.rayjob)
+    event = run_trigger(defer(op))
+    with pytest.raises(AirflowFailException, match=f"reason=ValidationFailed.*{message}"):
+        op.execute_complete({}, event)
