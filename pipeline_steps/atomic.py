@@ -17,12 +17,17 @@ from pathlib import Path
 
 from pipeline_steps import outputs
 
+_UMASK = os.umask(0o022)  # read once (os.umask is the only way, and it sets it): files get 0666 & ~umask
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # what open() would give; mkstemp's 0600 made store files inconsistent
+
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -88,3 +88,37 @@ def test_the_remedy_a_corrupted_download_prints_works(tmp_path):
     assert s["uploaded"] == 1 and s["bytes_uploaded"] >= 1004  # the corrupted file was re-read and repaired
     open_store(f"file://{dest}").download_dir(f"file://{dest}", tmp_path / "copy2")
     assert (tmp_path / "copy2" / "train.parquet").read_bytes() == (src / "train.parquet").read_bytes()
+
+
+def test_store_files_get_one_mode_and_a_killed_writers_temp_files_are_cleaned(tmp_path):
+    """Before: manifests and pointers (written via mkstemp) were 0600 while data files were 0644; a killed upload
+    left ``.tmp-*`` files inside the committed version for good. Now every stored file gets the same mode (0666
+    minus the umask, as open() gives) and the next upload of the version removes a dead writer's temp file (while
+    a live writer's stays)."""
+    import subprocess
+    import sys
+
+    from pipeline_steps.store import open_store
+
+    src = _src(tmp_path)
+    version = tmp_path / "store" / "datasets" / "x" / "v1"
+    dest = f"file://{version}"
+    old = os.umask(0o022)
+    try:
+        code, _, err = run_step("upload", "--src", src, "--dest", dest)
+        assert code == 0, err
+        open_store(dest).write_bytes(f"file://{tmp_path / 'store' / 'datasets' / 'x' / 'latest.json'}", b"{}")
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "store").rglob("*") if p.is_file()}
+    assert set(modes.values()) == {0o644}, modes
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = version / f".tmp-train.parquet.{dead.pid}"  # what copy_file leaves when killed mid-copy
+    live = version / f".tmp-other.parquet.{os.getpid()}"  # a writer that is still running
+    stale.write_bytes(b"partial")
+    live.write_bytes(b"in progress")
+    code, _, err = run_step("upload", "--src", src, "--dest", dest)
+    assert code == 0, err
+    assert not stale.exists() and live.exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 from pipeline_steps import atomic
@@ -35,6 +36,19 @@ class LocalStore(Store):
         if not p.is_file():
             return None
         return ObjectInfo(size=p.stat().st_size, checksum=file_checksums(p, None, self._stored_sums)["sha256"])
+
+    def _cleanup_incomplete(self, prefix: str) -> int:
+        """Remove temp files a killed writer left under ``prefix`` (a committed version must hold only its files):
+        those whose writer process (pid in the name, this host) is gone, or older than STALE_TEMP_SECONDS."""
+        removed = 0
+        base = Path(prefix)
+        if not base.is_dir():
+            return 0
+        for p in base.rglob(".tmp-*"):
+            if p.is_file() and _abandoned(p):
+                p.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def _put_file(self, path: Path, key: str, size: int) -> str | None:
         copy_file(path, Path(key))
@@ -111,3 +125,26 @@ class LocalStore(Store):
                     break
                 p = p.parent
         return n
+
+
+STALE_TEMP_SECONDS = 6 * 3600
+
+
+def _abandoned(p: Path) -> bool:
+    """A temp file whose writer cannot still be writing it."""
+    try:
+        if time.time() - p.stat().st_mtime > STALE_TEMP_SECONDS:
+            return True
+    except FileNotFoundError:
+        return False
+    parts = p.name.split(".")
+    for pid in (parts[-1], parts[-2] if len(parts) > 2 else ""):  # copy_file: .pid; create_bytes: .pid.tid
+        if pid.isdigit() and 0 < int(pid) < 1 << 22:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False  # alive, another user's
+            return False
+    return False
