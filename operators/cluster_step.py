@@ -128,7 +128,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
     :param job_kind: RayJob kind (name and label); default: the step name.
     :param gpu: run on a GPU worker (default: ``job_kind == "evaluate"``); otherwise a head-only CPU cluster.
     :param cpu_head_resources: ``{"cpu", "memory"}`` for the head of a CPU-only job (default: the preset's
-        ``cluster.head``).
+        ``cluster.export``, sized for merging its checkpoint, else ``cluster.head``).
     :param summary_dir: store URI (on a bucket mount) where the job writes its summary; default
         ``<store_uri>/tmp/step-summaries``.
     :param store_uri: store root (as for PipelineStepOperator); also the default ``summary_dir``'s root.
@@ -283,7 +283,8 @@ class PipelineStepJobOperator(PipelineStepOperator):
                 job_kind=self.job_kind,
                 **ids,
             )
-        body = single_gpu_worker(body) if self.gpu else cpu_only(body, self.cpu_head_resources)
+        head = self.cpu_head_resources or (exp.spec.get("cluster") or {}).get("export")
+        body = single_gpu_worker(body) if self.gpu else cpu_only(body, head)
         self.rayjob = body
         self.log.info("step %s as RayJob %s: %s", self.step, base, body["spec"]["entrypoint"])
 

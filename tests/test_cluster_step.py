@@ -422,7 +422,6 @@ def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_
             backend="kuberay",
             store_uri=f"file://{store}",
             uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
-            cpu_head_resources={"cpu": "16", "memory": "128Gi"},
             skip_unless="promoted",
             asset_alias="verl-exported-models",
             request={"args": args, "carry": {}},
@@ -435,10 +434,12 @@ def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_
     body = api.creates[0]
     assert "workerGroupSpecs" not in body["spec"]["rayClusterSpec"] and "entrypointNumGpus" not in body["spec"]
     head = body["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert head["resources"] == {
-        "requests": {"cpu": "16", "memory": "128Gi"},
-        "limits": {"cpu": "16", "memory": "128Gi"},
-    }
+    from pipeline_steps.training import experiment
+
+    cluster = experiment.load(PRESET).spec["cluster"]  # the merge's size: cluster.export, not the idle head's
+    want = {k: str(v) for k, v in cluster["export"].items()}
+    assert want != {k: str(v) for k, v in cluster["head"].items()}
+    assert head["resources"] == {"requests": want, "limits": want}
     argv = shlex.split(body["spec"]["entrypoint"])
     assert argv[argv.index("--checkpoint-dir") + 1] == f"{mnt}/runs/r/checkpoints"
     assert (

@@ -62,3 +62,30 @@ def test_form_hyperparameters_become_overrides_user_last():
     )
     assert out[0] == "actor_rollout_ref.actor.optim.lr=1e-06" and "actor_rollout_ref.actor.use_kl_loss=true" in out
     assert "trainer.total_training_steps=1" in out and out[-1] == "actor_rollout_ref.rollout.n=4"
+
+
+def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus():
+    """A 32B model does not fit one GPU: the kuberay evaluate job's vLLM gets tensor parallelism over the GPUs the
+    job's worker has (the preset's gpus_per_node, or the form's); the local (hf) evaluation gets no such flag."""
+    done = {
+        "dataset": "gsm8k",
+        "role": "train",
+        "download": {"commit": "a" * 40, "repo_id": "openai/gsm8k"},
+        "preprocess": {"splits": {"train": "x", "test": "y"}, "content_hash": "c" * 64},
+        "upload": {"uri": "oss://verl-store/datasets/gsm8k/" + "a" * 40 + "/fp"},
+    }
+    staged = {"model": "Qwen/Qwen2.5-32B-Instruct", "stage_model": {"uri": "oss://verl-store/models/q/main"}}
+    run = {
+        "experiment": "gsm8k_qwen2_5_32b",
+        "dag_id": "d",
+        "run_id": "r",
+        "run_dir": "oss://verl-store/runs/x/r",
+        "store": "oss://verl-store",
+    }
+    trained = {"checkpoint_uri": "oss://verl-store/runs/x/r/checkpoints"}
+    for params, want in (({"eval_dataset": "gsm8k"}, "8"), ({"eval_dataset": "gsm8k", "gpus_per_node": 4}, "4")):
+        inputs = plan.collect([done], staged, params, run)
+        argv = plan.evaluate_request(inputs, trained, run, "kuberay")["args"]
+        assert argv[argv.index("--generator") + 1] == "vllm"
+        assert argv[argv.index("--tensor-parallel-size") + 1] == want
+        assert "--tensor-parallel-size" not in plan.evaluate_request(inputs, trained, run, "local")["args"]

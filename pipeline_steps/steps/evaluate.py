@@ -66,6 +66,13 @@ def add_arguments(p):
         "--generator", choices=("hf", "vllm"), default="hf", help="hf: transformers on CPU; vllm: GPU (cluster image)"
     )
     p.add_argument("--batch-size", type=int, default=0, help="hf: sequences generated at once (0: k)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="vllm: GPUs one model is sharded over (a 32B model does not fit one GPU); the pipeline passes the "
+        "evaluation job's GPUs",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +80,7 @@ def add_arguments(p):
 
 
 def sampling_of(args) -> dict:
-    return {
+    s = {
         "k": args.k,
         "temperature": args.temperature,
         "top_p": args.top_p,
@@ -82,6 +89,9 @@ def sampling_of(args) -> dict:
         "max_problems": args.max_problems,
         "generator": args.generator,
     }
+    if args.generator == "vllm":  # sharding can change vLLM's numerics: part of what is cached
+        s["tensor_parallel_size"] = args.tensor_parallel_size
+    return s
 
 
 def check_sampling(s: dict) -> None:
@@ -93,6 +103,8 @@ def check_sampling(s: dict) -> None:
         raise UserError(f"--top-p {s['top_p']}: must be in (0, 1]")
     if s["max_new_tokens"] < 1:
         raise UserError(f"--max-new-tokens {s['max_new_tokens']}: must be at least 1")
+    if s.get("tensor_parallel_size", 1) < 1:
+        raise UserError(f"--tensor-parallel-size {s['tensor_parallel_size']}: must be at least 1")
     if s["max_problems"] < 0:
         raise UserError(f"--max-problems {s['max_problems']}: must be >= 0")
 
@@ -191,7 +203,7 @@ def generate_vllm(model_dir: Path, prompts: list[list[dict]], s: dict, batch_siz
         raise UserError(
             "--generator vllm: vLLM is not installed here; use the training image on GPU, or --generator hf"
         ) from None
-    llm = LLM(model=str(model_dir), seed=s["seed"])
+    llm = LLM(model=str(model_dir), seed=s["seed"], tensor_parallel_size=s.get("tensor_parallel_size", 1))
     params = SamplingParams(
         n=s["k"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"], seed=s["seed"]
     )

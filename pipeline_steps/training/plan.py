@@ -223,6 +223,9 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
         "run_uri": run["run_dir"],
     }
     evaluation = dict(exp.spec.get("evaluation") or {})
+    # the evaluate job gets one worker with all of a node's GPUs: vLLM shards the model over them
+    gpus = params.get("gpus_per_node") or (exp.spec.get("cluster") or {}).get("gpus_per_node") or 1
+    evaluation.setdefault("tensor_parallel_size", int(gpus))
     return {
         "train_files": train_files,
         "val_files": val_files,
@@ -262,7 +265,7 @@ def evaluate_request(inputs: dict, trained: dict, run: dict, backend: str = "loc
     if run.get("smoke"):
         args += ["--max-problems", "4"]
     if backend == "kuberay":
-        args += ["--generator", "vllm"]
+        args += ["--generator", "vllm", "--tensor-parallel-size", str(ev.get("tensor_parallel_size", 1))]
     return {"args": args, "carry": {}}
 
 
