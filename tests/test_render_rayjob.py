@@ -421,3 +421,44 @@ def test_mountmap_bad_env_and_uris(monkeypatch):
     ]:
         with pytest.raises(UserError, match=match):
             mm.to_pod_path(bad)
+
+
+LINGJUN = "node-role.alibabacloud.com/lingjun"
+
+
+def test_what_the_guides_clusters_need_can_be_expressed(tmp_path, crd_schema):
+    """Issue 13 item 6: a private registry (imagePullSecrets), extra tolerations (ACK's lingjun nodes), GKE's RDMA
+    network annotations on the GPU pods, and NCCL/gIB settings with LD_LIBRARY_PATH in the containers (not only in
+    the Ray job's runtime env: Ray's own processes start before a job's env applies)."""
+    spec = yaml.safe_load(experiment.resolve_path("gsm8k_qwen2_5_3b").read_text())
+    spec["cluster"].update(
+        image_pull_secrets=["acr-login"],
+        tolerations=[
+            *spec["cluster"]["tolerations"],
+            {"key": "node-role.alibabacloud.com/lingjun", "operator": "Exists"},
+        ],
+        worker_annotations={"networking.gke.io/default-interface": "eth0", "networking.gke.io/interfaces": "[]"},
+        env={"NCCL_NET": "gIB", "LD_LIBRARY_PATH": "/usr/local/gib/lib64:/usr/local/nvidia/lib64"},
+    )
+    preset = tmp_path / "custom.yaml"
+    preset.write_text(yaml.safe_dump(spec))
+    _, job = render(str(preset))
+    validate(job, crd_schema)
+    assert kuberay_validation_error(job) is None
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
+    worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
+    for pod in (head, worker):
+        assert pod["spec"]["imagePullSecrets"] == [{"name": "acr-login"}]
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env["NCCL_NET"] == "gIB" and env["LD_LIBRARY_PATH"].startswith("/usr/local/gib/lib64")
+    assert worker["metadata"]["annotations"]["networking.gke.io/default-interface"] == "eth0"
+    assert "networking.gke.io/default-interface" not in (head["metadata"].get("annotations") or {})
+    assert {"key": LINGJUN, "operator": "Exists"} in worker["spec"]["tolerations"]
+    for bad, match in (
+        ({"image_pull_secrets": "acr-login"}, "image_pull_secrets"),
+        ({"worker_annotations": ["x"]}, "worker_annotations"),
+    ):
+        spec2 = {**spec, "cluster": {**spec["cluster"], **bad}}
+        preset.write_text(yaml.safe_dump(spec2))
+        with pytest.raises(UserError, match=match):
+            render(str(preset))

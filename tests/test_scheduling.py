@@ -143,6 +143,9 @@ def _create_backfill_in_the_ui(url: str, shots: Path) -> None:
             page.keyboard.press("Tab")
             dialog.get_by_text("Date Range").click()  # closes the picker, not the dialog
             page.wait_for_timeout(300)
+        # Airflow 3.3's backfill form sends no parameters at all (dag_run_conf null: every run gets the DAG's
+        # defaults) unless this box is ticked, even for dates with no run yet; the README says so too
+        dialog.get_by_text("Override parameters on existing runs").click()
         dialog.get_by_role("button", name="Experiment").click()
         dialog.get_by_text("Smoke run").click()
         page.wait_for_timeout(500)

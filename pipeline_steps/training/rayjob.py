@@ -250,6 +250,14 @@ def build_rayjob(
         raise UserError("cluster.tolerations: expected a list of Kubernetes tolerations")
     if not isinstance(node_selector, dict):
         raise UserError("cluster.node_selector: expected a mapping of node label to value")
+    pull_secrets = cluster.get("image_pull_secrets") or []
+    if not isinstance(pull_secrets, list) or not all(
+        isinstance(n, str) and _DNS_SUBDOMAIN.match(n) and len(n) <= 253 for n in pull_secrets
+    ):
+        raise UserError("cluster.image_pull_secrets: expected a list of Secret names (private registry logins)")
+    worker_annotations = cluster.get("worker_annotations") or {}
+    if not isinstance(worker_annotations, dict) or not all(isinstance(k, str) for k in worker_annotations):
+        raise UserError("cluster.worker_annotations: expected a mapping of annotation to value (GPU pods only)")
     queue = cluster.get("kueue_queue")
     if queue is not None and not (_DNS_SUBDOMAIN.match(str(queue)) and len(str(queue)) <= 63):
         raise UserError(f"cluster.kueue_queue={queue!r}: not a Kueue LocalQueue name")
@@ -308,7 +316,8 @@ def build_rayjob(
     spec["ttlSecondsAfterFinished"] = ttl
 
     volumes, volume_mounts = mounts.volumes()
-    secret_env = _secret_env(cluster)
+    # cluster.env also goes into the containers: NCCL/gIB settings and LD_LIBRARY_PATH must be there when Ray starts
+    secret_env = [{"name": k, "value": v} for k, v in _plain_env(cluster).items()] + _secret_env(cluster)
     pod_annotations = mounts.pod_annotations()
     head_tpl = spec["rayClusterSpec"]["headGroupSpec"]["template"]
     head_tpl["metadata"]["annotations"] = dict(pod_annotations)
@@ -323,11 +332,18 @@ def build_rayjob(
     hc["env"] = copy.deepcopy(secret_env)
     hc["volumeMounts"] = copy.deepcopy(volume_mounts)
     head_pod["volumes"] = copy.deepcopy(volumes)
+    if pull_secrets:
+        head_pod["imagePullSecrets"] = [{"name": n} for n in pull_secrets]
 
     group = spec["rayClusterSpec"]["workerGroupSpecs"][0]
     group["replicas"] = group["minReplicas"] = group["maxReplicas"] = nnodes
-    group["template"]["metadata"]["annotations"] = dict(pod_annotations)
+    group["template"]["metadata"]["annotations"] = {
+        **dict(pod_annotations),
+        **{k: str(v) for k, v in worker_annotations.items()},  # e.g. GKE's RDMA network interfaces
+    }
     wpod = group["template"]["spec"]
+    if pull_secrets:
+        wpod["imagePullSecrets"] = [{"name": n} for n in pull_secrets]
     wpod["serviceAccountName"] = str(account)
     wc = wpod["containers"][0]
     wc["image"] = image
