@@ -280,9 +280,11 @@ def test_kueue_queue_label_and_evaluate_entrypoint(crd_schema):
 
 def test_secrets_only_by_reference():
     exp = experiment.load("gsm8k_qwen2_5_3b", derived=derived("oss://verl-store", "gsm8k_qwen2_5_3b", "gsm8k"))
-    exp.spec["cluster"]["secrets"].append(
-        {"env": "OSS_ACCESS_KEY_SECRET", "secret": "oss-credentials", "key": "akSecret"}
-    )
+    exp.spec["cluster"]["env"] = {}
+    exp.spec["cluster"]["secrets"] = [
+        {"env": "HF_TOKEN", "secret": "hf-token", "key": "token", "optional": True},
+        {"env": "OSS_ACCESS_KEY_SECRET", "secret": "oss-credentials", "key": "akSecret"},
+    ]
     job = build_rayjob(exp, dag_id="d", run_id="r", task_id="t", mounts=ACK)
     for group in (job["spec"]["rayClusterSpec"]["headGroupSpec"], job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]):
         env = group["template"]["spec"]["containers"][0]["env"]
@@ -462,3 +464,33 @@ def test_what_the_guides_clusters_need_can_be_expressed(tmp_path, crd_schema):
         preset.write_text(yaml.safe_dump(spec2))
         with pytest.raises(UserError, match=match):
             render(str(preset))
+
+
+@pytest.mark.parametrize("preset", ["gsm8k_qwen2_5_3b", "dapo_qwen3_4b"])
+def test_export_jobs_on_ack_can_open_the_oss_store(preset):
+    """Issue 13 item 3: export runs as a CPU RayJob and opens ``--store-root oss://...`` with the OSS SDK (its upload
+    and the promotion records need conditional writes the ossfs mount cannot give), so its pod needs the AccessKey
+    pair (by reference to the ossfs driver's Secret, never a value) and the region/endpoint the PV uses."""
+    from operators.cluster_step import cpu_only
+    from pipeline_steps.store.oss import OssStore  # noqa: F401  (the SDK these variables configure)
+
+    exp = experiment.load(preset)
+    job = cpu_only(
+        build_rayjob(
+            exp,
+            namespace="verl-pipeline",
+            mounts=ACK,
+            entrypoint=["python3", "-m", "pipeline_steps", "export"],
+            job_kind="export",
+            dag_id="d",
+            run_id=RUN,
+            task_id="export",
+        ),
+        exp.spec["cluster"]["export"],
+    )
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in head["env"]}
+    for name, key in (("OSS_ACCESS_KEY_ID", "akId"), ("OSS_ACCESS_KEY_SECRET", "akSecret")):
+        assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "oss-credentials", "key": key}}}
+    pv = (ROOT / "k8s/overlays/ack/pv-pvc-oss.yaml").read_text()
+    assert env["OSS_ENDPOINT"]["value"] in pv and env["OSS_REGION"]["value"] in env["OSS_ENDPOINT"]["value"]
