@@ -134,10 +134,32 @@ def test_overlay_builds_validates_and_backs_its_mounts(cloud, kubectl, crd_schem
         ref = pv["spec"]["csi"]["nodePublishSecretRef"]
         assert ref == {"name": "oss-credentials", "namespace": "verl-pipeline"}
         assert "Secret" not in by_kind
-        assert "max_stat_cache_size=0" in pv["spec"]["csi"]["volumeAttributes"]["otherOpts"]
+        # seed 000's otherOpts, without its request-logging options (-o dbglevel=debug -o curldbg)
+        opts = pv["spec"]["csi"]["volumeAttributes"]["otherOpts"]
+        assert opts.split() == "-o umask=022 -o max_stat_cache_size=100000 -o allow_other".split()
     else:
-        assert {"implicit-dirs", "metadata-cache:ttl-secs:0"} <= set(pv["spec"]["mountOptions"])
+        # seed 004's PersistentVolume, option for option
+        assert pv["spec"]["mountOptions"] == GKE_GUIDE_MOUNT_OPTIONS
+        assert pv["spec"]["csi"]["volumeAttributes"] == {
+            "skipCSIBucketAccessCheck": "true",
+            "gcsfuseMetadataPrefetchOnMount": "true",
+        }
         assert mounts[0]["podAnnotations"] == {"gke-gcsfuse/volumes": "true"}
+
+
+GKE_GUIDE_MOUNT_OPTIONS = [
+    "implicit-dirs",
+    "metadata-cache:negative-ttl-secs:0",
+    "metadata-cache:ttl-secs:0",
+    "metadata-cache:stat-cache-max-size-mb:-1",
+    "metadata-cache:type-cache-max-size-mb:-1",
+    "file-cache:max-size-mb:-1",
+    "file-cache:cache-file-for-range-read:true",
+    "file-cache:enable-parallel-downloads:true",
+    "read_ahead_kb=1024",
+    "write:enable-streaming-writes:true",
+    "write:global-max-blocks:200000",
+]
 
 
 def test_kueue_component_adds_the_local_queue(kubectl, tmp_path, crd_schema):

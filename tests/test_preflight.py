@@ -73,9 +73,9 @@ def test_bad_config_is_one_line_naming_the_key(override, match):
 
 
 def test_batch_sizes_must_divide_over_nodes_and_gpus():
-    # 256 prompts x 16 = 4096 responses over 3 x 8 = 24 GPUs does not divide
+    # 16 prompts x 16 = 256 responses over 3 x 8 = 24 GPUs does not divide
     with pytest.raises(
-        UserError, match=r"data.train_batch_size x actor_rollout_ref.rollout.n = 256 x 16 = 4096 .* 3 x 8 = 24 GPUs"
+        UserError, match=r"data.train_batch_size x actor_rollout_ref.rollout.n = 16 x 16 = 256 .* 3 x 8 = 24 GPUs"
     ):
         check("gsm8k_qwen2_5_3b", overrides=["trainer.nnodes=3"])
     with pytest.raises(UserError, match=r"tensor_model_parallel_size=8 does not divide .* = 12 GPUs"):

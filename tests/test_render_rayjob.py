@@ -441,6 +441,7 @@ def test_what_the_guides_clusters_need_can_be_expressed(tmp_path, crd_schema):
         ],
         worker_annotations={"networking.gke.io/default-interface": "eth0", "networking.gke.io/interfaces": "[]"},
         env={"NCCL_NET": "gIB", "LD_LIBRARY_PATH": "/usr/local/gib/lib64:/usr/local/nvidia/lib64"},
+        worker_host_paths={"/usr/local/gib": "/home/kubernetes/bin/gib"},
     )
     preset = tmp_path / "custom.yaml"
     preset.write_text(yaml.safe_dump(spec))
@@ -454,11 +455,17 @@ def test_what_the_guides_clusters_need_can_be_expressed(tmp_path, crd_schema):
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["NCCL_NET"] == "gIB" and env["LD_LIBRARY_PATH"].startswith("/usr/local/gib/lib64")
     assert worker["metadata"]["annotations"]["networking.gke.io/default-interface"] == "eth0"
+    [host] = [v for v in worker["spec"]["volumes"] if "hostPath" in v]
+    assert host["hostPath"]["path"] == "/home/kubernetes/bin/gib"
+    mount = next(m for m in worker["spec"]["containers"][0]["volumeMounts"] if m["name"] == host["name"])
+    assert mount == {"name": host["name"], "mountPath": "/usr/local/gib", "readOnly": True}
+    assert not [v for v in head["spec"]["volumes"] if "hostPath" in v]
     assert "networking.gke.io/default-interface" not in (head["metadata"].get("annotations") or {})
     assert {"key": LINGJUN, "operator": "Exists"} in worker["spec"]["tolerations"]
     for bad, match in (
         ({"image_pull_secrets": "acr-login"}, "image_pull_secrets"),
         ({"worker_annotations": ["x"]}, "worker_annotations"),
+        ({"worker_host_paths": {"/usr/local/gib": "../etc"}}, "worker_host_paths"),
     ):
         spec2 = {**spec, "cluster": {**spec["cluster"], **bad}}
         preset.write_text(yaml.safe_dump(spec2))

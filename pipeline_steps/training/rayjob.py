@@ -258,6 +258,15 @@ def build_rayjob(
     worker_annotations = cluster.get("worker_annotations") or {}
     if not isinstance(worker_annotations, dict) or not all(isinstance(k, str) for k in worker_annotations):
         raise UserError("cluster.worker_annotations: expected a mapping of annotation to value (GPU pods only)")
+    host_paths = cluster.get("worker_host_paths") or {}
+    if not isinstance(host_paths, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k.startswith("/") and v.startswith("/") and ".." not in k + v
+        for k, v in host_paths.items()
+    ):
+        raise UserError(
+            "cluster.worker_host_paths: expected a mapping of container path to node path, both absolute "
+            "(e.g. /usr/local/gib: /home/kubernetes/bin/gib)"
+        )
     queue = cluster.get("kueue_queue")
     if queue is not None and not (_DNS_SUBDOMAIN.match(str(queue)) and len(str(queue)) <= 63):
         raise UserError(f"cluster.kueue_queue={queue!r}: not a Kueue LocalQueue name")
@@ -355,6 +364,9 @@ def build_rayjob(
     for v in wpod["volumes"]:
         if v["name"] == "dshm":
             v["emptyDir"]["sizeLimit"] = worker["shm"]
+    for i, (mount_path, node_path) in enumerate(sorted(host_paths.items())):  # read-only: libraries and plugins
+        wpod["volumes"].append({"name": f"host-{i}", "hostPath": {"path": node_path, "type": "Directory"}})
+        wc["volumeMounts"].append({"name": f"host-{i}", "mountPath": mount_path, "readOnly": True})
     wpod["tolerations"] = copy.deepcopy(tolerations)
     wpod["nodeSelector"] = {str(k): str(v) for k, v in node_selector.items()}
     return job
