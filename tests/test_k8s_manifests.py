@@ -232,7 +232,7 @@ def test_dockerfiles_pin_what_the_project_pins():
     train = (K8S / "docker" / "Dockerfile.train").read_text()
     # the base only by digest (a build with a tag fails), and the image checks the verl version the lock pins
     assert re.search(r"^ARG VERL_IMAGE$", train, re.M) and "FROM ${VERL_IMAGE}" in train
-    assert '*@sha256:*) ;;' in train and "exit 1" in train
+    assert "*@sha256:*) ;;" in train and "exit 1" in train
     assert f"verl=={pins['verl']}" in train and f"assert v == '{pins['verl']}'" in train
     assert not re.search(r"^FROM \S+:(latest|\S*\.latest)\b", train + airflow, re.M)
 

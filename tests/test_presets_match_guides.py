@@ -180,3 +180,18 @@ def test_the_guides_cluster_shapes():
     assert (tione["cluster"]["head"]["cpu"], tione["cluster"]["head"]["memory"]) == ("128", "1000Gi")
     assert (tione["cluster"]["worker"]["cpu"], tione["cluster"]["worker"]["memory"]) == ("128", "1000Gi")
     assert tione["datasets"] == {"train": ["dapo_math"], "val": ["aime2024"]}  # DAPO-Math-17k, AIME 2024
+
+
+@pytest.mark.parametrize("preset", sorted(GUIDES))
+def test_deviations_are_listed_with_the_guides_value_ours_and_why(preset):
+    """A preset's ``deviations:`` list names each guide setting it does not take (key, the guide's value, ours,
+    why). A listed key must not be one the preset matches (the table above), and where ``ours`` names a verl value
+    the preset must hold exactly that, so the list cannot drift from the preset."""
+    exp = experiment.load(preset)
+    deviations = exp.spec.get("deviations")
+    assert deviations, f"{preset}: no deviations list"
+    for d in deviations:
+        assert set(d) == {"key", "guide", "ours", "why"} and d["why"], d
+        assert d["key"] not in GUIDES[preset], f"{d['key']} is in the guide table: it must match, not deviate"
+        if d["key"] in exp.verl:
+            assert str(exp.verl[d["key"]]).replace('"', "'") in (str(d["ours"]), str(d["ours"]).replace('"', "'")), d
