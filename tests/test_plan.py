@@ -89,3 +89,18 @@ def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus():
         assert argv[argv.index("--generator") + 1] == "vllm"
         assert argv[argv.index("--tensor-parallel-size") + 1] == want
         assert "--tensor-parallel-size" not in plan.evaluate_request(inputs, trained, run, "local")["args"]
+
+
+def test_kuberay_refuses_a_store_the_pods_cannot_reach(offline_hub, monkeypatch):
+    """Issue 13: a kuberay run with the store on the worker's disk (file://) or on an unmounted bucket fails in the
+    plan task, in one line, instead of at render time after downloading and uploading the data."""
+    monkeypatch.setenv("PIPELINE_MOUNTS", '[{"uri": "oss://verl-store", "claim": "verl-store", "path": "/mnt/store"}]')
+    base = {"experiment": "gsm8k_qwen2_5_3b", "backend": "kuberay"}
+    for store in ("file:///tmp/store", "oss://other-bucket/verl"):
+        with pytest.raises(UserError, match=r"^store_uri .*: the kuberay backend .*\(mounts: oss://verl-store\)") as e:
+            plan.plan({**base, "store_uri": store}, None, "r", "d")
+        assert "\n" not in str(e.value)
+    ok = plan.plan({**base, "store_uri": "oss://verl-store/verl", "dataset_revisions": {}}, None, "r", "d")
+    assert ok["store"] == "oss://verl-store/verl"
+    # the local backend keeps any store
+    assert plan.plan({**base, "backend": "local", "store_uri": "file:///tmp/store"}, None, "r", "d")["store"]

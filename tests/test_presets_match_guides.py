@@ -164,6 +164,7 @@ def test_the_guides_cluster_shapes():
     ack = experiment.load("gsm8k_qwen2_5_3b").spec["cluster"]
     assert ack["worker"]["cpu"] == "100" and ack["worker"]["memory"] == "500Gi" and ack["gpus_per_node"] == 8
     assert {"key": "node-role.alibabacloud.com/lingjun"} in ack["tolerations"]
+    assert ack["security_context"] == {"runAsUser": 0}
     gke = experiment.load("gsm8k_qwen2_5_32b").spec["cluster"]
     assert gke["node_selector"] == {"cloud.google.com/gke-accelerator": "nvidia-b200"}
     assert (gke["worker"]["cpu"], gke["worker"]["memory"], gke["worker"]["shm"]) == ("220", "2800Gi", "250Gi")

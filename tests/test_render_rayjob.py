@@ -442,6 +442,7 @@ def test_what_the_guides_clusters_need_can_be_expressed(tmp_path, crd_schema):
         worker_annotations={"networking.gke.io/default-interface": "eth0", "networking.gke.io/interfaces": "[]"},
         env={"NCCL_NET": "gIB", "LD_LIBRARY_PATH": "/usr/local/gib/lib64:/usr/local/nvidia/lib64"},
         worker_host_paths={"/usr/local/gib": "/home/kubernetes/bin/gib"},
+        security_context={"runAsUser": 0},
     )
     preset = tmp_path / "custom.yaml"
     preset.write_text(yaml.safe_dump(spec))
@@ -452,6 +453,7 @@ def test_what_the_guides_clusters_need_can_be_expressed(tmp_path, crd_schema):
     worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
     for pod in (head, worker):
         assert pod["spec"]["imagePullSecrets"] == [{"name": "acr-login"}]
+        assert pod["spec"]["containers"][0]["securityContext"] == {"runAsUser": 0}
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["NCCL_NET"] == "gIB" and env["LD_LIBRARY_PATH"].startswith("/usr/local/gib/lib64")
     assert worker["metadata"]["annotations"]["networking.gke.io/default-interface"] == "eth0"

@@ -39,6 +39,29 @@ def run_key(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_")[:120] or "run"
 
 
+def _check_store_reaches_the_pods(params: dict, spec: dict, store: str) -> None:
+    """A kuberay run reads and writes the store through the Ray pods' bucket mounts: refuse, in one line, a store
+    that is on none of them (a file:// store on the worker's disk, another bucket) before anything is downloaded."""
+    from pipeline_steps.constants import resolve_backend
+    from pipeline_steps.training.mounts import MountMap
+
+    try:
+        backend = resolve_backend(params.get("backend"), spec.get("backend"))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if backend != "kuberay":
+        return
+    mounts = MountMap.from_env()
+    if not len(mounts):
+        mounts = MountMap.from_config((spec.get("cluster") or {}).get("mounts"), source="cluster.mounts")
+    if not mounts.find(store):
+        where = ", ".join(m.uri for m in mounts.mounts) or "none configured"
+        raise UserError(
+            f"store_uri {store}: the kuberay backend reaches the store through the pods' bucket mounts, and this "
+            f"store is on none of them (mounts: {where}); use a mounted bucket or the local backend"
+        )
+
+
 def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) -> dict:
     from pipeline_steps.data import revisions
 
@@ -47,6 +70,7 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     spec = exp.spec
     store = (params.get("store_uri") or default_store()).rstrip("/")
     parse_uri(store)  # file:// needs an absolute path, buckets a valid name: one line naming the URI otherwise
+    _check_store_reaches_the_pods(params, spec, store)
     work = str(Path(os.environ.get("PIPELINE_WORK_DIR") or home() / "work"))
     smoke = bool(params.get("smoke"))
     train_sets = list(params.get("datasets") or spec.get("datasets", {}).get("train") or [])

@@ -258,6 +258,9 @@ def build_rayjob(
     worker_annotations = cluster.get("worker_annotations") or {}
     if not isinstance(worker_annotations, dict) or not all(isinstance(k, str) for k in worker_annotations):
         raise UserError("cluster.worker_annotations: expected a mapping of annotation to value (GPU pods only)")
+    security = cluster.get("security_context")
+    if security is not None and not isinstance(security, dict):
+        raise UserError("cluster.security_context: expected a Kubernetes container securityContext mapping")
     host_paths = cluster.get("worker_host_paths") or {}
     if not isinstance(host_paths, dict) or not all(
         isinstance(k, str) and isinstance(v, str) and k.startswith("/") and v.startswith("/") and ".." not in k + v
@@ -339,6 +342,8 @@ def build_rayjob(
         "limits": {"cpu": head["cpu"], "memory": head["memory"]},
     }
     hc["env"] = copy.deepcopy(secret_env)
+    if security:
+        hc["securityContext"] = copy.deepcopy(security)
     hc["volumeMounts"] = copy.deepcopy(volume_mounts)
     head_pod["volumes"] = copy.deepcopy(volumes)
     if pull_secrets:
@@ -359,6 +364,8 @@ def build_rayjob(
     res = {"cpu": worker["cpu"], "memory": worker["memory"], "nvidia.com/gpu": gpus}
     wc["resources"] = {"requests": dict(res), "limits": dict(res)}
     wc["env"] = copy.deepcopy(secret_env)
+    if security:
+        wc["securityContext"] = copy.deepcopy(security)
     wc["volumeMounts"] = [m for m in wc["volumeMounts"] if m["name"] == "dshm"] + copy.deepcopy(volume_mounts)
     wpod["volumes"] = [v for v in wpod["volumes"] if v["name"] == "dshm"] + copy.deepcopy(volumes)
     for v in wpod["volumes"]:
