@@ -60,3 +60,21 @@ def read(path: str | os.PathLike) -> MetricsLog:
             return parse(f.read())
     except FileNotFoundError:
         return MetricsLog()
+
+
+def history_through(path: str | os.PathLike, step: int) -> bytes:
+    """The log's lines of steps up to ``step`` (what a resumed attempt keeps: later steps run again), as bytes.
+
+    Torn and foreign lines are dropped; an absent file gives ``b""``.
+    """
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        return b""
+    kept = []
+    for line in lines:
+        row = _row(line.decode("utf-8", errors="replace"))
+        if row is not None and row["step"] <= step:
+            kept.append(line if line.endswith(b"\n") else line + b"\n")
+    return b"".join(kept)

@@ -179,7 +179,7 @@ def test_untrusted_values_cannot_leave_their_argument(tmp_path, crd_schema):
     validate(job, crd_schema)
     entry = job["spec"]["entrypoint"]
     argv = shlex.split(entry)
-    assert argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    assert argv[:3] == ["python3", "-m", "pipeline_steps.training.verl_main"]
     # the real shell Ray's job supervisor uses (subprocess(..., shell=True) -> /bin/sh -c) gives the same argv
     env = _fake_python(tmp_path)
     out = subprocess.run(["/bin/sh", "-c", entry], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30)
@@ -202,7 +202,7 @@ def test_store_uris_map_to_the_mount_and_resume_is_forced():
         pipeline={"trainer.resume_mode": "disable", "trainer.default_local_dir": "oss://verl-store/elsewhere/ckpt"}
     )
     argv = shlex.split(job["spec"]["entrypoint"])
-    assert argv[:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    assert argv[:3] == ["python3", "-m", "pipeline_steps.training.verl_main"]
     kv = dict(a.split("=", 1) for a in argv[3:])
     assert kv["trainer.resume_mode"] == '"auto"'  # a retry always resumes from the last checkpoint
     assert kv["trainer.default_local_dir"] == '"/mnt/store/elsewhere/ckpt"'

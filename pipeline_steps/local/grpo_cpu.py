@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import json
 import logging
 import math
 import os
@@ -146,19 +145,11 @@ def _file_logger(path: Path, keep_through_step: int):
 
     verl's own constructor truncates the file; on resume the lines of steps that are
     already in the checkpoint must stay, and lines of steps after it are dropped
-    because those steps run again.
+    because those steps run again (the cluster entrypoint keeps them the same way).
     """
     from verl.utils.tracking import FileLogger
 
-    kept = []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-            try:
-                if int(json.loads(line)["step"]) <= keep_through_step:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line from a crash
-    atomic.write_text(path, "".join(kept))
+    atomic.write_bytes(path, metrics_log.history_through(path, keep_through_step))
     logger = FileLogger.__new__(FileLogger)
     logger.project_name, logger.experiment_name, logger.filepath = "", "", str(path)
     logger.fp = open(path, "ab", buffering=0)

@@ -5,7 +5,8 @@
 The RayJob is ``k8s/templates/rayjob.yaml`` (the one source of truth) with its
 marked fields filled: a deterministic name and ``spec.jobId`` from the DAG run
 (a retry finds the same job), labels with dag/run/task ids, the entrypoint
-``python3 -m verl.trainer.main_ppo <overrides>`` with every argument shell-quoted,
+``python3 -m pipeline_steps.training.verl_main <overrides>`` (verl's ``main_ppo`` with the metrics history
+kept across attempts) with every argument shell-quoted,
 store URIs turned into paths on the bucket mounts, checkpoints
 (``trainer.default_local_dir``) and verl's file logger on the shared mount,
 ``trainer.resume_mode=auto`` so a new attempt resumes, secrets only through
@@ -38,7 +39,7 @@ KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 ANNOTATION_PREFIX = "verl-grpo-pipeline/"
 IMAGE_ENV = "PIPELINE_TRAIN_IMAGE"
 SERVICE_ACCOUNT_ENV = "PIPELINE_RAY_SERVICE_ACCOUNT"
-MAIN_PPO = ["python3", "-m", "verl.trainer.main_ppo"]
+MAIN_PPO = ["python3", "-m", "pipeline_steps.training.verl_main"]  # verl.trainer.main_ppo, history kept
 
 _LABEL_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -187,7 +188,7 @@ def _to_pod(value, key: str, mounts: MountMap):
 
 
 def entrypoint_argv(exp: Experiment, mounts: MountMap, forced: dict) -> list[str]:
-    """``python3 -m verl.trainer.main_ppo key=value ...``: the experiment's overrides, store URIs mapped
+    """``python3 -m pipeline_steps.training.verl_main key=value ...``: the experiment's overrides, store URIs mapped
     to pod paths, then the keys the cluster backend forces (applied last, so they win)."""
     verl = {k: _to_pod(v, k, mounts) for k, v in exp.verl.items() if k not in forced}
     verl.update(forced)
