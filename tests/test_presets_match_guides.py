@@ -13,7 +13,8 @@ import pytest
 
 from pipeline_steps.training import experiment
 
-# seed 000 (Alibaba Cloud ACK): the RayJob entrypoint's overrides (and its gsm8k_multiturn_grpo.yaml)
+# seed 000 (Alibaba Cloud ACK, 000_4063a68973fea04e.txt): the RayJob entrypoint's overrides (line 44) and its
+# gsm8k_multiturn_grpo.yaml (line 40); the pod's Lingjun toleration and resources are on line 44 too
 ACK_000 = {
     "algorithm.adv_estimator": "grpo",
     "data.train_batch_size": 16,
@@ -53,7 +54,8 @@ ACK_000 = {
     "actor_rollout_ref.actor.checkpoint.save_contents": ["hf_model", "model"],
     "trainer.total_epochs": 1,
 }
-# seed 004 (Google Cloud GKE): the main_ppo arguments of the job submission
+# seed 004 (Google Cloud GKE, 004_1bd47ef7b1371c15.txt): the main_ppo arguments of the job submission (lines
+# 323-348); the worker group (lines 178-273), the runtime env's NCCL settings (lines 284-303), the PV (lines 62-79)
 GKE_004 = {
     "data.train_batch_size": 256,
     "data.max_prompt_length": 512,
@@ -77,7 +79,8 @@ GKE_004 = {
     "actor_rollout_ref.rollout.n": 8,
     "trainer.total_epochs": 2,
 }
-# seed 003 (Tencent Cloud TI-ONE): run_qwen3-4b-instruct_dapo_e2b_code_tool.sh with its variables expanded
+# seed 003 (Tencent Cloud TI-ONE, 003_e9e8eb827b395e1a.txt): run_qwen3-4b-instruct_dapo_e2b_code_tool.sh with its
+# variables expanded (variables lines 98-146, arguments lines 149-205); the Ray task's shape on lines 228-230
 _prompt, _response = 2048, 16384
 TIONE_003 = {
     "algorithm.adv_estimator": "grpo",
@@ -122,7 +125,8 @@ TIONE_003 = {
     "trainer.test_freq": 5,
     "trainer.total_epochs": 1,
 }
-# seed 002 (Alibaba Cloud Model Studio): its 13 GSPO hyperparameters, mapped onto verl's keys
+# seed 002 (Alibaba Cloud Model Studio, 002_a7493373bbb8ae94.txt): its 13 GSPO hyperparameters (lines 305-321),
+# mapped onto verl's keys
 STUDIO_002 = {
     "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo",  # algorithm: gspo
     "trainer.total_epochs": 5,  # n_epochs
