@@ -29,6 +29,7 @@ SCHEDULE = os.environ.get("VERL_PIPELINE_SCHEDULE", "@weekly")
 END_DATE = os.environ.get("VERL_PIPELINE_END_DATE")  # ISO date: no scheduled runs after it (optional)
 GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")
 GPU_SLOTS = int(os.environ.get("VERL_PIPELINE_GPU_SLOTS", "8"))
+POLL_SECONDS = float(os.environ.get("VERL_PIPELINE_POLL_SECONDS", "30"))  # how often a job's status is read
 DATASET_ASSETS = "verl-processed-datasets"  # AssetAlias: one Asset per processed dataset version
 MODEL_ASSETS = "verl-exported-models"  # AssetAlias: one Asset per exported model version (verl_evaluate_model listens)
 STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")
@@ -302,6 +303,7 @@ def verl_grpo_pipeline():
         model_path=inputs["model_uri"],
         run_dir=inputs["run_dir"],
         store_conn_id=STORE_CONN_ID,
+        poll_interval=POLL_SECONDS,
         pool=GPU_POOL,
         pool_slots=GPU_SLOTS,
         **retrying(timedelta(hours=48)),
@@ -335,6 +337,7 @@ def verl_grpo_pipeline():
         "overrides": inputs["overrides"],
         "store_uri": planned["store"],
         "store_conn_id": STORE_CONN_ID,
+        "poll_interval": POLL_SECONDS,
     }
     evaluate = PipelineStepJobOperator(
         task_id="evaluate",

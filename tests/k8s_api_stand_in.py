@@ -212,7 +212,10 @@ class StandIn:
         against its openAPIV3Schema (422 on failure), as a real API server does.
     """
 
-    def __init__(self, crd_file: str | Path | None = None):
+    def __init__(self, crd_file: str | Path | None = None, executor=None):
+        """:param executor: run each valid RayJob's entrypoint for real instead of playing a script
+        (:class:`PodRunner`); its process decides the job's status and log."""
+        self.executor = executor
         self.objects: dict[tuple[str, str], dict] = {}
         self.scripts: dict[str, list[dict]] = {}
         self.default_script: list[dict] = SUCCESS
@@ -432,6 +435,9 @@ class StandIn:
         invalid = kuberay_validation_error(obj)
         if invalid:  # KubeRay's controller refuses it on its first reconcile, whatever the test scripted
             script = [{"jobDeploymentStatus": "ValidationFailed", "reason": "ValidationFailed", "message": invalid}]
+        if self.executor is not None and not invalid:
+            obj["_run"] = self.executor.start(copy.deepcopy(obj))  # the pods' work, for real
+            script = []
         obj["_script"] = [dict(s) for s in script]  # private to the stand-in; stripped from responses
         obj["_metrics"] = self.metrics_files.get(name) or next(
             (p for k, p in self.metrics_files.items() if name.startswith(k + "-")), None
@@ -440,6 +446,22 @@ class StandIn:
 
     def _advance(self, ns: str, obj: dict) -> None:
         """One controller reconcile: apply the next scripted step, with its side effects."""
+        if obj.get("_run") is not None:
+            run = obj["_run"]
+            self.job_logs[(ns, obj["metadata"]["name"])] = run.log_lines()
+            code = run.poll()
+            if code is None:
+                step = {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"}
+            elif code == 0:
+                step = {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED", "message": "Job finished"}
+            else:  # KubeRay v1.7.0 for an application failure
+                step = {
+                    "jobDeploymentStatus": "Failed",
+                    "jobStatus": "FAILED",
+                    "reason": "AppFailed",
+                    "message": f"Job entrypoint command failed with exit code {code}",
+                }
+            obj["_script"] = [step]
         script = obj["_script"]
         if script and "wait_for" in script[0]:  # a gate: the job stays as it is until the test opens it
             if script[0]["wait_for"] not in self.open_gates:
@@ -525,3 +547,72 @@ class StandIn:
     @staticmethod
     def _public(obj: dict) -> dict:
         return {k: copy.deepcopy(v) for k, v in obj.items() if not k.startswith("_")}
+
+
+class PodRunner:
+    """Runs a RayJob's entrypoint the way its pod would: ``/bin/sh -c <entrypoint>`` (as Ray's job supervisor does),
+    with the container's plain env, its secrets resolved by reference from ``secrets`` (``{(secret, key): value}``;
+    an optional missing one is left out, a required one fails the job as a pod would not start), the job's
+    runtime env, and the bucket mount path mapped onto a local store directory. ``swaps`` replace parts of the
+    entrypoint that cannot run here (the GPU trainer module, vLLM): the test says which."""
+
+    def __init__(
+        self, workdir: Path, cwd: Path, mount_path: str, store_dir: Path, secrets=None, swaps=(), base_env=None
+    ):
+        self.workdir, self.cwd, self.mount_path, self.store_dir = Path(workdir), Path(cwd), mount_path, str(store_dir)
+        self.secrets, self.swaps, self.base_env = dict(secrets or {}), list(swaps), dict(base_env or {})
+        self.started: list[dict] = []  # {"name", "command", "env"} of every run
+
+    def _map(self, text: str) -> str:
+        return text.replace(self.mount_path, self.store_dir)
+
+    def start(self, obj: dict) -> "_Run":
+        import subprocess
+
+        import yaml
+
+        spec = obj["spec"]
+        cluster = spec["rayClusterSpec"]
+        groups = cluster.get("workerGroupSpecs") or []
+        container = (groups[0] if groups else cluster["headGroupSpec"])["template"]["spec"]["containers"][0]
+        env = dict(self.base_env)
+        missing = []
+        for e in container.get("env") or []:
+            if "value" in e:
+                env[e["name"]] = self._map(str(e["value"]))
+            else:
+                ref = e["valueFrom"]["secretKeyRef"]
+                if (ref["name"], ref["key"]) in self.secrets:
+                    env[e["name"]] = self.secrets[(ref["name"], ref["key"])]
+                elif not ref.get("optional"):
+                    missing.append(f"{ref['name']}/{ref['key']}")
+        runtime = yaml.safe_load(spec.get("runtimeEnvYAML") or "") or {}
+        env.update({k: self._map(str(v)) for k, v in (runtime.get("env_vars") or {}).items()})
+        command = self._map(spec["entrypoint"])
+        for old, new in self.swaps:
+            command = command.replace(old, new)
+        name = obj["metadata"]["name"]
+        self.started.append({"name": name, "command": command, "env": env})
+        log = self.workdir / f"{name}.log"
+        if missing:  # the pod would not start: CreateContainerConfigError
+            log.write_text(f"secret not found: {missing}\n")
+            return _Run(None, log, 1)
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", command], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd
+            )
+        return _Run(proc, log, None)
+
+
+class _Run:
+    def __init__(self, proc, log: Path, code):
+        self.proc, self.log, self.code = proc, log, code
+
+    def poll(self):
+        return self.code if self.proc is None else self.proc.poll()
+
+    def log_lines(self) -> list[str]:
+        try:
+            return self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return []

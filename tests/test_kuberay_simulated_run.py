@@ -1,0 +1,144 @@
+"""The whole kuberay path in one DAG run (issue 13 item 4): ``airflow dags test`` with ``backend=kuberay`` against
+the Kubernetes API stand-in, whose controller runs every RayJob's real entrypoint as its pod would
+(:class:`tests.k8s_api_stand_in.PodRunner`: ``/bin/sh -c`` on the rendered entrypoint, the container's env, secrets
+by reference, the job's runtime env, the bucket mount path ``/mnt/store`` mapped onto the local store).
+
+Swapped, because they cannot run here: the trainer module (``pipeline_steps.training.verl_main`` -> the CPU trainer
+``tests.cpu_main_ppo``, which takes the same Hydra overrides) and evaluate's vLLM generator (``--generator vllm`` ->
+``hf``). Everything else runs as in the pods: argv quoting, env, mounts, ``resume_mode``, the checkpoint directory,
+the step summaries written through the mount and read back by the operator, export's upload and promotion.
+The preset is a cluster-shaped copy of ``local_tiny`` (1 node x 1 GPU) so that CPU training finishes in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.k8s_api_stand_in import PodRunner, StandIn
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+MOUNT = "/mnt/store"
+NS = "training"
+
+
+def _preset(directory: Path) -> None:
+    spec = yaml.safe_load((ROOT / "pipeline_steps/training/presets/local_tiny.yaml").read_text())
+    spec.update(name="tiny_cluster", backend="cluster", description="local_tiny, cluster-shaped (simulated run)")
+    spec["cluster"] = {
+        "nnodes": 1,
+        "gpus_per_node": 1,
+        "image": "registry.local/verl-grpo-train@sha256:" + "0" * 64,
+        "head": {"cpu": "2", "memory": "4Gi"},
+        "export": {"cpu": "2", "memory": "8Gi"},
+        "worker": {"cpu": "2", "memory": "8Gi", "shm": "1Gi"},
+        "service_account": "verl-ray",
+        "env": {"PIPELINE_SIMULATED": "1"},
+        "secrets": [{"env": "HF_TOKEN", "secret": "hf-token", "key": "token", "optional": True}],
+    }
+    spec["verl"].pop("trainer.n_gpus_per_node", None)  # from cluster.gpus_per_node
+    spec["verl"]["trainer.experiment_name"] = "tiny_cluster"
+    spec["verl"]["actor_rollout_ref.rollout.name"] = "vllm"  # what a cluster preset sets (the CPU trainer samples)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "tiny_cluster.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+
+
+def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path):
+    from scripts.demo import prepare, xcom
+
+    home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
+    store = home / "store"
+    pods = tmp_path / "pods"
+    pods.mkdir()
+    venv_bin = str(Path(sys.executable).parent)
+    runner = PodRunner(
+        pods,
+        ROOT,  # the working directory: `python -m tests.cpu_main_ppo` imports the swapped trainer from the checkout
+        MOUNT,
+        store,
+        swaps=[
+            ("pipeline_steps.training.verl_main", "tests.cpu_main_ppo"),  # no GPU: the CPU trainer, same overrides
+            ("--generator vllm", "--generator hf"),  # no vLLM here
+        ],
+        base_env={
+            "PATH": f"{venv_bin}:/usr/bin:/bin",
+            "HOME": str(pods),
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+        },
+    )
+    api = StandIn(crd_file=ROOT / "k8s/crds/ray.io_rayjobs.v1.7.0.yaml", executor=runner)
+    api.start()
+    try:
+        kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
+        _preset(tmp_path / "presets")
+        env = prepare(home, airflow_home)
+        env.update(
+            {
+                "AIRFLOW_CONN_KUBERNETES_DEFAULT": json.dumps(
+                    {
+                        "conn_type": "kubernetes",
+                        "extra": {"kube_config_path": str(kube_config), "namespace": "training"},
+                    }
+                ),
+                "PIPELINE_MOUNTS": json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": MOUNT}]),
+                "VERL_PIPELINE_PRESETS_DIR": str(tmp_path / "presets"),
+                "VERL_PIPELINE_POLL_SECONDS": "1",
+            }
+        )
+        conf = {"experiment": "tiny_cluster", "backend": "kuberay", "datasets": ["gsm8k"], "smoke": True}
+        logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+        airflow = str(Path(sys.executable).with_name("airflow"))
+        with open(tmp_path / "dag.log", "w") as f:
+            subprocess.run(
+                [airflow, "dags", "test", "verl_grpo_pipeline", logical, "--conf", json.dumps(conf)],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                timeout=1200,
+            )
+        db = airflow_home / "airflow.db"
+        with sqlite3.connect(db) as c:
+            run_id = c.execute("SELECT run_id FROM dag_run ORDER BY id DESC LIMIT 1").fetchone()[0]
+            states = dict(
+                c.execute("SELECT task_id || ':' || map_index, state FROM task_instance WHERE run_id=?", (run_id,))
+            )
+        log = (tmp_path / "dag.log").read_text()
+        pod_logs = {p.name: p.read_text()[-1500:] for p in pods.glob("*.log")}
+        assert all(s == "success" for t, s in states.items() if t != "export:-1"), (states, log[-4000:], pod_logs)
+        assert states["export:-1"] in ("success", "skipped"), states
+
+        kinds = [b["metadata"]["labels"].get("verl-grpo-pipeline/kind") or b["metadata"]["name"] for b in api.creates]
+        assert len(api.creates) == 3, kinds  # train, evaluate, export: one RayJob each, no retries
+        train, evaluate, export = runner.started
+        # the trainer got the rendered overrides through the real shell, with paths on the mount
+        assert "trainer.resume_mode=" in train["command"] and f"{store}/runs/tiny_cluster/" in train["command"]
+        assert train["env"]["VERL_FILE_LOGGER_PATH"].startswith(f"{store}/runs/tiny_cluster/")
+        assert train["env"]["PIPELINE_SIMULATED"] == "1" and "HF_TOKEN" not in train["env"]  # optional, absent
+        assert "pipeline_steps.cluster_entry" in evaluate["command"] and "--generator hf" in evaluate["command"]
+        assert "pipeline_steps.cluster_entry" in export["command"] and " export " in export["command"]
+
+        trained = xcom(db, run_id, "train")[0]
+        assert trained["backend"] == "kuberay" and trained["checkpoint_step"] == 1, trained
+        ckpt = Path(trained["checkpoint_uri"].removeprefix("file://"))
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+        evaluated = xcom(db, run_id, "evaluate")[0]["evaluate"]
+        assert evaluated["results"].startswith(f"file://{store}/runs/") or evaluated["results"].startswith(str(store))
+        report = xcom(db, run_id, "report")[0]["report"]
+        assert Path(report["report"].removeprefix("file://")).is_file()
+        assert (store / "models" / "exported" / "tiny_cluster").is_dir()  # export ran in its pod and uploaded
+        assert not list((store / "tmp" / "step-summaries").glob("*.json.tmp*"))
+    finally:
+        api.stop()
+        from pipeline_steps.local import ray_cluster
+        from scripts.demo import ray_temp_dir
+
+        ray_cluster.shutdown_cluster(ray_temp_dir(home))
