@@ -10,6 +10,9 @@ import sys
 
 
 def main(argv: list[str]) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # the pod's log
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 

@@ -557,9 +557,20 @@ class PodRunner:
     entrypoint that cannot run here (the GPU trainer module, vLLM): the test says which."""
 
     def __init__(
-        self, workdir: Path, cwd: Path, mount_path: str, store_dir: Path, secrets=None, swaps=(), base_env=None
+        self,
+        workdir: Path,
+        cwd: Path,
+        mount_path: str,
+        store_dir: Path,
+        secrets=None,
+        swaps=(),
+        base_env=None,
+        kill_first=None,
     ):
+        """:param kill_first: ``(needle, condition)``: the first run whose command contains ``needle`` is killed
+        (SIGKILL to its process group, as a node loss would) once ``condition(env)`` is true."""
         self.workdir, self.cwd, self.mount_path, self.store_dir = Path(workdir), Path(cwd), mount_path, str(store_dir)
+        self.kill_first, self.killed = kill_first, []
         self.secrets, self.swaps, self.base_env = dict(secrets or {}), list(swaps), dict(base_env or {})
         self.started: list[dict] = []  # {"name", "command", "env"} of every run
 
@@ -599,9 +610,28 @@ class PodRunner:
             return _Run(None, log, 1)
         with open(log, "w") as out:
             proc = subprocess.Popen(
-                ["/bin/sh", "-c", command], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.cwd
+                ["/bin/sh", "-c", command],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.cwd,
+                start_new_session=True,
             )
+        if self.kill_first and not self.killed and self.kill_first[0] in command:
+            self.killed.append(name)
+            threading.Thread(target=self._kill_when, args=(proc, env), daemon=True).start()
         return _Run(proc, log, None)
+
+    def _kill_when(self, proc, env: dict) -> None:
+        import os
+        import signal
+        import time
+
+        while proc.poll() is None:
+            if self.kill_first[1](env):
+                os.killpg(proc.pid, signal.SIGKILL)
+                return
+            time.sleep(0.1)
 
 
 class _Run:

@@ -7,6 +7,8 @@ Swapped, because they cannot run here: the trainer module (``pipeline_steps.trai
 ``tests.cpu_main_ppo``, which takes the same Hydra overrides) and evaluate's vLLM generator (``--generator vllm`` ->
 ``hf``). Everything else runs as in the pods: argv quoting, env, mounts, ``resume_mode``, the checkpoint directory,
 the step summaries written through the mount and read back by the operator, export's upload and promotion.
+The metrics history kept across the killed attempt is the CPU trainer's doing here (it replaces the entrypoint
+module); the real entrypoint's history keeping is tested with verl's own FileLogger in tests/test_verl_main.py.
 The preset is a cluster-shaped copy of ``local_tiny`` (1 node x 1 GPU) so that CPU training finishes in seconds.
 """
 
@@ -51,7 +53,17 @@ def _preset(directory: Path) -> None:
     (directory / "tiny_cluster.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
 
 
+def _step_logged(env: dict) -> bool:
+    """The first training attempt has logged step 1 (its checkpoint is written before the step's line)."""
+    from pipeline_steps import metrics_log
+
+    return any(r["step"] >= 1 for r in metrics_log.read(env["VERL_FILE_LOGGER_PATH"]).rows)
+
+
 def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path):
+    """3 training steps; the first train pod is killed (SIGKILL, as a lost node) after step 1: KubeRay reports
+    Failed/AppFailed, Airflow retries the task, a new RayJob attempt resumes from the step-1 checkpoint, and the
+    metrics history keeps step 1."""
     from scripts.demo import prepare, xcom
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
@@ -74,6 +86,7 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
         },
+        kill_first=("tests.cpu_main_ppo", _step_logged),
     )
     api = StandIn(crd_file=ROOT / "k8s/crds/ray.io_rayjobs.v1.7.0.yaml", executor=runner)
     api.start()
@@ -94,7 +107,13 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
                 "VERL_PIPELINE_POLL_SECONDS": "1",
             }
         )
-        conf = {"experiment": "tiny_cluster", "backend": "kuberay", "datasets": ["gsm8k"], "smoke": True}
+        conf = {
+            "experiment": "tiny_cluster",
+            "backend": "kuberay",
+            "datasets": ["gsm8k"],
+            "smoke": True,
+            "verl_overrides": ["trainer.total_training_steps=3"],
+        }
         logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
         airflow = str(Path(sys.executable).with_name("airflow"))
         with open(tmp_path / "dag.log", "w") as f:
@@ -117,8 +136,9 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
         assert states["export:-1"] in ("success", "skipped"), states
 
         kinds = [b["metadata"]["labels"].get("verl-grpo-pipeline/kind") or b["metadata"]["name"] for b in api.creates]
-        assert len(api.creates) == 3, kinds  # train, evaluate, export: one RayJob each, no retries
-        train, evaluate, export = runner.started
+        assert len(api.creates) == 4, kinds  # train (killed), train again, evaluate, export
+        killed, train, evaluate, export = runner.started
+        assert runner.killed == [killed["name"]] and train["name"] != killed["name"]
         # the trainer got the rendered overrides through the real shell, with paths on the mount
         assert "trainer.resume_mode=" in train["command"] and f"{store}/runs/tiny_cluster/" in train["command"]
         assert train["env"]["VERL_FILE_LOGGER_PATH"].startswith(f"{store}/runs/tiny_cluster/")
@@ -127,9 +147,16 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
         assert "pipeline_steps.cluster_entry" in export["command"] and " export " in export["command"]
 
         trained = xcom(db, run_id, "train")[0]
-        assert trained["backend"] == "kuberay" and trained["checkpoint_step"] == 1, trained
+        assert trained["backend"] == "kuberay" and trained["checkpoint_step"] == 3, trained
+        from pipeline_steps import metrics_log
+
+        history = metrics_log.read(trained["metrics_uri"].removeprefix("file://"))
+        trained_steps = [r["step"] for r in history.rows if "training/global_step" in r["data"]]
+        assert trained_steps == [1, 2, 3], [r["step"] for r in history.rows]  # step 1's line survived the kill
+        resumed = (pods / f"{train['name']}.log").read_text()
+        assert "resumed from" in resumed and "(step 1)" in resumed, resumed[-2000:]
         ckpt = Path(trained["checkpoint_uri"].removeprefix("file://"))
-        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
         evaluated = xcom(db, run_id, "evaluate")[0]["evaluate"]
         assert evaluated["results"].startswith(f"file://{store}/runs/") or evaluated["results"].startswith(str(store))
         report = xcom(db, run_id, "report")[0]["report"]
