@@ -92,6 +92,19 @@ def run_state(db: Path) -> str | None:
     return row[0] if row else None
 
 
+def newest_run(db: Path, dag_id: str = "verl_grpo_pipeline") -> str | None:
+    with sqlite3.connect(db) as c:
+        row = c.execute("SELECT run_id FROM dag_run WHERE dag_id=? ORDER BY id DESC LIMIT 1", (dag_id,)).fetchone()
+    return row[0] if row else None
+
+
+def task_states(db: Path, run_id: str) -> dict[str, str]:
+    """``{"task[map_index]": state}`` of one run (``[-1]`` for unmapped tasks)."""
+    with sqlite3.connect(db) as c:
+        rows = c.execute("SELECT task_id, map_index, state FROM task_instance WHERE run_id=?", (run_id,)).fetchall()
+    return {f"{t}[{m}]": s for t, m, s in rows}
+
+
 def show_run(db: Path) -> None:
     """Task states, the evaluation table, the exported model and the report of the newest run."""
     with sqlite3.connect(db) as c:

@@ -71,7 +71,7 @@ def _dags_test(airflow: str, dag_id: str, conf: dict, env: dict, log: Path) -> i
 
 @pytest.mark.parametrize("kind", ["oss", "gcs"])
 def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_path):
-    from scripts.demo import prepare, ray_temp_dir, xcom
+    from scripts.demo import newest_run, prepare, ray_temp_dir, task_states, xcom
 
     server = request.getfixturevalue("oss_server" if kind == "oss" else "gcs_server")
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
@@ -90,8 +90,8 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
         log = (tmp_path / "pipeline.log").read_text()
         assert rc == 0, log[-6000:]
         db = airflow_home / "airflow.db"
-        run_id = _newest_run(db, "verl_grpo_pipeline")
-        states = _states(db, run_id)
+        run_id = newest_run(db, "verl_grpo_pipeline")
+        states = task_states(db, run_id)
         # export is skipped when the gate does not promote (the tiny model rarely beats its base); all else succeeds
         assert states and all(s == "success" for t, s in states.items() if t != "export[-1]"), states
         assert states["export[-1]"] in ("success", "skipped"), states
@@ -129,25 +129,10 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
         conf = {"model_uri": model, "eval_dataset": "gsm8k", "k": 1, "max_new_tokens": 8}
         rc = _dags_test(airflow, "verl_evaluate_model", conf, env, tmp_path / "evaluate.log")
         assert rc == 0, (tmp_path / "evaluate.log").read_text()[-6000:]
-        run_id = _newest_run(db, "verl_evaluate_model")
-        states = _states(db, run_id)
+        run_id = newest_run(db, "verl_evaluate_model")
+        states = task_states(db, run_id)
         assert states and all(s == "success" for s in states.values()), states
     finally:
         from pipeline_steps.local import ray_cluster
 
         ray_cluster.shutdown_cluster(ray_temp_dir(home))
-
-
-def _newest_run(db: Path, dag_id: str) -> str:
-    import sqlite3
-
-    with sqlite3.connect(db) as c:
-        return c.execute("SELECT run_id FROM dag_run WHERE dag_id=? ORDER BY id DESC LIMIT 1", (dag_id,)).fetchone()[0]
-
-
-def _states(db: Path, run_id: str) -> dict:
-    import sqlite3
-
-    with sqlite3.connect(db) as c:
-        rows = c.execute("SELECT task_id, map_index, state FROM task_instance WHERE run_id=?", (run_id,)).fetchall()
-    return {f"{t}[{m}]": s for t, m, s in rows}

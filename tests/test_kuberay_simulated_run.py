@@ -15,7 +15,6 @@ The preset is a cluster-shaped copy of ``local_tiny`` (1 node x 1 GPU) so that C
 from __future__ import annotations
 
 import json
-import sqlite3
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -64,7 +63,7 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
     """3 training steps; the first train pod is killed (SIGKILL, as a lost node) after step 1: KubeRay reports
     Failed/AppFailed, Airflow retries the task, a new RayJob attempt resumes from the step-1 checkpoint, and the
     metrics history keeps step 1."""
-    from scripts.demo import prepare, xcom
+    from scripts.demo import newest_run, prepare, task_states, xcom
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
     store = home / "store"
@@ -125,15 +124,12 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
                 timeout=1200,
             )
         db = airflow_home / "airflow.db"
-        with sqlite3.connect(db) as c:
-            run_id = c.execute("SELECT run_id FROM dag_run ORDER BY id DESC LIMIT 1").fetchone()[0]
-            states = dict(
-                c.execute("SELECT task_id || ':' || map_index, state FROM task_instance WHERE run_id=?", (run_id,))
-            )
+        run_id = newest_run(db)
+        states = task_states(db, run_id)
         log = (tmp_path / "dag.log").read_text()
         pod_logs = {p.name: p.read_text()[-1500:] for p in pods.glob("*.log")}
-        assert all(s == "success" for t, s in states.items() if t != "export:-1"), (states, log[-4000:], pod_logs)
-        assert states["export:-1"] in ("success", "skipped"), states
+        assert all(s == "success" for t, s in states.items() if t != "export[-1]"), (states, log[-4000:], pod_logs)
+        assert states["export[-1]"] in ("success", "skipped"), states
 
         kinds = [b["metadata"]["labels"].get("verl-grpo-pipeline/kind") or b["metadata"]["name"] for b in api.creates]
         assert len(api.creates) == 4, kinds  # train (killed), train again, evaluate, export
