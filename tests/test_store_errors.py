@@ -10,6 +10,7 @@ environment variables, Airflow's own secrets backend) and driving a real upload.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -209,3 +210,40 @@ def test_store_env_gcs_connection_shapes(monkeypatch):
     with pytest.raises(AirflowFailException, match="region") as exc:
         store_env("ossnoregion", "oss://b/x")
     assert "sec-ret-123" not in str(exc.value)
+
+
+def test_progress_of_a_cloud_run_is_read_with_the_store_connection(oss_server, monkeypatch):
+    """The job triggers read training progress from ``<run>/metrics.jsonl`` in the store: on oss:// the triggerer
+    has no OSS variables, only the store connection (Helm: AIRFLOW_CONN_PIPELINE_STORE)."""
+    import asyncio
+    import logging
+
+    from operators.progress import ProgressTracker
+
+    for k in ("OSS_ACCESS_KEY_ID", "OSS_ACCESS_KEY_SECRET", "OSS_REGION", "OSS_ENDPOINT"):
+        monkeypatch.delenv(k, raising=False)
+    import alibabacloud_oss_v2 as oss
+
+    oss_server.client().put_object(
+        oss.PutObjectRequest(
+            bucket="test-bucket",
+            key="runs/r1/metrics.jsonl",
+            body=b'{"step": 1, "data": {"critic/score/mean": 0.5}}\n{"step": 2, "data": {"critic/score/mean": 0.75}}\n',
+        )
+    )
+    uri = "oss://test-bucket/runs/r1/metrics.jsonl"
+    log = logging.getLogger("test-progress")
+    without = ProgressTracker(uri, None)  # no connection: nothing read, one warning, the wait goes on
+    asyncio.run(without.poll(log))
+    assert without.last_step == 0 and without.warned
+    conn = {
+        "conn_type": "alibaba_cloud",
+        "login": "LTAItestkeyid0000",
+        "password": OSS_SECRET,
+        "extra": {"region": "cn-test", "endpoint": oss_server.endpoint, "path_style": "true"},
+    }
+    monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps(conn))
+    tracker = ProgressTracker(uri, None, store_conn_id=CONN)
+    asyncio.run(tracker.poll(log))
+    assert tracker.last_step == 2 and tracker.last_row["data"]["critic/score/mean"] == 0.75
+    assert "OSS_ACCESS_KEY_SECRET" not in os.environ  # the credentials were set only while reading
