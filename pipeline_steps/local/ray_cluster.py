@@ -197,7 +197,7 @@ def submit_or_attach(
     entrypoint_argv: list[str],
     env: dict | None = None,
     working_dir: str | None = None,
-    agent_timeout: float = 120,
+    agent_timeout: float = 300,
 ) -> str:
     """Submit ``entrypoint_argv`` as job ``submission_id``, or attach to the live/succeeded job of that id.
 
