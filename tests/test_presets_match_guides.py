@@ -132,7 +132,6 @@ STUDIO_002 = {
     "trainer.total_epochs": 5,  # n_epochs
     "actor_rollout_ref.actor.optim.lr": 7e-6,  # learning_rate
     "actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine",  # lr_scheduler_type
-    "actor_rollout_ref.actor.optim.lr_warmup_steps": -1,  # lr_warmup_steps (-1 = auto)
     "data.train_batch_size": 128,  # batch_size
     "actor_rollout_ref.rollout.n": 8,  # n_rollouts
     "actor_rollout_ref.actor.ppo_mini_batch_size": 16,  # ppo_mini_batch_size

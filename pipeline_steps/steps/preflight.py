@@ -9,7 +9,11 @@ from pipeline_steps.training.preflight import preflight
 
 
 def add_arguments(p):
-    p.add_argument("--experiment", required=True, help="preset name (dags/experiments/NAME.yaml) or a YAML file")
+    p.add_argument(
+        "--experiment",
+        required=True,
+        help="preset name (a packaged preset or one in $VERL_PIPELINE_PRESETS_DIR) or a YAML file",
+    )
     p.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"
     )

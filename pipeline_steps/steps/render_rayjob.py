@@ -35,7 +35,11 @@ def _mounts_arg(value: str | None, exp: Experiment) -> MountMap:
 
 
 def add_arguments(p):
-    p.add_argument("--experiment", required=True, help="preset name (dags/experiments/NAME.yaml) or a YAML file")
+    p.add_argument(
+        "--experiment",
+        required=True,
+        help="preset name (a packaged preset or one in $VERL_PIPELINE_PRESETS_DIR) or a YAML file",
+    )
     p.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"
     )

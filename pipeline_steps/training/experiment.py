@@ -1,7 +1,7 @@
 """Experiment presets and the verl config they compose to.
 
-A preset (``dags/experiments/<name>.yaml``) holds what the pipeline needs around
-verl (model, datasets, cluster shape, evaluation settings) and a ``verl:`` map of
+A preset (``pipeline_steps/training/presets/<name>.yaml``, or ``$VERL_PIPELINE_PRESETS_DIR/<name>.yaml``) holds
+what the pipeline needs around verl (model, datasets, cluster shape, evaluation settings) and a ``verl:`` map of
 verl Hydra overrides. A run merges, last one winning: the preset's ``verl`` map,
 the keys the pipeline derives (data files, model path, nodes, checkpoint dir),
 and free-form ``KEY=VALUE`` overrides typed by the user.
