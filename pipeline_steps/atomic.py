@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from pipeline_steps import outputs
@@ -47,6 +48,33 @@ def write_json(path: str | os.PathLike, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
 
+STALE_SECONDS = 6 * 3600  # a temp entry this old has no live writer, whatever its name says
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's, alive
+    return True
+
+
+def abandoned(path: Path, prefix: str) -> bool:
+    """A temp entry ``<prefix><pid>.<random>`` whose writer cannot still be writing it: that pid is gone, or it is
+    older than STALE_SECONDS (also the rule for names without a pid, from older versions)."""
+    try:
+        age = time.time() - path.lstat().st_mtime
+    except FileNotFoundError:
+        return False
+    pid = path.name[len(prefix) :].split(".", 1)[0]
+    if pid.isdigit() and 0 < int(pid) < 1 << 22:
+        return not pid_alive(int(pid)) or age > STALE_SECONDS
+    return age > STALE_SECONDS
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike, owner: str | None = None, what: str = "--output"):
     """Yield a temporary directory; on success it replaces ``final`` in one rename.
@@ -66,15 +94,19 @@ def atomic_dir(final: str | os.PathLike, owner: str | None = None, what: str = "
         from pipeline_steps.errors import UserError
 
         raise UserError(f"{what} {final}: cannot write there ({exc.strerror}); choose a writable directory") from None
-    for stale in final.parent.glob(f".tmp-{final.name}.*"):  # left by a crashed run
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}.", dir=final.parent))
+    prefix = f".tmp-{final.name}."
+    for stale in final.parent.glob(f"{prefix}*"):  # left by a crashed run, not another writer's work in progress
+        if abandoned(stale, prefix):
+            shutil.rmtree(stale, ignore_errors=True)
+    # the writer's pid in the name: a concurrent run writing the same output (two backfill runs of one dataset
+    # version) must not take this directory for a crashed run's leftovers
+    tmp = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}.", dir=final.parent))
     try:
         yield tmp
         if owner:
             outputs.mark(tmp, owner)
         if final.exists():
-            old = final.with_name(f".tmp-{final.name}.old")
+            old = tmp.with_name(tmp.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             os.replace(tmp, final)

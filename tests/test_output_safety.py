@@ -101,3 +101,28 @@ def test_a_dest_that_is_a_file_is_one_line(tmp_path, offline_hub):
     f.write_text("x")
     code, _, err = run_step("download", "--dataset", "gsm8k", "--revision", "main", "--dest", f)
     assert_refused(code, err, "--dest", "not a directory")
+
+
+def test_a_concurrent_writer_of_the_same_output_keeps_its_work_in_progress(tmp_path):
+    """Two backfill runs of one dataset version preprocess into the same output at the same time. Each writer's
+    temporary directory carries its pid: the second writer must not delete the first one's as a crashed run's
+    leftover (it did, and the first run's preprocess failed), while a dead writer's is removed."""
+    import subprocess
+    import sys
+
+    from pipeline_steps import atomic
+
+    final = tmp_path / "out"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    crashed = tmp_path / f".tmp-out.{dead.pid}.abcd1234"
+    crashed.mkdir()
+    with atomic.atomic_dir(final) as first:
+        (first / "a.parquet").write_bytes(b"first")
+        with atomic.atomic_dir(final) as second:  # starts while the first is still writing
+            assert first.is_dir() and (first / "a.parquet").is_file()
+            assert not crashed.exists()  # a dead writer's leftovers go
+            (second / "a.parquet").write_bytes(b"second")
+        assert (final / "a.parquet").read_bytes() == b"second"
+    assert (final / "a.parquet").read_bytes() == b"first"  # the later rename wins; nothing was lost or mixed
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]

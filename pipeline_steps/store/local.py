@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 from pipeline_steps import atomic
@@ -127,24 +126,11 @@ class LocalStore(Store):
         return n
 
 
-STALE_TEMP_SECONDS = 6 * 3600
-
-
 def _abandoned(p: Path) -> bool:
-    """A temp file whose writer cannot still be writing it."""
-    try:
-        if time.time() - p.stat().st_mtime > STALE_TEMP_SECONDS:
-            return True
-    except FileNotFoundError:
-        return False
+    """A temp file whose writer cannot still be writing it (copy_file: ``.tmp-<name>.<pid>``; create_bytes:
+    ``.tmp-<name>.<pid>.<thread>``), by :func:`pipeline_steps.atomic.abandoned`'s rules."""
     parts = p.name.split(".")
-    for pid in (parts[-1], parts[-2] if len(parts) > 2 else ""):  # copy_file: .pid; create_bytes: .pid.tid
-        if pid.isdigit() and 0 < int(pid) < 1 << 22:
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                return True
-            except PermissionError:
-                return False  # alive, another user's
-            return False
-    return False
+    for tail in (1, 2):  # where the pid stands: last, or before the thread id
+        if len(parts) > tail + 1 and parts[-tail].isdigit() and 0 < int(parts[-tail]) < 1 << 22:
+            return atomic.abandoned(p, ".".join(parts[:-tail]) + ".")
+    return atomic.abandoned(p, p.name + ".")
