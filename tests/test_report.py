@@ -12,6 +12,8 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,7 +211,9 @@ def test_report_is_atomic_and_a_retry_writes_the_same_bytes(full_run, tmp_path):
     out_dir = tmp_path / "rep"
     report.run(args(full_run["dir"], output=str(out_dir)))
     first = {p.name: p.read_bytes() for p in out_dir.iterdir()}
-    stale = tmp_path / ".tmp-rep.crashed"  # what a crash mid-write leaves
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".tmp-rep.{dead.pid}.abcd1234"  # what a writer that crashed mid-write leaves
     stale.mkdir()
     (out_dir / "leftover.txt").write_text("from an older run")
     report.run(args(full_run["dir"], output=str(out_dir)))
