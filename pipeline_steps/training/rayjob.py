@@ -203,7 +203,6 @@ def join_argv(argv: list[str]) -> str:
 # -- the RayJob -------------------------------------------------------------------------------------
 
 
-
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -234,6 +233,7 @@ def training_image(cluster: dict) -> str:
     if not tag or tag == "latest":
         raise UserError(f"{what}={image!r}: a moving tag; pin the image by digest (@sha256:...) or an exact tag")
     return image
+
 
 def build_rayjob(
     exp: Experiment,
