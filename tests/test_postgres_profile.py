@@ -22,7 +22,6 @@ import signal
 import subprocess
 import time
 import urllib.request
-from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -103,7 +102,7 @@ def airflow_pg(postgres, tmp_path_factory):
         "VERL_PIPELINE_GPU_SLOTS": "8",
     }
     home = tmp / "pipeline"
-    state = {"home": home, "log": tmp / "standalone.log"}
+    state = {"home": home, "log": tmp / "standalone.log", "airflow_home": tmp / "airflow-home"}
 
     def up():
         old = {k: os.environ.get(k) for k in settings}
@@ -143,11 +142,25 @@ def _wait_runs(url: str, runs: list[str], timeout: float = 1800) -> dict:
     return states
 
 
-def _when(ts: str) -> datetime:
-    return datetime.fromisoformat(ts.replace("Z", "+00:00"))
+def _why(airflow_pg: dict, states: dict) -> str:
+    """For an assertion message: each failed run's unsuccessful tasks and the tail of their last attempt's log."""
+    lines = [json.dumps(states)]
+    for run, state in states.items():
+        if state == "success":
+            continue
+        tis = _api(airflow_pg["url"], f"/dags/verl_grpo_pipeline/dagRuns/{run}/taskInstances?limit=100")
+        for ti in tis["task_instances"]:
+            if ti["state"] in ("success", "skipped"):
+                continue
+            lines.append(f"{run} {ti['task_id']}[{ti['map_index']}]: {ti['state']} (try {ti['try_number']})")
+            logs = Path(airflow_pg["airflow_home"]) / "logs" / "dag_id=verl_grpo_pipeline" / f"run_id={run}"
+            mapped = f"map_index={ti['map_index']}/" if ti["map_index"] >= 0 else ""
+            for f in sorted(logs.glob(f"task_id={ti['task_id']}/{mapped}attempt=*.log"))[-1:]:
+                lines += f.read_text(errors="replace").splitlines()[-25:]
+    return "\n".join(lines)
 
 
-@pytest.mark.stress  # make test-stress: passed twice here, failed once in CI under full load (see the README)
+@pytest.mark.stress
 def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow_pg):
     url = airflow_pg["url"]
     pool = _api(url, "/pools/gpu")
@@ -164,12 +177,26 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
         for i in (1, 2)
     ]
     states = _wait_runs(url, runs)
-    assert set(states.values()) == {"success"}, (states, Path(airflow_pg["log"]).read_text()[-4000:])
+    assert set(states.values()) == {"success"}, _why(airflow_pg, states)
     trains = [_api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}/taskInstances/train") for r in runs]
     assert all(t["pool"] == "gpu" and t["pool_slots"] == 8 for t in trains)
-    (a, b) = sorted(trains, key=lambda t: _when(t["start_date"]))
-    # one pool of 8 slots, 8 per task: the second train starts only after the first has ended
-    assert _when(b["start_date"]) >= _when(a["end_date"]), (a["start_date"], a["end_date"], b["start_date"])
+    # One pool of 8 slots, 8 per task: the two training jobs never hold the GPUs at once. Measured on the jobs
+    # (Ray's start and end times), not on the train tasks: when a job ends its task leaves `deferred` for
+    # `scheduled` to run execute_complete, Airflow stops counting it against the pool (apache/airflow#69187), and
+    # the other run's train may take the slots first; the first task then ends only after the second job (#57210).
+    from operators.backends import submission_base
+    from pipeline_steps.local import ray_cluster
+    from scripts.demo import ray_temp_dir
+
+    address = json.loads((ray_temp_dir(airflow_pg["home"]) / ray_cluster.STATE_FILE).read_text())["address"]
+    listed = ray_cluster._client(address).list_jobs()
+    jobs = []
+    for r in runs:
+        base = submission_base("verl_grpo_pipeline", r, "train")
+        (job,) = [j for j in listed if (j.submission_id or "").startswith(base)]
+        jobs.append(job)
+    (a, b) = sorted(jobs, key=lambda j: j.start_time)
+    assert a.end_time and b.start_time >= a.end_time, (a.submission_id, a.start_time, a.end_time, b.start_time)
 
     from pipeline_steps.evaluation import promotion
     from pipeline_steps.store import open_store
@@ -183,9 +210,10 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
         assert json.loads(store.read_bytes(f"{exp_uri}/latest.json")) == latest
 
 
-# make test-stress. Passed here three times; failed once in CI (stop of 2026-11-24, 2nd session): in run 10-11 every
-# task up to upload_dataset succeeded, collect_inputs never started (no log, no attempt) and the run failed while
-# 10-04 and 10-18 completed. Undiagnosed (the metadata database was gone with the test): see the closing note.
+# make test-stress, with the two-runs test above: both fail now and then when two runs upload the same dataset
+# version at once. The step succeeds and emits the version's Asset through the alias in both runs; Airflow then
+# inserts the same (alias, asset) association from two transactions (AssetManager._add_asset_alias_association)
+# and on PostgreSQL the second task ends failed after its step succeeded (seen twice, see the README).
 @pytest.mark.stress
 def test_a_backfill_over_three_dates_with_two_active_runs_completes(airflow_pg):
     url = airflow_pg["url"]
@@ -215,7 +243,7 @@ def test_a_backfill_over_three_dates_with_two_active_runs_completes(airflow_pg):
         time.sleep(3)
     assert len(runs) == 3, runs
     states = _wait_runs(url, runs)
-    assert set(states.values()) == {"success"}, (states, Path(airflow_pg["log"]).read_text()[-4000:])
+    assert set(states.values()) == {"success"}, _why(airflow_pg, states)
 
 
 def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_pg):
