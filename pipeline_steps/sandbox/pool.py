@@ -48,6 +48,19 @@ class Limits:
     exec_timeout: float = 30.0
 
 
+def live_processes(uid: int) -> list[int]:
+    """Processes of ``uid`` that are not zombies (killed orphans wait for PID 1 to reap them)."""
+    pids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if p.stat().st_uid == uid and (p / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
+                    pids.append(int(p.name))
+            except (OSError, IndexError):
+                pass
+    return pids
+
+
 class Kernel:
     """The interpreter process of one sandbox."""
 
@@ -213,17 +226,20 @@ class Pool:
                 os.killpg(sb.kernel.proc.pid, 9)
             except ProcessLookupError:
                 pass
-        for sig in ("STOP", "KILL"):  # stopped processes cannot fork while the kill goes round
-            await asyncio.to_thread(
-                subprocess.run,
-                ["kill", f"-{sig}", "--", "-1"],
-                user=sb.uid,
-                group=sb.uid,
-                extra_groups=[],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                check=False,
-            )
+        deadline = time.monotonic() + 10
+        while live_processes(sb.uid) and time.monotonic() < deadline:  # SIGKILL is delivered asynchronously
+            for sig in ("STOP", "KILL"):  # stopped processes cannot fork while the kill goes round
+                await asyncio.to_thread(
+                    subprocess.run,
+                    ["kill", f"-{sig}", "--", "-1"],
+                    user=sb.uid,
+                    group=sb.uid,
+                    extra_groups=[],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    check=False,
+                )
+            await asyncio.sleep(0.05)
         if sb.kernel is not None:
             await sb.kernel.proc.wait()
             sb.kernel = None
