@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-UID_BASE = 1_500_000
-
 
 def _pct(values: list[float], q: float) -> float:
     values = sorted(values)
@@ -61,7 +59,7 @@ async def _throughput(opts: dict, concurrency: int, seconds: float) -> tuple[flo
     return rate, statistics.median(latencies)
 
 
-def _rss_by_uid() -> dict[int, int]:
+def _rss_by_uid(uids: set[int]) -> dict[int, int]:
     rss: dict[int, int] = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -69,7 +67,7 @@ def _rss_by_uid() -> dict[int, int]:
         try:
             status = dict(line.split(":", 1) for line in (p / "status").read_text().splitlines() if ":" in line)
             uid = int(status["Uid"].split()[0])
-            if UID_BASE <= uid < UID_BASE + 1000 and "VmRSS" in status:
+            if uid in uids and "VmRSS" in status:
                 rss[uid] = rss.get(uid, 0) + int(status["VmRSS"].split()[0]) * 1024
         except (OSError, KeyError, ValueError):
             pass
@@ -80,8 +78,8 @@ async def _memory(opts: dict, n: int) -> float:
     from e2b_code_interpreter import AsyncSandbox
 
     sandboxes = await asyncio.gather(*[AsyncSandbox.create(**opts) for _ in range(n)])
-    await asyncio.gather(*[sb.run_code("x = sum(range(10))") for sb in sandboxes])
-    rss = _rss_by_uid()
+    uids = await asyncio.gather(*[sb.run_code("import os; os.getuid()") for sb in sandboxes])
+    rss = _rss_by_uid({int(u.results[0].text) for u in uids})
     await asyncio.gather(*[sb.kill() for sb in sandboxes])
     return statistics.median(rss.values()) / 2**20 if rss else float("nan")
 
@@ -99,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as tmp:
         for warm in (0, 8):
-            args_ = ["--warm", str(warm), "--max-sandboxes", "48", "--uid-base", str(UID_BASE)]
+            args_ = ["--warm", str(warm), "--max-sandboxes", "48"]
             with LocalSandboxServer(Path(tmp) / f"state-{warm}", args=args_) as srv:
                 time.sleep(2)  # let the pool fill before the first create
                 lat = asyncio.run(_create_latencies(srv.sdk_options(), args.creates))

@@ -187,3 +187,16 @@ def test_kill_and_timeout(server):
     while sb.is_running() and time.monotonic() < deadline:
         time.sleep(0.3)
     assert not sb.is_running()
+
+
+def test_two_servers_never_share_a_uid(server, sandbox, dirs):
+    from e2b_code_interpreter import Sandbox
+
+    from pipeline_steps.sandbox.local import LocalSandboxServer
+
+    with LocalSandboxServer(dirs["root"] / "state2", args=["--warm", "1"]) as second:
+        other = Sandbox.create(**second.sdk_options())
+        uids = {_value(sb.run_code("import os; os.getuid()")) for sb in (sandbox, other)}
+        other.kill()
+    assert len(uids) == 2  # a kill in one server can never reach the other's sandboxes
+    assert _value(sandbox.run_code("'untouched'")) == "'untouched'"

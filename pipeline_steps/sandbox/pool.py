@@ -1,6 +1,7 @@
 """Sandboxes of the local E2B-compatible server: one persistent confined interpreter each, and a warm pool.
 
-Each sandbox gets a uid of its own (``uid_base + slot``), so its processes can all be killed at once (``kill -1``
+Each sandbox gets a uid of its own (from ``uid_base`` up, claimed with a lock file in ``UID_LOCK_DIR`` so that two
+servers on one machine never share one), so its processes can all be killed at once (``kill -1``
 run as that uid also reaches processes that left the process group with ``setsid``), its process limit is its
 own, and its directory (mode 0700) is unreadable by any other sandbox.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -22,6 +24,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 KERNEL = Path(__file__).with_name("kernel.py")
+UID_LOCK_DIR = Path("/run/lock/pipeline-sandbox-uids")
+UID_RANGE = 100_000  # uids tried from uid_base
 EVENT_LINE_LIMIT = 4 * 1024 * 1024  # an event line longer than this is a protocol violation: the kernel is killed
 # The only variables the interpreter sees: nothing of the server's environment (keys, tokens) crosses over.
 CLEAN_ENV = {
@@ -85,6 +89,7 @@ class Kernel:
 class Sandbox:
     slot: int
     uid: int
+    uid_lock: int  # fd holding the uid's lock file
     workdir: Path
     kernel: Kernel | None = None
     sandbox_id: str = ""
@@ -158,18 +163,37 @@ class Pool:
 
     async def _new_sandbox(self) -> Sandbox:
         slot = self.free_slots.pop(0)
-        uid = self.uid_base + slot
+        uid, lock_fd = self._claim_uid()
         workdir = self.state_dir / f"slot-{slot}"
+        sb = Sandbox(slot=slot, uid=uid, uid_lock=lock_fd, workdir=workdir)
         try:
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(mode=0o700)
             os.chown(workdir, uid, uid)
-            sb = Sandbox(slot=slot, uid=uid, workdir=workdir)
             sb.kernel = await self.spawn_kernel(sb)
             return sb
         except BaseException:
-            self.free_slots.append(slot)
+            self._release_slot(sb)
             raise
+
+    def _claim_uid(self) -> tuple[int, int]:
+        """A uid no other sandbox on this machine holds (a held lock), with no process left running as it."""
+        UID_LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        for uid in range(self.uid_base, self.uid_base + UID_RANGE):
+            fd = os.open(UID_LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            if not live_processes(uid):  # e.g. left by a server that was SIGKILLed
+                return uid, fd
+            os.close(fd)
+        raise RuntimeError(f"no free sandbox uid in {self.uid_base}..{self.uid_base + UID_RANGE - 1}")
+
+    def _release_slot(self, sb: Sandbox):
+        os.close(sb.uid_lock)  # releases the uid's lock
+        self.free_slots.append(sb.slot)
 
     async def spawn_kernel(self, sb: Sandbox) -> Kernel:
         cfg = {"uid": sb.uid, "workdir": str(sb.workdir), "hide": self.hide, "expose": self.expose}
@@ -247,4 +271,4 @@ class Pool:
     async def _destroy(self, sb: Sandbox):
         await self.kill_processes(sb)
         shutil.rmtree(sb.workdir, ignore_errors=True)
-        self.free_slots.append(sb.slot)
+        self._release_slot(sb)

@@ -21,7 +21,12 @@ def add_arguments(p):
     p.add_argument("--template", action="append", default=None, help="template names served (code-interpreter-v1)")
     p.add_argument("--warm", type=int, default=2, help="sandboxes kept started ahead of requests")
     p.add_argument("--max-sandboxes", type=int, default=64)
-    p.add_argument("--uid-base", type=int, default=1_500_000, help="sandbox N runs as uid uid-base+N")
+    p.add_argument(
+        "--uid-base",
+        type=int,
+        default=1_500_000,
+        help="sandboxes run as unused uids from here up (claimed machine-wide)",
+    )
     p.add_argument("--exec-timeout", type=float, default=30.0, help="wall-clock seconds per run_code")
     p.add_argument("--cpu-seconds", type=int, default=300, help="CPU seconds per interpreter lifetime")
     p.add_argument("--memory-mb", type=int, default=1024, help="address space per process")
