@@ -200,3 +200,14 @@ def test_two_servers_never_share_a_uid(server, sandbox, dirs):
         other.kill()
     assert len(uids) == 2  # a kill in one server can never reach the other's sandboxes
     assert _value(sandbox.run_code("'untouched'")) == "'untouched'"
+
+
+def test_server_refuses_to_start_without_a_key(tmp_path):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "SANDBOX_SERVER_API_KEY"}
+    cmd = [sys.executable, "-m", "pipeline_steps", "sandbox-server", "--state-dir", str(tmp_path / "s")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == "error: set $SANDBOX_SERVER_API_KEY to the API key clients must send"

@@ -88,3 +88,23 @@ class LocalSandboxServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def main() -> int:
+    """The local profile's sandbox server until Ctrl-C: state under ``$PIPELINE_HOME/sandboxes``; the pipeline's
+    store and Airflow's home hidden from sandboxes; prints the ``E2B_*`` settings that reach it."""
+    home = Path(os.environ.get("PIPELINE_HOME") or ".demo").resolve()
+    hide = [home / "store", *([os.environ["AIRFLOW_HOME"]] if os.environ.get("AIRFLOW_HOME") else [])]
+    server = LocalSandboxServer(home / "sandboxes", hide=hide)
+    home.mkdir(parents=True, exist_ok=True)
+    with server:
+        print("".join(f"export {k}={v}\n" for k, v in server.env().items()), flush=True)
+        try:
+            server.proc.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
