@@ -211,3 +211,27 @@ def test_server_refuses_to_start_without_a_key(tmp_path):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines()[-1] == "error: set $SANDBOX_SERVER_API_KEY to the API key clients must send"
+
+
+def test_file_size_and_open_files_bounded(sandbox):
+    out = sandbox.run_code("f = open('big', 'wb')\nf.write(b'x' * (65 * 2**20))\nf.flush()")  # server: --max-file-mb 64
+    assert out.error.name == "OSError" and "too large" in out.error.value
+    out = sandbox.run_code("fs = [open('f%d' % i, 'w') for i in range(500)]")  # server: --max-open-files 128
+    assert out.error.name == "OSError" and "Too many open files" in out.error.value
+    assert _value(sandbox.run_code("open('small', 'w').write('fine')")) == "4"  # the interpreter goes on
+
+
+def test_cpu_seconds_bounded(dirs):
+    import time
+
+    from e2b_code_interpreter import Sandbox
+
+    from pipeline_steps.sandbox.local import LocalSandboxServer
+
+    args = ["--warm", "0", "--cpu-seconds", "1", "--exec-timeout", "20"]
+    with LocalSandboxServer(dirs["root"] / "state-cpu", args=args) as srv:
+        sb = Sandbox.create(**srv.sdk_options())
+        start = time.monotonic()
+        out = sb.run_code("while True:\n    pass", timeout=60)
+        assert out.error.name == "SandboxError" and time.monotonic() - start < 10  # RLIMIT_CPU, not the wall clock
+        assert _value(sb.run_code("'restarted'")) == "'restarted'"
