@@ -235,3 +235,23 @@ def test_cpu_seconds_bounded(dirs):
         out = sb.run_code("while True:\n    pass", timeout=60)
         assert out.error.name == "SandboxError" and time.monotonic() - start < 10  # RLIMIT_CPU, not the wall clock
         assert _value(sb.run_code("'restarted'")) == "'restarted'"
+
+
+def test_client_giving_up_kills_the_execution(dirs):
+    import time
+
+    from e2b.exceptions import TimeoutException
+    from e2b_code_interpreter import Sandbox
+
+    from pipeline_steps.sandbox.local import LocalSandboxServer
+
+    with LocalSandboxServer(dirs["root"] / "state-give-up", args=["--warm", "0", "--exec-timeout", "60"]) as srv:
+        sb = Sandbox.create(**srv.sdk_options())
+        uid = int(_value(sb.run_code("import os; os.getuid()")))
+        start = time.monotonic()
+        with pytest.raises(TimeoutException):  # the client's timeout, far below the server's 60 s
+            sb.run_code("while True:\n    pass", timeout=1)
+        while live_processes(uid) and time.monotonic() < start + 10:
+            time.sleep(0.1)
+        assert live_processes(uid) == []  # killed at the disconnect, not left spinning for 60 s
+        assert _value(sb.run_code("'next call works'")) == "'next call works'"

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -138,7 +139,7 @@ def build_app(pool: Pool, api_key: str, templates: set[str]) -> Starlette:
         async with sb.lock:  # one execution at a time, as in a Jupyter kernel
             finished = False
             try:
-                if sb.kernel is None:
+                if sb.kernel is None or sb.kernel.proc.returncode is not None:
                     sb.kernel = await pool.spawn_kernel(sb)
                 async with asyncio.timeout(limit):
                     async for event in sb.kernel.run(code):
@@ -146,11 +147,13 @@ def build_app(pool: Pool, api_key: str, templates: set[str]) -> Starlette:
                 finished = True
             except TimeoutError:
                 yield _event_error("TimeoutError", f"execution exceeded {limit:g} s")
-            except (EOFError, ValueError) as exc:  # died (CPU limit, crash) or wrote a malformed/oversized line
+            except (EOFError, ValueError, RuntimeError, OSError) as exc:
+                # died (CPU limit, crash), wrote a malformed or oversized line, or could not be (re)started
                 yield _event_error("SandboxError", f"the interpreter stopped: {exc}")
             finally:
-                if not finished:  # also on client disconnect (the generator is cancelled)
-                    await pool.kill_processes(sb)
+                if not finished:  # also on client disconnect: shielded, or the cancellation would cut the kill short
+                    with anyio.CancelScope(shield=True):
+                        await pool.kill_processes(sb)
 
     def _event_error(name: str, value: str) -> str:
         value += "; all its processes were killed and its variables are lost (files in its directory remain)"
