@@ -86,6 +86,10 @@ def test_server_secrets_invisible(sandbox, server):
         "    if {s!r}.encode() in data or {k!r}.encode() in data:\n        hits.append(f)\nhits"
     ).format(s=SECRET, k=server.api_key)
     assert _value(sandbox.run_code(code)) == "[]"
+    others = (
+        "import os\n[p for p in os.listdir('/proc') if p.isdigit() and os.stat('/proc/' + p).st_uid != os.getuid()]"
+    )
+    assert _value(sandbox.run_code(others)) == "[]"  # no other process (server, other sandboxes) is even listed
     # The server's own environment does hold them (else this test proves nothing).
     assert SECRET.encode() in Path(f"/proc/{server.proc.pid}/environ").read_bytes()
 

@@ -6,7 +6,7 @@ next one drops:
 1. new network namespace (no interface up: no network at all, not even the host's loopback) and new mount
    namespace in which an empty tmpfs replaces the server's state directory, ``/root``, ``/home`` and every
    ``--hide`` path, ``/tmp`` and ``/dev/shm`` are private, the sandbox's own directory is its home
-   (``/home/user``), and the Python installation is bound back read-only;
+   (``/home/user``), the Python installation is bound back read-only, and ``/proc`` shows its own processes only;
 2. resource limits (CPU seconds, address space, processes, open files, file size, no core files);
 3. ``no_new_privs``, then the sandbox's own uid/gid with no supplementary groups.
 
@@ -27,7 +27,8 @@ import time
 import traceback
 
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
-MS_RDONLY, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 1, 32, 4096, 8192, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
 PR_SET_NO_NEW_PRIVS = 38
 HOME = "/home/user"
 
@@ -69,6 +70,8 @@ def confine(cfg):
     mount("tmpfs", "/tmp", "tmpfs", 0, f"size={cfg['tmp_mb']}m,mode=1777")
     if os.path.isdir("/dev/shm"):
         mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m,mode=1777")
+    # A procfs of its own that shows only the sandbox's own processes: no other command line or status is visible.
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
 
     mb = 1024 * 1024
     limits = {
