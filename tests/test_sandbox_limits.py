@@ -259,3 +259,15 @@ def test_client_giving_up_kills_the_execution(dirs):
             time.sleep(0.1)
         assert live_processes(uid) == []  # killed at the disconnect, not left spinning for 60 s
         assert _value(sb.run_code("'next call works'")) == "'next call works'"
+
+
+def test_env_vars_of_create_and_run_code(server):
+    from e2b_code_interpreter import Sandbox
+
+    sb = Sandbox.create(**server.sdk_options(), envs={"A": "from-create"})
+    try:
+        code = "import os; os.environ.get('A'), os.environ.get('B')"
+        assert _value(sb.run_code(code, envs={"B": "from-call"})) == "('from-create', 'from-call')"
+        assert _value(sb.run_code(code)) == "('from-create', None)"  # a call's envs hold for that call only
+    finally:
+        sb.kill()

@@ -169,7 +169,16 @@ def main():
         request = json.loads(line)
         count += 1
         events.sent = events.dropped = 0
+        # The sandbox's envVars and this call's env_vars hold for this cell only, as E2B's run_code(envs=...) does.
+        env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         run_cell(request["code"], namespace, events)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         if events.dropped:
             events.emit(
                 type="stderr",

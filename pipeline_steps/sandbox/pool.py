@@ -71,9 +71,9 @@ class Kernel:
     def __init__(self, proc: asyncio.subprocess.Process):
         self.proc = proc
 
-    async def run(self, code: str):
+    async def run(self, code: str, env: dict | None = None):
         """Yield the events of one execution up to (not including) ``done``; raise EOFError if the process died."""
-        self.proc.stdin.write((json.dumps({"code": code}) + "\n").encode())
+        self.proc.stdin.write((json.dumps({"code": code, "env": env or {}}) + "\n").encode())
         await self.proc.stdin.drain()
         while True:
             line = await self.proc.stdout.readline()
@@ -98,6 +98,7 @@ class Sandbox:
     started_at: float = 0.0
     end_at: float = 0.0
     metadata: dict = dataclasses.field(default_factory=dict)
+    env_vars: dict = dataclasses.field(default_factory=dict)  # the create request's envVars
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
 
@@ -219,7 +220,7 @@ class Pool:
             raise RuntimeError(f"sandbox interpreter failed to start: {event.get('message')}")
         return Kernel(proc)
 
-    async def acquire(self, template: str, timeout: float, metadata: dict) -> Sandbox:
+    async def acquire(self, template: str, timeout: float, metadata: dict, env_vars: dict) -> Sandbox:
         if self.warm:
             sb = self.warm.pop(0)
         elif self.free_slots:
@@ -228,7 +229,7 @@ class Pool:
             raise RuntimeError(f"all {self.max_sandboxes} sandboxes are in use")
         sb.sandbox_id = "i" + secrets.token_hex(10)
         sb.access_token = secrets.token_hex(16)
-        sb.template, sb.metadata = template, metadata
+        sb.template, sb.metadata, sb.env_vars = template, metadata, env_vars
         sb.started_at = time.time()
         sb.end_at = sb.started_at + timeout
         self.running[sb.sandbox_id] = sb

@@ -63,7 +63,9 @@ def build_app(pool: Pool, api_key: str, templates: set[str]) -> Starlette:
             return _error(400, f"template {template!r} not found; this server serves {sorted(templates)}")
         timeout = min(int(body.get("timeout") or 300), MAX_TIMEOUT)
         try:
-            sb = await pool.acquire(template, timeout, dict(body.get("metadata") or {}))
+            sb = await pool.acquire(
+                template, timeout, dict(body.get("metadata") or {}), dict(body.get("envVars") or {})
+            )
         except RuntimeError as exc:
             return _error(503, str(exc))
         return JSONResponse(
@@ -128,12 +130,14 @@ def build_app(pool: Pool, api_key: str, templates: set[str]) -> Starlette:
         sb, err = sandbox_of(request)
         if err:
             return err
-        code = (await request.json()).get("code")
+        body = await request.json()
+        code = body.get("code")
         if not isinstance(code, str):
             return _error(400, "body must hold the code to run as a string")
-        return StreamingResponse(_execution(sb, code), media_type="application/x-ndjson")
+        env = {**sb.env_vars, **(body.get("env_vars") or {})}
+        return StreamingResponse(_execution(sb, code, env), media_type="application/x-ndjson")
 
-    async def _execution(sb, code: str):
+    async def _execution(sb, code: str, env: dict):
         """Stream one execution; on timeout, disconnect or a dead interpreter, kill it all and start afresh."""
         limit = pool.limits.exec_timeout
         async with sb.lock:  # one execution at a time, as in a Jupyter kernel
@@ -142,7 +146,7 @@ def build_app(pool: Pool, api_key: str, templates: set[str]) -> Starlette:
                 if sb.kernel is None or sb.kernel.proc.returncode is not None:
                     sb.kernel = await pool.spawn_kernel(sb)
                 async with asyncio.timeout(limit):
-                    async for event in sb.kernel.run(code):
+                    async for event in sb.kernel.run(code, env):
                         yield json.dumps(event) + "\n"
                 finished = True
             except TimeoutError:
