@@ -271,3 +271,22 @@ def test_env_vars_of_create_and_run_code(server):
         assert _value(sb.run_code(code)) == "('from-create', None)"  # a call's envs hold for that call only
     finally:
         sb.kill()
+
+
+def test_sdk_debug_mode_reaches_the_debug_sandbox(dirs):
+    import socket
+
+    from e2b_code_interpreter import Sandbox
+
+    from pipeline_steps.sandbox.local import LocalSandboxServer
+
+    with socket.socket() as s:  # the SDK's debug mode has the port fixed
+        try:
+            s.bind(("127.0.0.1", 49999))
+        except OSError:
+            pytest.skip("port 49999 is taken")
+    with LocalSandboxServer(dirs["root"] / "state-debug", args=["--warm", "0", "--debug-sandbox"], port=49999):
+        sb = Sandbox.create(debug=True)  # no control plane call, no key: straight to localhost:49999
+        assert sb.sandbox_id == "debug_sandbox_id"
+        assert _value(sb.run_code("import os; v = os.getuid(); v > 0")) == "True"
+        assert _value(sb.run_code("v > 0")) == "True"  # the same standing interpreter

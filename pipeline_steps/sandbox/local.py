@@ -28,10 +28,10 @@ class LocalSandboxServer:
     :param args: extra ``sandbox-server`` options, e.g. ``["--exec-timeout", "5"]``.
     """
 
-    def __init__(self, state_dir, args=(), extra_env=None, hide=(), startup_timeout=60.0):
+    def __init__(self, state_dir, args=(), extra_env=None, hide=(), startup_timeout=60.0, port=None):
         self.state_dir = Path(state_dir)
         self.api_key = secrets.token_hex(16)
-        self.port = _free_port()
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = list(args)
         self.hide = [str(h) for h in hide]

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 KERNEL = Path(__file__).with_name("kernel.py")
 UID_LOCK_DIR = Path("/run/lock/pipeline-sandbox-uids")
 UID_RANGE = 100_000  # uids tried from uid_base
+DEBUG_SANDBOX_ID = "debug_sandbox_id"  # the id the E2B SDK uses in debug mode
 EVENT_LINE_LIMIT = 4 * 1024 * 1024  # an event line longer than this is a protocol violation: the kernel is killed
 # The only variables the interpreter sees: nothing of the server's environment (keys, tokens) crosses over.
 CLEAN_ENV = {
@@ -230,11 +231,23 @@ class Pool:
         sb.sandbox_id = "i" + secrets.token_hex(10)
         sb.access_token = secrets.token_hex(16)
         sb.template, sb.metadata, sb.env_vars = template, metadata, env_vars
+        self._start_clock(sb, timeout)
+        return sb
+
+    async def acquire_debug(self) -> Sandbox:
+        """The one sandbox the SDK uses in debug mode (``E2B_DEBUG=true``): it skips the control plane, names
+        ``debug_sandbox_id`` and sends no access token. It never expires; only for a trusted local run."""
+        sb = await self.acquire("debug", 365 * 24 * 3600, {}, {})
+        self.running.pop(sb.sandbox_id)
+        sb.sandbox_id, sb.access_token = DEBUG_SANDBOX_ID, ""
+        self.running[sb.sandbox_id] = sb
+        return sb
+
+    def _start_clock(self, sb: Sandbox, timeout: float):
         sb.started_at = time.time()
         sb.end_at = sb.started_at + timeout
         self.running[sb.sandbox_id] = sb
         self.kick()
-        return sb
 
     async def kill(self, sandbox_id: str) -> bool:
         sb = self.running.pop(sandbox_id, None)

@@ -6,6 +6,8 @@ Control plane (header ``X-API-KEY``): ``POST /sandboxes`` (the route OpenKruise'
 Sandbox plane (headers ``E2b-Sandbox-Id``, ``E2b-Sandbox-Port``, ``X-Access-Token``: with ``E2B_SANDBOX_URL`` set
 the SDK sends every envd and code-interpreter request to that one URL and names the sandbox in these headers):
 ``GET /health`` (envd's, ``is_running``) and ``POST /execute`` (the code interpreter's NDJSON stream).
+With ``--debug-sandbox`` on port 49999, the SDK's debug mode (``E2B_DEBUG=true``: no control plane, requests to
+``localhost:49999``) reaches one standing sandbox.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat()
 
 
-def build_app(pool: Pool, api_key: str, templates: set[str]) -> Starlette:
+def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool = False) -> Starlette:
     def authorised(request: Request) -> bool:
         return hmac.compare_digest(request.headers.get("x-api-key", "").encode(), api_key.encode())
 
@@ -175,6 +177,8 @@ def build_app(pool: Pool, api_key: str, templates: set[str]) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await pool.start()
+        if debug_sandbox:
+            await pool.acquire_debug()
         try:
             yield
         finally:

@@ -33,6 +33,11 @@ def add_arguments(p):
     p.add_argument("--max-processes", type=int, default=64)
     p.add_argument("--max-open-files", type=int, default=128)
     p.add_argument("--max-file-mb", type=int, default=64)
+    p.add_argument(
+        "--debug-sandbox",
+        action="store_true",
+        help="serve the E2B SDK's debug mode (E2B_DEBUG=true) one standing sandbox; use with --port 49999",
+    )
     p.add_argument("--max-output-bytes", type=int, default=1024 * 1024, help="output kept per run_code")
 
 
@@ -61,6 +66,6 @@ def run(args) -> dict:
         exec_timeout=args.exec_timeout,
     )
     pool = Pool(args.state_dir, args.hide, limits, args.warm, args.max_sandboxes, args.uid_base)
-    app = build_app(pool, key, set(args.template or ["code-interpreter-v1"]))
+    app = build_app(pool, key, set(args.template or ["code-interpreter-v1"]), debug_sandbox=args.debug_sandbox)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return {"host": args.host, "port": args.port}
