@@ -281,6 +281,7 @@ def test_sdk_debug_mode_reaches_the_debug_sandbox(dirs):
     from pipeline_steps.sandbox.local import LocalSandboxServer
 
     with socket.socket() as s:  # the SDK's debug mode has the port fixed
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT leftovers are fine
         try:
             s.bind(("127.0.0.1", 49999))
         except OSError:
