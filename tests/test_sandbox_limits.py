@@ -23,8 +23,8 @@ OUTPUT_CAP = 64 * 1024
 
 @pytest.fixture(scope="module")
 def dirs():
-    # Outside /tmp on purpose: sandboxes get a private /tmp, which would hide these for the wrong reason.
-    root = Path(tempfile.mkdtemp(prefix="sandbox-test-", dir="/var/tmp"))
+    # Outside /tmp and /var/tmp on purpose: sandboxes get private ones, which would hide these for the wrong reason.
+    root = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=Path(__file__).resolve().parents[1]))
     os.chmod(root, 0o755)
     hidden, visible = root / "store", root / "public"
     for d in (hidden, visible):
@@ -100,6 +100,9 @@ def test_files_of_others_and_the_store_unreadable(server, dirs):
     a, b = Sandbox.create(**server.sdk_options()), Sandbox.create(**server.sdk_options())
     try:
         _value(a.run_code(f"open('/home/user/mine.txt', 'w').write({SECRET!r})"))
+        for shared in ("/tmp", "/var/tmp", "/dev/shm"):  # world-writable on the host: private in each sandbox
+            _value(a.run_code(f"open('{shared}/left-by-a', 'w').write('x')"))
+            assert _value(b.run_code(f"import os; os.path.exists('{shared}/left-by-a')")) == "False"
         slots = [p for p in dirs["state"].glob("slot-*") if (p / "mine.txt").exists()]
         assert len(slots) == 1  # where a's file really is, on the host
         code = (

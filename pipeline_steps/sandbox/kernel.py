@@ -5,13 +5,14 @@ next one drops:
 
 1. new network namespace (no interface up: no network at all, not even the host's loopback) and new mount
    namespace in which an empty tmpfs replaces the server's state directory, ``/root``, ``/home`` and every
-   ``--hide`` path, ``/tmp`` and ``/dev/shm`` are private, the sandbox's own directory is its home
+   ``--hide`` path, the world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` are private, the
+   sandbox's own directory is its home
    (``/home/user``), the Python installation is bound back read-only, and ``/proc`` shows its own processes only;
 2. resource limits (CPU seconds, address space, processes, open files, file size, no core files);
 3. ``no_new_privs``, then the sandbox's own uid/gid with no supplementary groups.
 
-Protocol: requests are JSON lines on fd 3, events JSON lines on fd 4 (the server passes them as this process's
-stdin/stdout and they are moved aside at start); fds 0-2 are ``/dev/null``, so only Python-level ``sys.stdout`` /
+Protocol: requests are JSON lines, events JSON lines (the server passes them as this process's stdin and stdout,
+which are moved to higher fds at start); fds 0-2 are ``/dev/null``, so only Python-level ``sys.stdout`` /
 ``sys.stderr`` output is captured (output of child processes is dropped). Events use the E2B code interpreter's
 NDJSON shapes (``stdout``, ``stderr``, ``result``, ``error``, ``number_of_executions``) plus ``done``.
 """
@@ -67,9 +68,11 @@ def confine(cfg):
         if read_only:
             mount(None, dest, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
     mount("tmpfs", cfg["state_dir"], "tmpfs", 0, "size=64k,mode=0755")  # last: the stage lives in it
+    # The host's world-writable directories would let sandboxes pass files to each other: private ones instead.
     mount("tmpfs", "/tmp", "tmpfs", 0, f"size={cfg['tmp_mb']}m,mode=1777")
-    if os.path.isdir("/dev/shm"):
-        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=1m,mode=1777")
+    for path in ("/var/tmp", "/dev/shm", "/run/lock"):
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", 0, "size=1m,mode=1777")
     # A procfs of its own that shows only the sandbox's own processes: no other command line or status is visible.
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
 
