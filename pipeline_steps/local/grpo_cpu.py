@@ -64,6 +64,8 @@ class Prompt:
     data_source: str
     ground_truth: object
     extra_info: dict
+    messages: list | None = None  # the chat, for verl's agent loops (multi-turn)
+    agent_name: str | None = None
 
 
 # ----------------------------------------------------------------------------- data
@@ -125,7 +127,8 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
                         "raise data.max_prompt_length, or set data.truncation=left|right|middle or "
                         "data.filter_overlong_prompts=true"
                     )
-            out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], dict(row.get("extra_info") or {})))
+            extra = dict(row.get("extra_info") or {})
+            out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], extra, messages, row.get("agent_name")))
     return out
 
 
@@ -312,6 +315,14 @@ class GRPOTrainer:
         )
         self.logger = None
         self.last_metrics: dict = {}
+        from pipeline_steps.local import agent_rollout
+
+        # multi_turn.enable: rollouts through verl's agent loops (tool agent rows call their tools)
+        self.agent = (
+            agent_rollout.AgentRollout(cfg, self.model, self.tokenizer, self.eos_ids)
+            if agent_rollout.enabled(cfg)
+            else None
+        )
 
     # -- configuration ---------------------------------------------------------
 
@@ -403,6 +414,12 @@ class GRPOTrainer:
         idx = order[k * self.batch_size : (k + 1) * self.batch_size]
         return [self.train_prompts[i] for i in idx], epoch
 
+    def _rollout(self, prompts: list[Prompt], n: int, **sampling) -> dict:
+        if self.agent is None:
+            return self.generate(prompts, n, **sampling)
+        self.model.eval()
+        return self.agent.generate(prompts, n, **sampling)
+
     def generate(
         self, prompts: list[Prompt], n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int
     ) -> dict:
@@ -454,7 +471,8 @@ class GRPOTrainer:
         import torch
 
         scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        lengths = batch["response_mask"].sum(-1)
+        # verl's naive manager: the valid response (model and tool tokens) is the attended part after the prompt
+        lengths = batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
         values, extras = [], []
         for i, item in enumerate(batch["items"]):
             n = int(lengths[i])
@@ -616,7 +634,7 @@ class GRPOTrainer:
         timing: dict[str, float] = {}
         prompts, epoch = self.batch_prompts(step)
         t = time.perf_counter()
-        batch = self.generate(
+        batch = self._rollout(
             prompts,
             self.n,
             do_sample=bool(ro.do_sample),
@@ -657,8 +675,18 @@ class GRPOTrainer:
         t = time.perf_counter()
         actor_metrics = self.update(batch)
         timing["update_actor"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.dump_rollouts(step, batch)
+        timing["dump_rollout_generations"] = time.perf_counter() - t  # verl's timer name for the same dump
         timing["step"] = time.perf_counter() - t_step
         return self._metrics(batch, timing, step, epoch, {"actor/entropy": entropy, **actor_metrics})
+
+    def dump_rollouts(self, step: int, batch: dict) -> None:
+        """The step's samples as verl's ``trainer.rollout_data_dir`` files; locally always, beside the metrics."""
+        from pipeline_steps.evaluation import trajectories
+
+        dump = self.cfg.trainer.get("rollout_data_dir") or self.metrics_path.parent / "rollouts"
+        trajectories.write_step(dump, step, batch, self.tokenizer)
 
     def _metrics(self, batch, timing, step, epoch, extra) -> dict:
         from verl import DataProto
@@ -683,7 +711,11 @@ class GRPOTrainer:
         num_turns = np.asarray(batch["num_turns"], dtype=np.int32)
         dp = DataProto.from_dict(
             tensors={k: batch[k] for k in keys},
-            non_tensors={"__num_turns__": num_turns},  # compute_data_metrics then emits num_turns/* as verl's does
+            # compute_data_metrics then emits num_turns/* (and tool_call_counts/* for agent rollouts) as verl's does
+            non_tensors={
+                "__num_turns__": num_turns,
+                **({"tool_call_counts": batch["tool_call_counts"]} if "tool_call_counts" in batch else {}),
+            },
             meta_info={"global_token_num": batch["attention_mask"].sum(-1).tolist()},
         )
         from verl.utils import flops_counter
@@ -701,6 +733,9 @@ class GRPOTrainer:
                 achieved = estimate(self.model.config, sum(seqlens), seqlens, timing["update_actor"])
                 metrics["perf/mfu/actor"] = achieved / flops_counter.get_device_flops(device_name="CPU")
         metrics.update(compute_data_metrics(dp, use_critic=False))
+        from pipeline_steps.local import agent_rollout
+
+        metrics.update(agent_rollout.metrics(batch))
         metrics.update(
             {
                 "training/num_turns/mean": float(num_turns.mean()),
@@ -728,7 +763,7 @@ class GRPOTrainer:
         bs = max(self.batch_size, 1)
         for i in range(0, len(self.val_prompts), bs):
             chunk = self.val_prompts[i : i + bs]
-            batch = self.generate(
+            batch = self._rollout(
                 chunk,
                 int(vk.n),
                 do_sample=bool(vk.do_sample),
@@ -869,5 +904,9 @@ class GRPOTrainer:
 
 def train(cfg, reward_fn: RewardFn | None = None, metrics_path=None, on_step=None) -> dict:
     """Build the trainer in a 1-process gloo group and run it to the end (resuming per ``trainer.resume_mode``)."""
-    with process_group():
+    from pipeline_steps.local.agent_rollout import local_sandbox
+
+    run_dir = Path(str(cfg.trainer.default_local_dir)).parent
+    # the code tool's sandboxes: the local server when no E2B service is configured (the run's files hidden from them)
+    with process_group(), local_sandbox(cfg, hide=[str(run_dir)]):
         return GRPOTrainer(cfg, reward_fn=reward_fn, metrics_path=metrics_path).fit(on_step=on_step)

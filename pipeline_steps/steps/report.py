@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pipeline_steps import atomic, metrics_log, outputs
 from pipeline_steps.errors import UserError
+from pipeline_steps.evaluation import trajectories
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
 from pipeline_steps.uris import local_path
 
@@ -506,6 +507,7 @@ def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown
         sections = [f"# {cell(title)}", "", f"Run directory {code(shown_dir or run_dir, table=False)}.", ""]
         sections += metrics_section(run_dir, tmp, state)
         sections += eval_section(run_dir, state)
+        sections += trajectories.report_section(run_dir, state)
         sections += lineage_section(run_dir, state)
         sections += training_section(run_dir, state)
         sections += links_section(args.dashboard_url, args.exported_uri)

@@ -61,6 +61,10 @@ def check_multi_turn(cfg) -> dict:
     exists in the training image is left to the cluster)."""
     mt = cfg.actor_rollout_ref.rollout.get("multi_turn") or {}
     path = mt.get("tool_config_path")
+    if mt.get("enable") and path:
+        from pipeline_steps.tools import resolve_config_path
+
+        path = resolve_config_path(path)  # pkg: names a shipped config; a missing one fails here
     if not mt.get("enable") or not path or not Path(str(path)).is_file():
         return {}
     return {"tools": check_tool_config(str(path))}
