@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
@@ -128,6 +129,8 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
                         "data.filter_overlong_prompts=true"
                     )
             extra = dict(row.get("extra_info") or {})
+            if isinstance(extra.get("rollout_extra"), str):  # JSONL rows' rollout_extra, stored as JSON text in parquet
+                extra["rollout_extra"] = json.loads(extra["rollout_extra"])
             out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], extra, messages, row.get("agent_name")))
     return out
 
@@ -378,7 +381,11 @@ class GRPOTrainer:
         from verl.trainer.ppo.reward import get_custom_reward_fn
         from verl.utils.reward_score import default_compute_score
 
+        from pipeline_steps.tools import resolve_config_path
+
         path = self.cfg.reward.custom_reward_function.get("path")
+        if path and str(path).startswith("pkg:"):  # a reward shipped in this package (pkg:pipeline_steps.rewards/...)
+            self.cfg.reward.custom_reward_function.path = path = resolve_config_path(path)
         if path and not Path(str(path)).is_file():
             raise UserError(
                 f"reward.custom_reward_function.path={path}: file not found; pass a Python file defining the reward "

@@ -61,6 +61,9 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     from pipeline_steps.tools.check import check_multi_turn  # only verl and the tool classes it names
 
     tools = check_multi_turn(cfg)
+    from pipeline_steps.rewards.check import check_reward_function
+
+    tools.update(check_reward_function(cfg))  # a user reward is imported and called on a sample row
     staged = check_staged(cfg, backend) if check_store else {}
     return {
         "experiment": exp.name,

@@ -62,7 +62,7 @@ def resolve_tool_config(argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        if eq and key.lstrip("+").endswith("multi_turn.tool_config_path"):
+        if eq and key.lstrip("+").endswith(("multi_turn.tool_config_path", "custom_reward_function.path")):
             text = yaml.safe_load(value)
             if isinstance(text, str) and text.startswith(PKG):
                 arg = f"{key}={json.dumps(resolve_config_path(text))}"

@@ -1,0 +1,71 @@
+"""User reward functions (guide 002): the shipped ReTool-style example, the pre-flight that imports and calls a
+reward on a sample row, and JSONL ``rollout_extra`` reaching the reward as a dict."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline_steps.errors import UserError
+
+
+def _cfg(path, name="compute_score"):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"reward": {"custom_reward_function": {"path": str(path), "name": name}}})
+
+
+def test_retool_reward_scores_boxed_answer_and_tool_use():
+    from pipeline_steps.rewards.retool import compute_group_score, compute_score
+
+    right_tool = "<tool_call>{}</tool_call> 42 so \\boxed{42}"
+    assert compute_score("x", right_tool, "42")["score"] == pytest.approx(1.1)
+    assert compute_score("x", "\\boxed{42}", "42")["score"] == 1.0
+    assert compute_score("x", "\\boxed{41}", "42")["score"] == -1.0
+    assert compute_score("x", "[error] NameError \\boxed{1}", "42")["score"] == pytest.approx(-1.05)
+    extra = {"rollout_extra": json.dumps({"solution": "7"})}  # as stored in parquet
+    assert compute_score("x", "\\boxed{7}", "42", extra)["acc"] == 1.0
+    group = compute_group_score("x", ["\\boxed{42} long answer", "\\boxed{42}", "\\boxed{3}"], "42")
+    assert [g["score"] for g in group] == [1.0, pytest.approx(1.1), -1.0]
+
+
+def test_preflight_calls_the_reward_on_a_sample_row(tmp_path):
+    from pipeline_steps.rewards.check import check_reward_function
+
+    ok = check_reward_function(_cfg("pkg:pipeline_steps.rewards/retool.py"))
+    assert ok["reward_sample"] == pytest.approx(1.1)
+    bad = tmp_path / "bad.py"
+    bad.write_text("def compute_score(solution_str):\n    return 1.0\n")  # verl passes four keyword arguments
+    with pytest.raises(UserError) as e:
+        check_reward_function(_cfg(bad))
+    assert "failed on a sample row (TypeError" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UserError, match="no such function"):
+        check_reward_function(_cfg(bad, "score_it"))
+    with pytest.raises(UserError, match="file not found|no file"):
+        check_reward_function(_cfg(tmp_path / "missing.py"))
+    (tmp_path / "none.py").write_text("def compute_score(**kw):\n    return None\n")
+    with pytest.raises(UserError, match="returned NoneType"):
+        check_reward_function(_cfg(tmp_path / "none.py"))
+
+
+def test_rollout_extra_reaches_the_reward_as_a_dict(tmp_path, tiny_model):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from pipeline_steps.data.preprocessors import jsonl
+    from pipeline_steps.local.grpo_cpu import load_prompts
+
+    row = jsonl.convert_row(
+        {"messages": [{"role": "user", "content": "1+1?"}], "rollout_extra": {"solution": "2", "tag": "a"}},
+        "train",
+        0,
+        jsonl.DATA_SOURCE,
+    )
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "t.parquet")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    data = OmegaConf.create({"max_prompt_length": 256})
+    [p] = load_prompts([tmp_path / "t.parquet"], tok, data)
+    assert p.extra_info["rollout_extra"] == {"solution": "2", "tag": "a"}
