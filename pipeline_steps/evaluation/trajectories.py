@@ -122,11 +122,10 @@ def render_sample(row: dict) -> list[str]:
 
 def report_section(run_dir: Path, state: dict) -> list[str]:
     """The report's Trajectories section: per-step tool use and a few samples, chosen reproducibly."""
-    lines = ["## Trajectories", ""]
     dump = Path(run_dir) / "rollouts"
-    if not dump.is_dir():
-        state["inputs"]["rollouts/"] = "not produced"
-        return lines + ["`rollouts/`: not produced.", ""]
+    if not dump.is_dir():  # a cluster run without trainer.rollout_data_dir: no section rather than an empty one
+        return []
+    lines = ["## Trajectories", ""]
     steps, skipped = read(dump)
     state["inputs"]["rollouts/"] = f"ok ({len(steps)} steps" + (f", {skipped} bad lines skipped)" if skipped else ")")
     if not steps:
