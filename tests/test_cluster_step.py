@@ -99,7 +99,7 @@ def cluster(k8s_api, tmp_path, monkeypatch):
     monkeypatch.setenv(
         "PIPELINE_MOUNTS", json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": str(mnt)}])
     )
-    monkeypatch.delenv("PIPELINE_TRAIN_IMAGE", raising=False)
+    monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     return {"api": k8s_api, "store": store, "mnt": mnt}
 
 

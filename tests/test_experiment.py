@@ -37,7 +37,6 @@ def test_presets_load_with_pipeline_sections(name):
     if cluster["gpus_per_node"]:
         assert exp.verl["trainer.n_gpus_per_node"] == cluster["gpus_per_node"]
         for key in (
-            "image",
             "head",
             "worker",
             "tolerations",

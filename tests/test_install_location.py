@@ -114,6 +114,9 @@ def test_preflight_and_render_rayjob_run_from_the_install(installed):
     assert p.returncode == 0, p.stderr[-3000:]
     assert json.loads(p.stdout.strip().splitlines()[-1])["ok"] is True
     mounts = (ROOT / "k8s/overlays/ack/mounts.json").read_text()
+    installed = dict(
+        installed, env=dict(installed["env"], PIPELINE_TRAIN_IMAGE="registry.example.com/t@sha256:" + "0" * 64)
+    )
     p = run(
         installed,
         "-m",

@@ -51,10 +51,15 @@ EXAMPLES = [
 ]
 
 
+# What a deployment sets (Helm values): the image it built, by digest. Presets name no image.
+TRAIN_IMAGE = "registry.example.com/verl-grpo-train@sha256:" + "0" * 64
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for var in (render_rayjob.IMAGE_ENV, render_rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS"):
+    for var in (render_rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(render_rayjob.IMAGE_ENV, TRAIN_IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -505,3 +510,32 @@ def test_export_jobs_on_ack_can_open_the_oss_store(preset):
         assert env[name] == {"name": name, "valueFrom": {"secretKeyRef": {"name": "oss-credentials", "key": key}}}
     pv = (ROOT / "k8s/overlays/ack/pv-pvc-oss.yaml").read_text()
     assert env["OSS_ENDPOINT"]["value"] in pv and env["OSS_REGION"]["value"] in env["OSS_ENDPOINT"]["value"]
+
+
+@pytest.mark.parametrize(
+    "image,message",
+    [
+        (None, "no training image: set $PIPELINE_TRAIN_IMAGE"),
+        ("registry.example.com/verl-grpo-train", "a moving tag"),
+        ("registry.example.com:5000/verl-grpo-train:latest", "a moving tag"),
+        ("REGISTRY/verl-grpo-train@sha256:DIGEST", "sha256:<64 hex digits>"),  # the Helm values left unedited
+    ],
+)
+def test_a_missing_or_moving_training_image_is_refused_in_one_line(monkeypatch, image, message):
+    """Issue 13 item 7: presets name no image (the deployment builds and pushes its own); an unpinned one is refused."""
+    if image is None:
+        monkeypatch.delenv(render_rayjob.IMAGE_ENV)
+    else:
+        monkeypatch.setenv(render_rayjob.IMAGE_ENV, image)
+    with pytest.raises(UserError) as e:
+        render()
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_exact_tag_on_a_registry_with_a_port_is_taken(monkeypatch):
+    monkeypatch.setenv(render_rayjob.IMAGE_ENV, "registry.example.com:5000/verl-grpo-train:0.1.0")
+    _, job = render()
+    pods = [job["spec"]["rayClusterSpec"]["headGroupSpec"]] + job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert {c["image"] for p in pods for c in p["template"]["spec"]["containers"]} == {
+        "registry.example.com:5000/verl-grpo-train:0.1.0"
+    }

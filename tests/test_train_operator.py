@@ -195,6 +195,7 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
     monkeypatch.setenv(
         "PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "verl-store", "path": str(mnt)}])
     )
+    monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     run_dir = "gs://verl-bucket/runs/gsm8k/run1"
     name = rayjob_name("t_kuberay", RUN_ID, "train", "train")
     metrics = mnt / "runs/gsm8k/run1/metrics.jsonl"

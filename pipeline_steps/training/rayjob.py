@@ -203,6 +203,38 @@ def join_argv(argv: list[str]) -> str:
 # -- the RayJob -------------------------------------------------------------------------------------
 
 
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+def training_image(cluster: dict) -> str:
+    """The deployment's training image (``$PIPELINE_TRAIN_IMAGE``, else the preset's ``cluster.image``), pinned.
+
+    The image is the one a deployment built from ``k8s/docker/Dockerfile.train`` and pushed to its own registry, so
+    no shipped preset names one. A moving tag (``:latest``, or none) would change CUDA, torch and vLLM under a run
+    without notice, so only a digest or an exact tag is taken.
+
+    :raises UserError: one line saying what to set
+    """
+    image = os.environ.get(IMAGE_ENV) or cluster.get("image")
+    what = f"${IMAGE_ENV}" if os.environ.get(IMAGE_ENV) else "cluster.image"
+    if not image:
+        raise UserError(
+            f"no training image: set ${IMAGE_ENV} (or cluster.image) to the image built from "
+            "k8s/docker/Dockerfile.train, pinned by digest or an exact tag"
+        )
+    if not isinstance(image, str) or any(c.isspace() for c in image):
+        raise UserError(f"{what}={image!r}: not an image reference")
+    name, _, digest = image.partition("@")
+    if digest:
+        if not _DIGEST.fullmatch(digest):
+            raise UserError(f"{what}={image!r}: the digest must be sha256:<64 hex digits>")
+        return image
+    tag = name.rsplit("/", 1)[-1].partition(":")[2]
+    if not tag or tag == "latest":
+        raise UserError(f"{what}={image!r}: a moving tag; pin the image by digest (@sha256:...) or an exact tag")
+    return image
+
+
 def build_rayjob(
     exp: Experiment,
     *,
@@ -235,9 +267,7 @@ def build_rayjob(
         raise UserError("experiment: 'cluster' must be a mapping")
     nnodes = _int(exp.verl.get("trainer.nnodes", cluster.get("nnodes", 1)), "trainer.nnodes", 1)
     gpus = _int(exp.verl.get("trainer.n_gpus_per_node", cluster.get("gpus_per_node", 0)), "trainer.n_gpus_per_node", 1)
-    image = os.environ.get(IMAGE_ENV) or cluster.get("image")
-    if not image or not isinstance(image, str) or any(c.isspace() for c in image):
-        raise UserError(f"cluster.image={image!r}: set the training image in the preset or ${IMAGE_ENV}")
+    image = training_image(cluster)
     account = os.environ.get(SERVICE_ACCOUNT_ENV) or cluster.get("service_account") or "default"
     if not (_DNS_SUBDOMAIN.match(str(account)) and len(str(account)) <= 253):
         raise UserError(f"cluster.service_account={account!r}: not a Kubernetes ServiceAccount name")
