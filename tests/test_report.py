@@ -343,6 +343,41 @@ def test_report_of_a_run_on_an_oss_store_reads_and_writes_the_store(oss_server, 
     assert manifest.body.read()  # committed like every version in the store
 
 
+def test_report_of_an_oss_run_shows_the_clusters_rollout_dump(oss_server):
+    """A cluster run's trainer.rollout_data_dir (verl's <step>.jsonl dump, its own keys only) is fetched from the
+    store: the report gets its Trajectories section; only the newest REMOTE_ROLLOUT_STEPS files are fetched."""
+    import alibabacloud_oss_v2 as oss
+
+    from pipeline_steps.steps.report import REMOTE_ROLLOUT_STEPS
+
+    client = oss_server.client()
+    prefix = "runs/retool/manual__2"
+
+    def put(key, body: bytes):
+        client.put_object(oss.PutObjectRequest(bucket="test-bucket", key=f"{prefix}/{key}", body=body))
+
+    put("lineage.json", json.dumps({"run_id": "manual__2"}).encode())
+    last = REMOTE_ROLLOUT_STEPS + 1
+    for step in range(1, last + 1):  # numeric order decides the newest (10 sorts before 9 as text)
+        row = {"input": "What is 6*7?", "output": f"step {step} says \\boxed{{42}}", "gts": "42", "score": 1.0}
+        put(f"rollouts/{step}.jsonl", (json.dumps({**row, "step": step}) + "\n").encode())
+    put("rollouts/notes.txt", b"not a step file")
+    uri = f"oss://test-bucket/{prefix}"
+    code, s, err = run_step("report", "--run-dir", uri, env=oss_server.env())
+    assert code == 0, err
+    assert s["inputs"]["rollouts/"] == f"ok ({REMOTE_ROLLOUT_STEPS} steps)", s["inputs"]
+    md = client.get_object(oss.GetObjectRequest(bucket="test-bucket", key=f"{prefix}/report/report.md")).body.read()
+    md = md.decode()
+    assert "## Trajectories" in md and f"step {last} says" in md
+    table = md.split("## Trajectories")[1]
+    shown = [
+        int(line.split("|")[1])
+        for line in table.splitlines()
+        if line.split("|")[1:2] != [] and line.split("|")[1].strip().isdigit()
+    ]
+    assert shown == list(range(2, last + 1)), shown  # the newest, in step order; step 1 was not fetched
+
+
 def test_a_cluster_shaped_metrics_file_shows_its_validation_curve(tmp_path):
     """verl's naive reward manager makes ``acc`` the headline: ``val-core/<source>/acc/mean@N`` (reward under
     ``val-aux``). Key names as verl's v1 trainer writes them (tests/test_trainer_parity.py checks the CPU trainer

@@ -452,6 +452,9 @@ def validate_links(dashboard_url: str, exported_uri: str) -> None:
 
 
 REMOTE_INPUTS = ("metrics.jsonl", "lineage.json", "train_summary.json", "eval/results.json", "eval/base_results.json")
+# verl's rollout dump is one file per step and a big run's steps are tens of MB each: the report fetches the newest
+# ones only (its table then starts there; the samples shown are the last step's anyway)
+REMOTE_ROLLOUT_STEPS = 20
 
 
 def run(args) -> dict:
@@ -477,6 +480,7 @@ def _run_remote(args) -> dict:
             if data is not None:
                 (local / rel).parent.mkdir(parents=True, exist_ok=True)
                 (local / rel).write_bytes(data)
+        _fetch_rollouts(store, f"{uri}/rollouts", local / "rollouts")
         out = Path(tmp) / "report"
         summary = _run_local(args, run_dir=local, out=out, shown_dir=uri)
         upload = store.upload_dir(str(out), f"{uri}/report")
@@ -488,6 +492,19 @@ def _run_remote(args) -> dict:
         uploaded=upload.get("uploaded"),
     )
     return summary
+
+
+def _fetch_rollouts(store, prefix: str, dest: Path) -> None:
+    """The newest ``<step>.jsonl`` files of verl's ``trainer.rollout_data_dir``; none (no directory) when the run
+    dumped no rollouts, so the report then has no Trajectories section, as locally."""
+    steps = sorted(
+        (n for n in store.list_names(prefix) if n.endswith(".jsonl") and n[:-6].isdigit()), key=lambda n: int(n[:-6])
+    )
+    for name in steps[-REMOTE_ROLLOUT_STEPS:]:
+        data = store.read_bytes(f"{prefix}/{name}")
+        if data is not None:
+            dest.mkdir(exist_ok=True)
+            (dest / name).write_bytes(data)
 
 
 def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None) -> dict:
