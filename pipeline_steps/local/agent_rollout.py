@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -229,6 +230,8 @@ def local_sandbox(cfg, hide=()):
     ):
         saved = {k: os.environ.get(k) for k in server.env()}
         os.environ.update(server.env())
+        # stderr: a step's stdout is its JSON summary; the line tells the log reader where tool calls went
+        print(f"started the local sandbox server for the code tool: {server.env().get('E2B_API_URL')}", file=sys.stderr)
         try:
             yield server
         finally:
