@@ -69,3 +69,72 @@ def test_rollout_extra_reaches_the_reward_as_a_dict(tmp_path, tiny_model):
     data = OmegaConf.create({"max_prompt_length": 256})
     [p] = load_prompts([tmp_path / "t.parquet"], tok, data)
     assert p.extra_info["rollout_extra"] == {"solution": "2", "tag": "a"}
+
+
+GROUP_REWARD = """
+import json, os
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    raise AssertionError("the group function scores this run")
+
+def compute_group_score(data_source, solution_strs, ground_truth, extra_info=None):
+    # the rank of each response's length inside its group: only defined over the whole group
+    order = sorted(range(len(solution_strs)), key=lambda i: (len(solution_strs[i]), i))
+    with open(os.environ["GROUP_LOG"], "a") as f:
+        f.write(json.dumps({"n": len(solution_strs), "index": extra_info["index"]}) + "\\n")
+    return [{"score": float(order.index(i)), "rank": order.index(i)} for i in range(len(solution_strs))]
+"""
+
+
+def test_local_trainer_scores_whole_groups_with_group_name(tmp_path, tiny_model, monkeypatch):
+    """``+reward.custom_reward_function.group_name``: the real CPU trainer calls the group function once per prompt
+    with its ``rollout.n`` responses, and the scores it returns (a group-relative rank) are the step's rewards."""
+    from pipeline_steps.local import grpo_cpu
+    from tests.test_train_local import compose, write_gsm8k_parquet
+
+    reward = tmp_path / "group_reward.py"
+    reward.write_text(GROUP_REWARD)
+    monkeypatch.setenv("GROUP_LOG", str(tmp_path / "calls.jsonl"))
+    assets = {"model": tiny_model, "train": write_gsm8k_parquet(tmp_path / "train.parquet", n=2)}
+    out = tmp_path / "run"
+    cfg = compose(
+        assets,
+        out,
+        [
+            "trainer.total_training_steps=1",
+            "trainer.val_before_train=false",
+            f"reward.custom_reward_function.path={reward}",
+            "+reward.custom_reward_function.group_name=compute_group_score",
+        ],
+    )
+    grpo_cpu.train(cfg, metrics_path=out / "metrics.jsonl")
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    n = int(cfg.actor_rollout_ref.rollout.n)
+    assert sorted(c["index"] for c in calls) == [0, 1] and all(c["n"] == n for c in calls)  # one call per prompt
+    rows = [json.loads(line) for line in (out / "rollouts" / "1.jsonl").read_text().splitlines()]
+    by_group: dict = {}
+    for r in rows:
+        by_group.setdefault(r["uid"], []).append(r["score"])
+    assert all(sorted(scores) == [float(i) for i in range(n)] for scores in by_group.values()), by_group
+
+
+def test_group_reward_preflight(tmp_path):
+    from omegaconf import OmegaConf
+
+    from pipeline_steps.rewards.check import check_group_reward
+
+    def cfg(name, path="pkg:pipeline_steps.rewards/retool.py"):
+        return OmegaConf.create({"reward": {"custom_reward_function": {"path": path, "group_name": name}}})
+
+    assert check_group_reward(cfg("compute_group_score"), "local")["group_reward_function"].startswith(
+        "compute_group_score"
+    )
+    with pytest.raises(UserError, match="local backend's"):
+        check_group_reward(cfg("compute_group_score"), "cluster")
+    with pytest.raises(UserError, match="no such function"):
+        check_group_reward(cfg("nope"), "local")
+    (tmp_path / "scalar.py").write_text(
+        "def g(data_source, solution_strs, ground_truth, extra_info=None):\n    return 1\n"
+    )
+    with pytest.raises(UserError, match="return a list"):
+        check_group_reward(cfg("g", str(tmp_path / "scalar.py")), "local")

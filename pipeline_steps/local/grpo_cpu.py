@@ -52,6 +52,7 @@ from pipeline_steps.errors import UserError
 log = logging.getLogger(__name__)
 
 TRACKER = CHECKPOINT_TRACKER
+GROUP_KEY = "reward.custom_reward_function.group_name"  # local backend only: verl 0.9.1 scores per sample
 LOCAL_REWARD_MANAGERS = ("naive",)  # verl reward managers the CPU trainer reproduces
 # Inputs an advantage estimator may ask for that this trainer provides.
 _ADV_INPUTS = {"token_level_rewards", "response_mask", "index", "config", "norm_adv_by_std_in_grpo", "epsilon", "gamma"}
@@ -230,6 +231,7 @@ class GRPOTrainer:
                 f"{'/'.join(LOCAL_REWARD_MANAGERS)} reward manager only; use it locally or run on the kuberay backend"
             )
         self.reward_fn = reward_fn or self._configured_reward_fn()
+        self.group_reward_fn = None if reward_fn else self._configured_group_fn()
 
         # Model, tokenizer, reference copy, FSDP2 wrap.
         from torch.distributed.device_mesh import init_device_mesh
@@ -399,6 +401,26 @@ class GRPOTrainer:
                 "file"
             ) from None
 
+    def _configured_group_fn(self):
+        """``reward.custom_reward_function.group_name`` (local backend only): a function of the same file scoring a
+        prompt's whole group at once, ``(data_source, solution_strs, ground_truth, extra_info) -> [score | dict]``,
+        so a reward can compare the group's samples (e.g. ReTool's bonus for the shortest correct answer)."""
+        spec = self.cfg.reward.get("custom_reward_function") or {}
+        name = spec.get("group_name")
+        if not name:
+            return None
+        path = spec.get("path")
+        if not path:
+            raise UserError(f"{GROUP_KEY}={name}: set reward.custom_reward_function.path to the file that defines it")
+        from omegaconf import OmegaConf
+        from verl.trainer.ppo.reward import get_custom_reward_fn
+
+        probe = OmegaConf.create({"reward": {"custom_reward_function": {"path": str(path), "name": str(name)}}})
+        try:
+            return get_custom_reward_fn(probe)
+        except AttributeError:
+            raise UserError(f"{GROUP_KEY}={name}: no such function in {path}") from None
+
     def _eos_ids(self, model_path) -> list[int]:
         from transformers import GenerationConfig
 
@@ -481,17 +503,25 @@ class GRPOTrainer:
         # verl's naive manager: the valid response (model and tool tokens) is the attended part after the prompt
         lengths = batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
         values, extras = [], []
+        texts = [
+            self.tokenizer.decode(batch["responses"][i, : int(lengths[i])], skip_special_tokens=True)
+            for i in range(len(batch["items"]))
+        ]
+        grouped = self._group_scores(batch, texts) if self.group_reward_fn else None
         for i, item in enumerate(batch["items"]):
             n = int(lengths[i])
-            text = self.tokenizer.decode(batch["responses"][i, :n], skip_special_tokens=True)
+            text = texts[i]
             # verl's naive reward manager adds the turn count and the rollout's own reward scores to extra_info
             extra_info = {**item.extra_info, "num_turns": batch["num_turns"][i], "rollout_reward_scores": {}}
-            res = self.reward_fn(
-                data_source=item.data_source,
-                solution_str=text,
-                ground_truth=item.ground_truth,
-                extra_info=extra_info,
-            )
+            if grouped is not None:
+                res = grouped[i]
+            else:
+                res = self.reward_fn(
+                    data_source=item.data_source,
+                    solution_str=text,
+                    ground_truth=item.ground_truth,
+                    extra_info=extra_info,
+                )
             if inspect.isawaitable(res):  # an async scorer, awaited as verl's reward loop awaits it
                 res = asyncio.run(res)
             value = float(res["score"] if isinstance(res, dict) else res)
@@ -502,6 +532,32 @@ class GRPOTrainer:
         batch["token_level_scores"] = scores
         batch["scores"] = values
         batch["reward_extra"] = extras
+
+    def _group_scores(self, batch: dict, texts: list[str]) -> list:
+        """One call of the group reward per prompt group (``uids``), results put back in sample order."""
+        groups: dict[str, list[int]] = {}
+        for i, uid in enumerate(batch["uids"]):
+            groups.setdefault(uid, []).append(i)
+        out: list = [None] * len(texts)
+        for members in groups.values():
+            first = batch["items"][members[0]]
+            res = self.group_reward_fn(
+                data_source=first.data_source,
+                solution_strs=[texts[i] for i in members],
+                ground_truth=first.ground_truth,
+                extra_info={**first.extra_info, "rollout_reward_scores": {}},
+            )
+            if inspect.isawaitable(res):
+                res = asyncio.run(res)
+            if not isinstance(res, (list, tuple)) or len(res) != len(members):
+                raise UserError(
+                    f"{GROUP_KEY}: the group function returned {type(res).__name__}"
+                    f"{f' of {len(res)}' if isinstance(res, (list, tuple)) else ''}; return one score or dict per "
+                    f"sample of the group ({len(members)})"
+                )
+            for i, r in zip(members, res):
+                out[i] = r
+        return out
 
     def log_probs(self, model, batch: dict, rows, with_entropy: bool = False):
         from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits

@@ -51,3 +51,45 @@ def check_reward_function(cfg) -> dict:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise UserError(f"{KEY}: {name} returned {type(result).__name__}; return a number or a dict with 'score'")
     return {"reward_function": f"{name} ({path})", "reward_sample": float(value)}
+
+
+GROUP_KEY = f"{KEY}.group_name"
+
+
+def check_group_reward(cfg, backend: str) -> dict:
+    """``reward.custom_reward_function.group_name`` (local backend only): imported from the reward file and called on
+    a group of two sample responses; it must return one score (or dict with 'score') per response."""
+    from pipeline_steps.tools import resolve_config_path
+
+    spec = cfg.reward.get("custom_reward_function") or {}
+    name = spec.get("group_name")
+    if not name:
+        return {}
+    if backend != "local":
+        raise UserError(
+            f"{GROUP_KEY}={name}: group rewards are the local backend's (verl 0.9.1's reward managers score one "
+            "sample at a time); remove it for cluster runs"
+        )
+    if not spec.get("path"):
+        raise UserError(f"{GROUP_KEY}={name}: set {KEY}.path to the file that defines it")
+    path = resolve_config_path(spec["path"])
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    try:
+        fn = get_custom_reward_fn(
+            OmegaConf.create({"reward": {"custom_reward_function": {"path": path, "name": name}}})
+        )
+    except AttributeError:
+        raise UserError(f"{GROUP_KEY}={name}: no such function in {path}") from None
+    sample = {k: v for k, v in SAMPLE.items() if k != "solution_str"}
+    try:
+        result = fn(solution_strs=[SAMPLE["solution_str"], "no answer"], **sample)
+    except Exception as exc:
+        raise UserError(
+            f"{GROUP_KEY}: {name}(data_source, solution_strs, ground_truth, extra_info) failed on a sample group "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(result, (list, tuple)) or len(result) != 2:
+        raise UserError(f"{GROUP_KEY}: {name} returned {type(result).__name__}; return a list, one score per response")
+    return {"group_reward_function": f"{name} ({path})"}

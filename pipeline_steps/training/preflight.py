@@ -64,6 +64,9 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     from pipeline_steps.rewards.check import check_reward_function
 
     tools.update(check_reward_function(cfg))  # a user reward is imported and called on a sample row
+    from pipeline_steps.rewards.check import check_group_reward
+
+    tools.update(check_group_reward(cfg, backend))
     staged = check_staged(cfg, backend) if check_store else {}
     return {
         "experiment": exp.name,
