@@ -23,6 +23,9 @@ def test_retool_reward_scores_boxed_answer_and_tool_use():
     assert compute_score("x", right_tool, "42")["score"] == pytest.approx(1.1)
     assert compute_score("x", "\\boxed{42}", "42")["score"] == 1.0
     assert compute_score("x", "\\boxed{41}", "42")["score"] == -1.0
+    # the pipeline's DAPO/AIME rows ask for an "Answer:" line (verl's math_dapo prompt): the last one counts
+    assert compute_score("x", "6*7\nAnswer: 41\nno, wait\nAnswer: $42$", "42")["acc"] == 1.0
+    assert compute_score("x", "the Answer: 42 is inline", "42")["acc"] == 0.0
     assert compute_score("x", "[error] NameError \\boxed{1}", "42")["score"] == pytest.approx(-1.05)
     extra = {"rollout_extra": json.dumps({"solution": "7"})}  # as stored in parquet
     assert compute_score("x", "\\boxed{7}", "42", extra)["acc"] == 1.0

@@ -1,7 +1,8 @@
 """ReTool-style reward (guide 003's recipe): the boxed answer's correctness, shaped by tool use.
 
 verl calls ``compute_score(data_source, solution_str, ground_truth, extra_info)`` once per sample; ``solution_str`` is
-the whole multi-turn response (the model's turns and the tools' answers). Score: 1 for a correct ``\\boxed{}`` answer,
+the whole multi-turn response (the model's turns and the tools' answers). Score: 1 for a correct final answer
+(``\\boxed{}``, or the last ``Answer:`` line the pipeline's DAPO/AIME prompts ask for),
 -1 otherwise (ReTool's outcome reward); a correct answer that used the code tool gets ``TOOL_BONUS`` more, and every
 tool call whose code failed costs ``ERROR_COST``, so the policy learns to call the tool and to write code that runs.
 ``extra_info["rollout_extra"]`` (a JSONL row's ``rollout_extra``, guide 002) may carry ``{"solution": ...}``, which
@@ -23,6 +24,19 @@ def last_boxed(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+_ANSWER_LINE = re.compile(r"^\s*Answer:\s*(.+?)\s*$", re.MULTILINE)
+
+
+def final_answer(text: str) -> str | None:
+    """The last ``\\boxed{}`` (ReTool's format), else the last ``Answer: ...`` line: the pipeline's DAPO-Math and AIME
+    rows ask for the latter (verl's math_dapo prompt), and the guide's dataset class is not used here."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    lines = _ANSWER_LINE.findall(text or "")
+    return lines[-1] if lines else None
+
+
 def _normalise(answer) -> str:
     s = str(answer).strip().strip("$").replace(",", "").replace(" ", "")
     return s[:-2] if s.endswith(".0") else s
@@ -34,7 +48,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> d
     if isinstance(rollout_extra, str):  # as the preprocess step stores it in parquet (the cluster passes it as is)
         rollout_extra = json.loads(rollout_extra)
     truth = rollout_extra.get("solution", ground_truth)
-    answer = last_boxed(solution_str)
+    answer = final_answer(solution_str)
     correct = answer is not None and _normalise(answer) == _normalise(truth)
     calls = solution_str.count("<tool_call>")
     errors = len(re.findall(r"\[error\]|Error: code sandbox", solution_str))
