@@ -45,6 +45,27 @@ CURVES = (
     ("response_length.png", "response_length/mean", "Response length (response_length/mean)", "tokens"),
     ("throughput.png", "perf/throughput", "Throughput (perf/throughput)", "tokens / s / GPU"),
 )
+# Plotted only when the metrics carry them (verl logs them on the cluster; the CPU trainer logs all but memory):
+# (file name, metric key, title, y label, companion series drawn on the same axes)
+OPTIONAL_CURVES = (
+    ("grad_norm.png", "actor/grad_norm", "Gradient norm (actor/grad_norm)", "norm", ()),
+    ("lr.png", "actor/lr", "Learning rate (actor/lr)", "rate", ()),
+    ("mfu.png", "perf/mfu/actor", "Model FLOPs utilisation (perf/mfu/actor)", "fraction of peak", ()),
+    (
+        "memory.png",
+        "perf/max_memory_allocated_gb",
+        "Peak memory (perf/max_memory_allocated_gb)",
+        "GB",
+        ("perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb"),
+    ),
+    (
+        "step_timing.png",
+        "timing_s/step",
+        "Step time (timing_s/step)",
+        "seconds",
+        ("timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "timing_s/save_checkpoint"),
+    ),
+)
 TABLE_KEYS = [k for _, k, _, _ in CURVES] + ["timing_s/step"]
 # verl's headline validation means, per data source: val-core/<source>/acc/mean@N (the naive reward manager adds acc),
 # or .../reward/mean@N when a custom reward reports no acc; the std/best/maj companions stay in the table only
@@ -226,6 +247,15 @@ def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
             lines += [f"**{title}**: {NP} (no `{key}` values in metrics.jsonl).", ""]
             continue
         plot(out / name, xs, ys, title, ylabel, val_extra if key == "critic/score/mean" else None)
+        state["plots"].append(name)
+        lines += [f"![{title}]({name})", ""]
+
+    for name, key, title, ylabel, companions in OPTIONAL_CURVES:
+        xs, ys = series(steps, key)
+        if not xs:
+            continue
+        extra = [(c, *series(steps, c), "-") for c in companions]
+        plot(out / name, xs, ys, title, ylabel, [e for e in extra if e[1]] or None)
         state["plots"].append(name)
         lines += [f"![{title}]({name})", ""]
 
