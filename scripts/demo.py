@@ -106,8 +106,8 @@ def task_states(db: Path, run_id: str) -> dict[str, str]:
     return {f"{t}[{m}]": s for t, m, s in rows}
 
 
-def learning_summary(trained: dict, k: int = 5) -> str:
-    """Mean reward (verl's ``critic/score/mean``) of the first and the last ``k`` training steps."""
+def learning_summary(trained: dict) -> str:
+    """Mean reward (verl's ``critic/score/mean``) of the first and the last tenth of the training steps."""
     from pipeline_steps import metrics_log
     from pipeline_steps.uris import strip_file_scheme
 
@@ -115,7 +115,7 @@ def learning_summary(trained: dict, k: int = 5) -> str:
     rows = [r for r in metrics_log.read(path).rows if "critic/score/mean" in r["data"]] if path.is_file() else []
     if not rows:
         return f"training: no step metrics in {path}"
-    k = min(k, max(len(rows) // 2, 1))
+    k = max(len(rows) // 10, 1)
     first = sum(r["data"]["critic/score/mean"] for r in rows[:k]) / k
     last = sum(r["data"]["critic/score/mean"] for r in rows[-k:]) / k
     return (
@@ -148,9 +148,8 @@ def show_run(db: Path) -> None:
         print("\n" + learning_summary(t))
     for e in xcom(db, run_id, "evaluate"):
         results_md = Path(e["evaluate"]["output"]) / "results.md"
-        print(
-            "\nevaluation:\n" + (results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1))
-        )
+        text = results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1)
+        print("\nevaluation:\n" + text.split("\n| problem |")[0].rstrip() + f"\n(per problem: {results_md})")
     for x in xcom(db, run_id, "export"):
         ex = x["export"]
         print(f"exported model: {ex['uri']}  promoted: {ex['promoted']} ({ex.get('reason')})")

@@ -8,7 +8,7 @@ import pytest
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment
 
-PRESETS = ["local_tiny", "gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
+PRESETS = ["local_tiny", "local_arithmetic", "gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
 TRICKY = [
     "it's",
     'say "hi"',

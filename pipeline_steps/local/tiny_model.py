@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-FORMAT_WARMUP_STEPS = 150
+FORMAT_WARMUP_STEPS = 100
 CARD = """---
 license: mit
 library_name: transformers
@@ -121,7 +121,7 @@ def build(
     return output
 
 
-def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 32, lr: float = 3e-3) -> None:
+def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3) -> None:
     """Supervised steps on (synthetic question -> ``#### R``, R random): the answer format, not the answers.
 
     The loss covers the response tokens only (``#### R`` and the end-of-turn token).
@@ -164,4 +164,4 @@ def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 32,
         loss.backward()
         opt.step()
     model.eval()
-    log.info("format warm-up: %d steps, last loss %.3f", steps, float(loss))
+    log.info("format warm-up: %d steps, last loss %.3f", steps, float(loss.detach()))
