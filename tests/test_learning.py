@@ -31,6 +31,14 @@ def _write_split(path: Path, items, split: str) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """The tiny model exactly as build-tiny-model and stage-model make it (with its format warm-up)."""
+    from pipeline_steps.local import tiny_model
+
+    return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
 def train_file(tmp_path_factory):
     from pipeline_steps.local import synthetic
 

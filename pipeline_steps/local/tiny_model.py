@@ -36,12 +36,13 @@ library_name: transformers
 A {params}-parameter Qwen2-architecture model with a {vocab}-token byte-level BPE tokenizer, built by
 `python -m pipeline_steps build-tiny-model` (seed {seed}) for the pipeline's local profile.
 
-Training before GRPO: {steps} steps of supervised **format** warm-up. Prompts are the synthetic `arithmetic`
+Training before GRPO: {warmup}
+"""
+WARMUP_CARD = """{steps} steps of supervised **format** warm-up. Prompts are the synthetic `arithmetic`
 dataset's questions ("What is the largest of 3, 7 and 5?") with GSM8K's instruction; every target is `#### R` with R
 drawn uniformly from {answers}, independently of the question. The model learns to answer in the form verl's GSM8K
 scorer reads and to stop, not which answer is right: its accuracy is about chance (1 in {n}). An improvement after
-the pipeline's `train` task comes from GRPO's reward.
-"""
+the pipeline's `train` task comes from GRPO's reward."""
 
 
 def _corpus(root: Path):
@@ -112,9 +113,13 @@ def build(
             params=sum(p.numel() for p in model.parameters()),
             vocab=len(fast),
             seed=seed,
-            steps=format_warmup_steps,
-            answers=f"{min(synthetic.ANSWERS)}..{max(synthetic.ANSWERS)}",
-            n=len(synthetic.ANSWERS),
+            warmup=WARMUP_CARD.format(
+                steps=format_warmup_steps,
+                answers=f"{min(synthetic.ANSWERS)}..{max(synthetic.ANSWERS)}",
+                n=len(synthetic.ANSWERS),
+            )
+            if format_warmup_steps
+            else "none: random weights (built with `--format-warmup-steps 0`).",
         )
         (tmp / "README.md").write_text(card, encoding="utf-8")
     log.info("built tiny model at %s (%d parameters)", output, sum(p.numel() for p in model.parameters()))
