@@ -71,40 +71,41 @@ def build(
     if (output / "config.json").exists() and (output / "tokenizer.json").exists():
         log.info("tiny model already at %s", output)
         return output
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(Path(corpus)), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(fast),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=None,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = fast.eos_token_id
-    model.generation_config.pad_token_id = fast.pad_token_id
-    if format_warmup_steps:
-        format_warmup(model, fast, format_warmup_steps, seed)
+    # the output directory first: an unwritable --output fails in one line before any work
     with atomic.atomic_dir(output, owner=owner) as tmp:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(Path(corpus)), trainer)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        torch.manual_seed(seed)
+        config = Qwen2Config(
+            vocab_size=len(fast),
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            bos_token_id=None,
+        )
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.eos_token_id = fast.eos_token_id
+        model.generation_config.pad_token_id = fast.pad_token_id
+        if format_warmup_steps:
+            format_warmup(model, fast, format_warmup_steps, seed)
         model.save_pretrained(tmp)
         fast.save_pretrained(tmp)
         from pipeline_steps.local import synthetic
