@@ -202,7 +202,9 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
     assert "not produced" not in md
 
     page = (run / "report" / "report.html").read_text()
-    assert page.count('src="data:image/png;base64,') == 4
+    assert page.count('src="data:image/png;base64,') == len(
+        names
+    )  # reward, entropy, response length, throughput, step timing
     assert "<b>a" not in page and "&lt;b&gt;a" in page  # typed text is escaped, not rendered
     assert "<img src=x" not in page and "&lt;img src=x" in page
 
