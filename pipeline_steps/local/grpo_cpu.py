@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline_steps import atomic, metrics_log
+from pipeline_steps import atomic, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
 
@@ -56,7 +56,7 @@ LOCAL_REWARD_MANAGERS = ("naive",)  # verl reward managers the CPU trainer repro
 # Inputs an advantage estimator may ask for that this trainer provides.
 _ADV_INPUTS = {"token_level_rewards", "response_mask", "index", "config", "norm_adv_by_std_in_grpo", "epsilon", "gamma"}
 
-MLFLOW_RUN_ID_FILE = "mlflow_run_id.txt"  # beside the checkpoints: a resumed attempt logs to the same run
+MLFLOW_RUN_FILE = "mlflow_run.json"  # beside the checkpoints: a resumed attempt and the export find the run
 RewardFn = Callable[..., "float | dict"]
 
 
@@ -158,7 +158,7 @@ def _file_logger(path: Path, keep_through_step: int):
     return logger
 
 
-def _tracking(cfg, path: Path, keep_through_step: int, run_id_file: Path):
+def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path):
     """verl's ``Tracking`` with the config's ``trainer.logger`` backends, so metric names match a cluster run's.
 
     The file backend is always ours (:func:`_file_logger`: resume keeps the checkpointed steps' lines; progress and
@@ -173,7 +173,7 @@ def _tracking(cfg, path: Path, keep_through_step: int, run_id_file: Path):
     if "mlflow" in backends and not os.environ.get("MLFLOW_TRACKING_URI"):
         log.warning("trainer.logger has mlflow but MLFLOW_TRACKING_URI is not set: not logging to MLflow")
         backends.remove("mlflow")
-    previous = run_id_file.read_text().strip() if keep_through_step > 0 and run_id_file.is_file() else ""
+    previous = (tracking_run.read(run_file) or {}).get("run_id") if keep_through_step > 0 else None
     saved = os.environ.get("MLFLOW_RUN_ID")
     if "mlflow" in backends and previous and not saved:
         os.environ["MLFLOW_RUN_ID"] = previous
@@ -188,13 +188,14 @@ def _tracking(cfg, path: Path, keep_through_step: int, run_id_file: Path):
         if saved is None:
             os.environ.pop("MLFLOW_RUN_ID", None)
     tracking.logger["file"] = _file_logger(path, keep_through_step)
-    run_id = None
+    run = None
     if "mlflow" in tracking.logger:
         import mlflow
 
-        run_id = mlflow.active_run().info.run_id
-        atomic.write_bytes(run_id_file, run_id.encode())
-    return tracking, run_id
+        info = mlflow.active_run().info
+        run = tracking_run.record(os.environ["MLFLOW_TRACKING_URI"], info.run_id, info.experiment_id)
+        atomic.write_json(run_file, run)
+    return tracking, run
 
 
 def read_metrics(path) -> list[dict]:
@@ -852,7 +853,7 @@ class GRPOTrainer:
     def fit(self, on_step: Callable[[int, dict], None] | None = None) -> dict:
         """Train from the resumed step to ``total_steps``; returns the run summary."""
         start = self.resume()
-        self.logger, run_id = _tracking(self.cfg, self.metrics_path, start, self.ckpt_root / MLFLOW_RUN_ID_FILE)
+        self.logger, mlflow_run = _tracking(self.cfg, self.metrics_path, start, self.ckpt_root / MLFLOW_RUN_FILE)
         save_freq = int(self.cfg.trainer.get("save_freq", -1) or -1)
         try:
             # verl's loop rules (v1 trainer_base.fit): validate first whenever val_before_train (a resume too),
@@ -900,8 +901,7 @@ class GRPOTrainer:
             "last_step": last_step,
             "resumed_from_step": start,
             "metrics_path": str(self.metrics_path),
-            "mlflow_run_id": run_id,
-            "mlflow_tracking_uri": os.environ.get("MLFLOW_TRACKING_URI") if run_id else None,
+            "mlflow": mlflow_run,  # run_id, tracking_uri, experiment_id, url; None when not logging to MLflow
             "final_metrics": {
                 k: v
                 for k, v in final.items()

@@ -418,8 +418,18 @@ def training_section(run_dir: Path, state: dict) -> list[str]:
         f"| resumed from step | {cell(ts.get('resumed_from_step', NR))} |",
         f"| checkpoint | {code(ts.get('checkpoint_dir') or NR)} |",
         f"| metrics file | {code(ts.get('metrics_path') or NR)} |",
+        f"| MLflow run | {mlflow_cell(ts.get('mlflow'))} |",
         "",
     ]
+
+
+def mlflow_cell(run) -> str:
+    """The training's MLflow run id, linked to the tracking server when it is a web server."""
+    if not isinstance(run, dict) or not run.get("run_id"):
+        return "not tracked"
+    rid = code(str(run["run_id"]))
+    url = safe_url(str(run.get("url") or ""))
+    return f"{rid} ({link(url)})" if url else f"{rid} at {code(str(run.get('tracking_uri') or NR))}"
 
 
 def links_section(dashboard_url: str, exported_uri: str) -> list[str]:
