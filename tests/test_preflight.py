@@ -27,7 +27,7 @@ def check(name="local_tiny", overrides=(), derived=None, check_store=False):
     )
 
 
-@pytest.mark.parametrize("name", ["local_tiny", "local_tiny_tool_agent"] + CLUSTER_PRESETS)
+@pytest.mark.parametrize("name", ["local_tiny", "local_tiny_tool_agent", "local_arithmetic"] + CLUSTER_PRESETS)
 def test_every_preset_passes(name):
     out = check(name)
     exp = experiment.load(name)

@@ -157,7 +157,7 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
 
     assert out["report"] == str(run / "report" / "report.md")
     names = [Path(p).name for p in out["plots"]]
-    assert names == ["reward.png", "entropy.png", "response_length.png", "throughput.png"]
+    assert names == ["reward.png", "entropy.png", "response_length.png", "throughput.png", "step_timing.png"]
     for p in out["plots"]:
         assert_png(Path(p))
     md = Path(out["report"]).read_text()
@@ -202,7 +202,9 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
     assert "not produced" not in md
 
     page = (run / "report" / "report.html").read_text()
-    assert page.count('src="data:image/png;base64,') == 4
+    assert page.count('src="data:image/png;base64,') == len(
+        names
+    )  # reward, entropy, response length, throughput, step timing
     assert "<b>a" not in page and "&lt;b&gt;a" in page  # typed text is escaped, not rendered
     assert "<img src=x" not in page and "&lt;img src=x" in page
 
@@ -234,6 +236,40 @@ def test_missing_inputs_say_not_produced(tmp_path):
     assert not list((tmp_path / "report").glob("*.png"))
 
 
+def test_system_curves_are_plotted_when_the_metrics_carry_them(tmp_path):
+    """Grad norm, learning rate, MFU, peak memory and step timing: plotted when logged, absent (no line) otherwise."""
+    from verl.utils.tracking import FileLogger
+
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(tmp_path / "metrics.jsonl")
+    try:
+        logger = FileLogger("p", "e")
+        for step in range(1, 4):
+            logger.log(
+                data={
+                    "critic/score/mean": step / 10,
+                    "actor/grad_norm": 1.0 / step,
+                    "actor/lr": 1e-3,
+                    "perf/mfu/actor": 0.01 * step,
+                    "perf/max_memory_allocated_gb": 10.0 + step,
+                    "perf/max_memory_reserved_gb": 12.0 + step,
+                    "timing_s/step": 2.0,
+                    "timing_s/gen": 1.2,
+                    "timing_s/update_actor": 0.7,
+                },
+                step=step,
+            )
+        logger.finish()
+    finally:
+        os.environ.pop("VERL_FILE_LOGGER_PATH", None)
+    out = report.run(args(tmp_path))
+    names = [Path(p).name for p in out["plots"]]
+    assert names == ["reward.png", "grad_norm.png", "lr.png", "mfu.png", "memory.png", "step_timing.png"]
+    for p in out["plots"]:
+        assert_png(Path(p))
+    md = Path(out["report"]).read_text()
+    assert "![Peak memory (perf/max_memory_allocated_gb)](memory.png)" in md
+
+
 def test_malformed_metrics_lines_are_skipped_and_counted(tmp_path):
     logged = write_metrics(tmp_path / "metrics.jsonl", steps=4, seed=3, drop=("perf/throughput",))
     good = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -253,7 +289,12 @@ def test_malformed_metrics_lines_are_skipped_and_counted(tmp_path):
     md = Path(out["report"]).read_text()
     assert out["metrics_skipped_lines"] == len(bad)
     assert f"{len(bad)} malformed line(s) skipped (line {', '.join(map(str, bad_line_numbers))})" in md
-    assert [Path(p).name for p in out["plots"]] == ["reward.png", "entropy.png", "response_length.png"]
+    assert [Path(p).name for p in out["plots"]] == [
+        "reward.png",
+        "entropy.png",
+        "response_length.png",
+        "step_timing.png",
+    ]
     assert "**Throughput (perf/throughput)**: not produced" in md
     rewards = [logged[s]["critic/score/mean"] for s in sorted(logged)]
     assert f"| critic/score/mean | {rewards[0]:.4g} | {rewards[-1]:.4g} |" in md
@@ -312,7 +353,7 @@ def test_bad_arguments_are_one_line_user_errors(tmp_path, kw, needle):
 
 def test_cli_writes_report_into_the_run_dir_and_fails_cleanly(full_run, tmp_path):
     rc, summary, _ = run_step("report", "--run-dir", f"file://{full_run['dir']}", "--output", tmp_path / "r", check=0)
-    assert summary["ok"] and summary["report"] == str(tmp_path / "r" / "report.md") and len(summary["plots"]) == 4
+    assert summary["ok"] and summary["report"] == str(tmp_path / "r" / "report.md") and len(summary["plots"]) == 5
     rc, summary, stderr = run_step("report", "--run-dir", tmp_path / "missing")
     assert rc == 2 and not summary["ok"]
     assert stderr.strip().splitlines()[-1].startswith("error: --run-dir") and "Traceback" not in stderr

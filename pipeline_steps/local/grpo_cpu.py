@@ -15,8 +15,9 @@ CPU, driven by the same composed verl config (``pipeline_steps.training.experime
   ``kl_penalty`` against a frozen reference copy when ``use_kl_loss``);
 * optimiser and LR schedule: verl's ``build_optimizer`` and warmup schedules;
 * metrics: verl's ``compute_data_metrics``/``compute_timing_metrics``/
-  ``compute_throughout_metrics`` written by verl's ``FileLogger`` format
-  (``{"step": N, "data": {...}}`` per line);
+  ``compute_throughout_metrics`` logged through verl's ``Tracking`` with the config's
+  ``trainer.logger`` backends (console, mlflow, ...) and always verl's ``FileLogger``
+  format (``{"step": N, "data": {...}}`` per line);
 * checkpoints: the actor is wrapped with FSDP2 (``fully_shard``) in a 1-process
   gloo group, so verl's own ``FSDPCheckpointManager`` writes the files its model
   merger reads (``model/optim/extra_state_world_size_1_rank_0.pt``,
@@ -45,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline_steps import atomic, metrics_log
+from pipeline_steps import atomic, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
 
@@ -57,6 +58,7 @@ LOCAL_REWARD_MANAGERS = ("naive",)  # verl reward managers the CPU trainer repro
 # Inputs an advantage estimator may ask for that this trainer provides.
 _ADV_INPUTS = {"token_level_rewards", "response_mask", "index", "config", "norm_adv_by_std_in_grpo", "epsilon", "gamma"}
 
+MLFLOW_RUN_FILE = "mlflow_run.json"  # beside the checkpoints: a resumed attempt and the export find the run
 RewardFn = Callable[..., "float | dict"]
 
 
@@ -161,6 +163,46 @@ def _file_logger(path: Path, keep_through_step: int):
     logger.project_name, logger.experiment_name, logger.filepath = "", "", str(path)
     logger.fp = open(path, "ab", buffering=0)
     return logger
+
+
+def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path):
+    """verl's ``Tracking`` with the config's ``trainer.logger`` backends, so metric names match a cluster run's.
+
+    The file backend is always ours (:func:`_file_logger`: resume keeps the checkpointed steps' lines; progress and
+    the report read it). The mlflow backend needs ``$MLFLOW_TRACKING_URI``: without it verl would write to its own
+    default ``/tmp/mlruns.db``, so it is left out with a warning. A resumed attempt continues the MLflow run of the
+    attempt before it (its id is kept beside the checkpoints; verl attaches to ``$MLFLOW_RUN_ID``).
+    """
+    from omegaconf import OmegaConf
+    from verl.utils.tracking import Tracking
+
+    backends = [b for b in _as_list(cfg.trainer.get("logger")) if b != "file"]
+    if "mlflow" in backends and not os.environ.get("MLFLOW_TRACKING_URI"):
+        log.warning("trainer.logger has mlflow but MLFLOW_TRACKING_URI is not set: not logging to MLflow")
+        backends.remove("mlflow")
+    previous = (tracking_run.read(run_file) or {}).get("run_id") if keep_through_step > 0 else None
+    saved = os.environ.get("MLFLOW_RUN_ID")
+    if "mlflow" in backends and previous and not saved:
+        os.environ["MLFLOW_RUN_ID"] = previous
+    try:
+        tracking = Tracking(
+            project_name=cfg.trainer.get("project_name") or "verl_grpo_pipeline",
+            experiment_name=cfg.trainer.get("experiment_name") or "local",
+            default_backend=backends,
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("MLFLOW_RUN_ID", None)
+    tracking.logger["file"] = _file_logger(path, keep_through_step)
+    run = None
+    if "mlflow" in tracking.logger:
+        import mlflow
+
+        info = mlflow.active_run().info
+        run = tracking_run.record(os.environ["MLFLOW_TRACKING_URI"], info.run_id, info.experiment_id)
+        atomic.write_json(run_file, run)
+    return tracking, run
 
 
 def read_metrics(path) -> list[dict]:
@@ -909,7 +951,7 @@ class GRPOTrainer:
     def fit(self, on_step: Callable[[int, dict], None] | None = None) -> dict:
         """Train from the resumed step to ``total_steps``; returns the run summary."""
         start = self.resume()
-        self.logger = _file_logger(self.metrics_path, keep_through_step=start)
+        self.logger, mlflow_run = _tracking(self.cfg, self.metrics_path, start, self.ckpt_root / MLFLOW_RUN_FILE)
         save_freq = int(self.cfg.trainer.get("save_freq", -1) or -1)
         try:
             # verl's loop rules (v1 trainer_base.fit): validate first whenever val_before_train (a resume too),
@@ -957,6 +999,7 @@ class GRPOTrainer:
             "last_step": last_step,
             "resumed_from_step": start,
             "metrics_path": str(self.metrics_path),
+            "mlflow": mlflow_run,  # run_id, tracking_uri, experiment_id, url; None when not logging to MLflow
             "final_metrics": {
                 k: v
                 for k, v in final.items()

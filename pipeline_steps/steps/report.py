@@ -46,6 +46,27 @@ CURVES = (
     ("response_length.png", "response_length/mean", "Response length (response_length/mean)", "tokens"),
     ("throughput.png", "perf/throughput", "Throughput (perf/throughput)", "tokens / s / GPU"),
 )
+# Plotted only when the metrics carry them (verl logs them on the cluster; the CPU trainer logs all but memory):
+# (file name, metric key, title, y label, companion series drawn on the same axes)
+OPTIONAL_CURVES = (
+    ("grad_norm.png", "actor/grad_norm", "Gradient norm (actor/grad_norm)", "norm", ()),
+    ("lr.png", "actor/lr", "Learning rate (actor/lr)", "rate", ()),
+    ("mfu.png", "perf/mfu/actor", "Model FLOPs utilisation (perf/mfu/actor)", "fraction of peak", ()),
+    (
+        "memory.png",
+        "perf/max_memory_allocated_gb",
+        "Peak memory (perf/max_memory_allocated_gb)",
+        "GB",
+        ("perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb"),
+    ),
+    (
+        "step_timing.png",
+        "timing_s/step",
+        "Step time (timing_s/step)",
+        "seconds",
+        ("timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "timing_s/save_checkpoint"),
+    ),
+)
 TABLE_KEYS = [k for _, k, _, _ in CURVES] + ["timing_s/step"]
 # verl's headline validation means, per data source: val-core/<source>/acc/mean@N (the naive reward manager adds acc),
 # or .../reward/mean@N when a custom reward reports no acc; the std/best/maj companions stay in the table only
@@ -230,6 +251,15 @@ def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
         state["plots"].append(name)
         lines += [f"![{title}]({name})", ""]
 
+    for name, key, title, ylabel, companions in OPTIONAL_CURVES:
+        xs, ys = series(steps, key)
+        if not xs:
+            continue
+        extra = [(c, *series(steps, c), "-") for c in companions]
+        plot(out / name, xs, ys, title, ylabel, [e for e in extra if e[1]] or None)
+        state["plots"].append(name)
+        lines += [f"![{title}]({name})", ""]
+
     rows = ["| metric | first | last | min | max | steps |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for key in TABLE_KEYS + sorted({k for d in steps.values() for k in d if VAL_RE.match(k)}):
         xs, ys = series(steps, key)
@@ -389,8 +419,18 @@ def training_section(run_dir: Path, state: dict) -> list[str]:
         f"| resumed from step | {cell(ts.get('resumed_from_step', NR))} |",
         f"| checkpoint | {code(ts.get('checkpoint_dir') or NR)} |",
         f"| metrics file | {code(ts.get('metrics_path') or NR)} |",
+        f"| MLflow run | {mlflow_cell(ts.get('mlflow'))} |",
         "",
     ]
+
+
+def mlflow_cell(run) -> str:
+    """The training's MLflow run id, linked to the tracking server when it is a web server."""
+    if not isinstance(run, dict) or not run.get("run_id"):
+        return "not tracked"
+    rid = code(str(run["run_id"]))
+    url = safe_url(str(run.get("url") or ""))
+    return f"{rid} ({link(url)})" if url else f"{rid} at {code(str(run.get('tracking_uri') or NR))}"
 
 
 def links_section(dashboard_url: str, exported_uri: str) -> list[str]:
