@@ -48,9 +48,17 @@ def test_preflight_checks_a_readable_tool_config(tmp_path):
         f"{mt}format=hermes",
         "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
     ]
-    good = experiment.load("dapo_qwen3_4b", overrides + [f"{mt}tool_config_path={SHIPPED / 'code_sandbox.yaml'}"])
+    good = experiment.load(
+        "dapo_qwen3_4b", overrides + [f"{mt}tool_config_path=pkg:pipeline_steps.tools/code_sandbox.yaml"]
+    )
     assert preflight(good, check_store=False)["tools"] == ["code_interpreter"]
+    # a tool config of the deployment's own comes with its preset (a run's overrides may name only shipped ones)
     bad = tmp_path / "tools.yaml"
     bad.write_text("tools: []\n")
+    spec = yaml.safe_load(experiment.resolve_path("dapo_qwen3_4b").read_text())
+    spec["name"] = "team_dapo"
+    spec["verl"][f"{mt}tool_config_path"] = str(bad)
+    preset = tmp_path / "team_dapo.yaml"
+    preset.write_text(yaml.safe_dump(spec))
     with pytest.raises(UserError, match="non-empty 'tools:' list"):
-        preflight(experiment.load("dapo_qwen3_4b", overrides + [f"{mt}tool_config_path={bad}"]), check_store=False)
+        preflight(experiment.load(str(preset), overrides), check_store=False)
