@@ -146,6 +146,8 @@ def show_run(db: Path) -> None:
         )
     for t in xcom(db, run_id, "train"):
         print("\n" + learning_summary(t))
+        if (t.get("mlflow") or {}).get("url"):
+            print(f"MLflow run: {t['mlflow']['url']}")
     for e in xcom(db, run_id, "evaluate"):
         results_md = Path(e["evaluate"]["output"]) / "results.md"
         text = results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1)
@@ -168,6 +170,11 @@ def main() -> int:
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     airflow = str(Path(sys.executable).with_name("airflow"))
     log = home / "dag-test.log"
+    from pipeline_steps.local import mlflow_server
+
+    # the local profile's MLflow tracking server (SQLite under PIPELINE_HOME/mlflow); the DAG's tasks log to it
+    env["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(mlflow_server.server_dir(home / "mlflow"))
+    print(f"MLflow tracking server: {env['MLFLOW_TRACKING_URI']}  (store {home / 'mlflow'})", flush=True)
     print(
         f"running verl_grpo_pipeline on the local profile (AIRFLOW_HOME={airflow_home}); Airflow's log: {log} ...",
         flush=True,
@@ -200,6 +207,8 @@ def main() -> int:
 
     if ray_cluster.shutdown_cluster(ray_temp_dir(home)):  # the demo started it; leave nothing running
         print("stopped the local Ray cluster the demo started")
+    if mlflow_server.shutdown_server(home / "mlflow"):  # the runs stay in its SQLite store for the next start
+        print(f"stopped the MLflow server the demo started (runs kept in {home / 'mlflow'})")
     return rc
 
 

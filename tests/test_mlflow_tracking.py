@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from tests.test_export import LINEAGE, _results
 from tests.test_train_local import _train_args, assets, run_cli  # noqa: F401  (assets: the module fixture)
 
 pytestmark = pytest.mark.slow
@@ -48,8 +49,9 @@ def test_training_metrics_reach_mlflow_under_the_file_logger_names(server, asset
     proc = run_cli(*args, env={"MLFLOW_TRACKING_URI": uri, "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "train_summary.json").read_text())
-    run_id = summary["mlflow_run_id"]
-    assert run_id and summary["mlflow_tracking_uri"] == uri
+    run_id = summary["mlflow"]["run_id"]
+    assert run_id and summary["mlflow"]["tracking_uri"] == uri
+    assert summary["mlflow"]["url"] == f"{uri}/#/experiments/{summary['mlflow']['experiment_id']}/runs/{run_id}"
 
     client = MlflowClient(tracking_uri=uri)
     run = client.get_run(run_id)
@@ -71,6 +73,29 @@ def test_training_metrics_reach_mlflow_under_the_file_logger_names(server, asset
             want = float(lines[step][name])
             assert math.isclose(value, want, rel_tol=1e-6, abs_tol=1e-9), (name, step, value, want)
 
+    # export finds the run beside the checkpoints (no MLFLOW_TRACKING_URI needed) and adds the evaluation and card
+    (tmp_path / "lineage.json").write_text(json.dumps(LINEAGE))
+    (tmp_path / "results.json").write_text(json.dumps(_results(0.5)))
+    (tmp_path / "base.json").write_text(json.dumps(_results(0.25)))
+    exp = run_cli(
+        "export",
+        *("--checkpoint-dir", str(out / "checkpoints"), "--output", str(tmp_path / "export")),
+        *("--store-root", f"file://{tmp_path}/store", "--experiment", "local_tiny"),
+        *("--lineage", str(tmp_path / "lineage.json"), "--eval-results", str(tmp_path / "results.json")),
+        *("--base-results", str(tmp_path / "base.json")),
+        env={"MLFLOW_TRACKING_URI": ""},
+    )
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    assert json.loads(exp.stdout.strip().splitlines()[-1])["mlflow"]["run_id"] == run_id
+    card = (tmp_path / "export" / "model" / "README.md").read_text()
+    assert f"[`{run_id}`]({summary['mlflow']['url']})" in card
+    run = client.get_run(run_id)
+    assert run.data.metrics["eval/avg_at_k"] == 0.5 and run.data.metrics["eval_base/avg_at_k"] == 0.25
+    assert run.data.metrics["export/promoted"] == 1.0
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"README.md", "export.json"}
+    logged_card = client.download_artifacts(run_id, "README.md", str(tmp_path / "dl"))
+    assert open(logged_card).read() == card
+
 
 def test_without_a_tracking_uri_mlflow_is_skipped_with_a_warning(assets, tmp_path, monkeypatch):  # noqa: F811
     out = tmp_path / "run"
@@ -78,4 +103,4 @@ def test_without_a_tracking_uri_mlflow_is_skipped_with_a_warning(assets, tmp_pat
     proc = run_cli(*_train_args(assets, out, steps=1), env={"VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MLFLOW_TRACKING_URI is not set" in proc.stderr
-    assert json.loads((out / "train_summary.json").read_text())["mlflow_run_id"] is None
+    assert json.loads((out / "train_summary.json").read_text())["mlflow"] is None

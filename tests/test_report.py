@@ -126,6 +126,12 @@ def full_run(tmp_path_factory):
                 "resumed_from_step": 2,
                 "experiment": "local_tiny",
                 "checkpoint_dir": "/runs/r1/checkpoints/global_step_6",
+                "mlflow": {
+                    "run_id": "0a1b2c3d",
+                    "tracking_uri": "http://u:secret@127.0.0.1:5000",
+                    "experiment_id": "1",
+                    "url": "http://u:secret@127.0.0.1:5000/#/experiments/1/runs/0a1b2c3d",
+                },
             }
         )
     )
@@ -198,6 +204,9 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
     assert (
         "<http://127.0.0.1:8265/#/jobs>" in md and "admin" not in md and ":pw@" not in md
     )  # no credentials in the link
+    # the MLflow run of the training, linked, without the URL's credentials
+    assert "| MLflow run | `0a1b2c3d` (<http://127.0.0.1:5000/#/experiments/1/runs/0a1b2c3d>) |" in md
+    assert "secret" not in md
     assert "file:///store/models/exported/x/v1" in md
     assert "not produced" not in md
 
@@ -323,6 +332,7 @@ def test_unreadable_eval_and_lineage_are_reported_not_fatal(tmp_path):
     assert out["inputs"]["lineage.json"] == "unreadable: top level is not an object"
     assert "`eval/results.json`: unreadable" in md and "`lineage.json`: unreadable" in md
     assert "| last step | not recorded |" in md
+    assert "| MLflow run | not tracked |" in md
 
 
 def test_base_embedded_in_results_is_used_when_base_file_is_missing(full_run, tmp_path):

@@ -375,8 +375,12 @@ class GRPOTrainer:
 
     def _validate(self):
         from verl.trainer.ppo import core_algos
+        from verl.utils.tracking import Tracking
 
         cfg = self.cfg
+        unknown = [b for b in _as_list(cfg.trainer.get("logger")) if b not in Tracking.supported_backend]
+        if unknown:  # verl's own check is an assert, after the model is loaded
+            raise UserError(f"trainer.logger: {unknown} not supported by verl; use {Tracking.supported_backend}")
         actor = cfg.actor_rollout_ref.actor
         est = cfg.algorithm.adv_estimator
         try:
