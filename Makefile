@@ -8,7 +8,7 @@ export PIPELINE_HOME ?= $(CURDIR)/.demo
 export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 
-.PHONY: venv demo airflow test test-fast test-stress lint bench lock clean
+.PHONY: venv demo airflow sandbox test test-fast test-stress lint bench lock clean
 
 venv: $(VENV)/.installed
 
@@ -26,6 +26,11 @@ demo: venv
 # Airflow with its UI on the local profile (prints the URL; no login, local use only). Ctrl-C stops it.
 airflow: venv
 	$(BIN)/python -m scripts.airflow_local
+
+# The local E2B-compatible code sandbox server (needs root), for the code and MCP tools: prints the E2B_* settings
+# to export; Ctrl-C stops it and its sandboxes.
+sandbox: venv
+	$(BIN)/python -m pipeline_steps.sandbox.local
 
 lint: venv
 	$(BIN)/ruff check .

@@ -195,6 +195,7 @@ class GRPOTrainOperator(BaseOperator):
         with store_environment(self.store_conn_id, str(self.run_dir)), user_errors("pre-flight"):
             summary = preflight(exp, check_store=self.check_store)  # a bad config does not get better on retry
         self.log.info("pre-flight passed: %s", json.dumps(summary, default=str, sort_keys=True)[:2000])
+        self._tracking_env = local_tracking_env(exp) if backend == "local" else {}
         trigger = self._submit_local(context) if backend == "local" else self._submit_kuberay(context, exp)
         self.defer(trigger=trigger, method_name="execute_complete")
 
@@ -208,7 +209,12 @@ class GRPOTrainOperator(BaseOperator):
             if event.get("backend") != "kuberay" and mirror.is_remote(run_dir):
                 with user_errors("upload the run directory"):
                     self.log.info("uploaded the run directory to %s: %s", run_dir, mirror.publish(run_dir))
-            return training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
+            result = training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
+        if event.get("backend") != "kuberay":  # the CPU trainer records its MLflow run beside the checkpoints
+            from pipeline_steps import tracking_run
+
+            result["mlflow"] = tracking_run.read(mirror.local_for(run_dir) / "checkpoints")
+        return result
 
     def _submit_kuberay(self, context, exp):
         from pipeline_steps.training.mounts import MountMap
@@ -243,6 +249,7 @@ class GRPOTrainOperator(BaseOperator):
         argv += ["--model-path", model, "--output-dir", str(local_run)]
         self.progress_uri = str(local_run / "metrics.jsonl")
         env = {"VERL_FILE_LOGGER_PATH": self.progress_uri, "TOKENIZERS_PARALLELISM": "false"}
+        env.update(getattr(self, "_tracking_env", {}))
         self._local = LocalRayJobs(self)
         return self._local.submit(
             context, submission_base(**self._ids(context)), ray_cluster.job_argv(None, *argv), env
@@ -253,3 +260,14 @@ class GRPOTrainOperator(BaseOperator):
             self._local.kill()
         else:
             KubeRayJobs(self).kill(self.rayjob)
+
+
+def local_tracking_env(exp) -> dict[str, str]:
+    """``MLFLOW_TRACKING_URI`` for a local job whose ``trainer.logger`` has mlflow: the configured one, else the
+    local profile's embedded server (started on demand, reused while it runs, like the local Ray cluster)."""
+    from pipeline_steps.local import mlflow_server
+
+    logger = exp.verl.get("trainer.logger") or []
+    if "mlflow" not in ([logger] if isinstance(logger, str) else list(logger)):
+        return {}
+    return {"MLFLOW_TRACKING_URI": mlflow_server.ensure_server()}  # a failed start is retryable, not bad input

@@ -33,6 +33,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "evaluate": ("pipeline_steps.steps.evaluate", "score a model or checkpoint on an evaluation set"),
     "export": ("pipeline_steps.steps.export", "merge a checkpoint into a Hugging Face model, card, upload, promote"),
     "report": ("pipeline_steps.steps.report", "write the run report"),
+    "sandbox-server": ("pipeline_steps.steps.sandbox_server", "serve local E2B-compatible code sandboxes"),
 }
 
 log = logging.getLogger("pipeline_steps")

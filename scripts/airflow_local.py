@@ -65,6 +65,9 @@ def stop(proc: subprocess.Popen, home: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
     ray_cluster.shutdown_cluster(ray_temp_dir(home))
+    from pipeline_steps.local import mlflow_server
+
+    mlflow_server.shutdown_server(home / "mlflow")
 
 
 def main() -> int:
@@ -74,9 +77,14 @@ def main() -> int:
     log_path = home / "standalone.log"
     home.mkdir(parents=True, exist_ok=True)
     print(f"starting Airflow on the local profile (AIRFLOW_HOME={airflow_home}, log {log_path}) ...", flush=True)
+    from pipeline_steps.local import mlflow_server
+
+    # started before Airflow so its tasks inherit MLFLOW_TRACKING_URI (the operator would start it on demand too)
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(home / "mlflow")
     proc, url = start(home, airflow_home, port, log_path)
     print(
         f"\nAirflow UI: {url}  (no login: local use only)\n"
+        f"MLflow tracking server: {os.environ['MLFLOW_TRACKING_URI']}  (store {home / 'mlflow'})\n"
         f"DAGs: verl_grpo_pipeline (Trigger opens the form), verl_evaluate_model\n"
         f"store: {home / 'store'}\nCtrl-C stops Airflow and the local Ray cluster.\n",
         flush=True,

@@ -13,6 +13,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -105,6 +106,24 @@ def task_states(db: Path, run_id: str) -> dict[str, str]:
     return {f"{t}[{m}]": s for t, m, s in rows}
 
 
+def learning_summary(trained: dict) -> str:
+    """Mean reward (verl's ``critic/score/mean``) of the first and the last tenth of the training steps."""
+    from pipeline_steps import metrics_log
+    from pipeline_steps.uris import strip_file_scheme
+
+    path = Path(strip_file_scheme(trained.get("metrics_uri") or ""))
+    rows = [r for r in metrics_log.read(path).rows if "critic/score/mean" in r["data"]] if path.is_file() else []
+    if not rows:
+        return f"training: no step metrics in {path}"
+    k = max(len(rows) // 10, 1)
+    first = sum(r["data"]["critic/score/mean"] for r in rows[:k]) / k
+    last = sum(r["data"]["critic/score/mean"] for r in rows[-k:]) / k
+    return (
+        f"training: {len(rows)} GRPO steps; mean reward of steps {rows[0]['step']}-{rows[k - 1]['step']}: {first:.3f}, "
+        f"of steps {rows[-k]['step']}-{rows[-1]['step']}: {last:.3f} ({last - first:+.3f})"
+    )
+
+
 def show_run(db: Path) -> None:
     """Task states, the evaluation table, the exported model and the report of the newest run."""
     with sqlite3.connect(db) as c:
@@ -125,11 +144,14 @@ def show_run(db: Path) -> None:
             f"  dataset {d['dataset']:11s} {d['download']['commit'][:12]}  rows {d['preprocess']['rows_out']:>4}  -> "
             f"{d['upload']['uri']}"
         )
+    for t in xcom(db, run_id, "train"):
+        print("\n" + learning_summary(t))
+        if (t.get("mlflow") or {}).get("url"):
+            print(f"MLflow run: {t['mlflow']['url']}")
     for e in xcom(db, run_id, "evaluate"):
         results_md = Path(e["evaluate"]["output"]) / "results.md"
-        print(
-            "\nevaluation:\n" + (results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1))
-        )
+        text = results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1)
+        print("\nevaluation:\n" + text.split("\n| problem |")[0].rstrip() + f"\n(per problem: {results_md})")
     for x in xcom(db, run_id, "export"):
         ex = x["export"]
         print(f"exported model: {ex['uri']}  promoted: {ex['promoted']} ({ex.get('reason')})")
@@ -138,18 +160,21 @@ def show_run(db: Path) -> None:
 
 
 def main() -> int:
+    started = time.monotonic()
     home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     env = prepare(home, airflow_home)
-    conf = {
-        "experiment": "local_tiny",
-        "backend": "local",
-        "datasets": ["gsm8k"],
-        "prepare_datasets": ["dapo_math", "geometry3k"],
-    }
+    # local_arithmetic: the tiny model learns the synthetic arithmetic dataset (its reward rises and it beats the base
+    # model on the held-out split); the other datasets are prepared to show their preprocessors
+    conf = {"experiment": "local_arithmetic", "backend": "local", "prepare_datasets": ["gsm8k", "dapo_math"]}
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     airflow = str(Path(sys.executable).with_name("airflow"))
     log = home / "dag-test.log"
+    from pipeline_steps.local import mlflow_server
+
+    # the local profile's MLflow tracking server (SQLite under PIPELINE_HOME/mlflow); the DAG's tasks log to it
+    env["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(mlflow_server.server_dir(home / "mlflow"))
+    print(f"MLflow tracking server: {env['MLFLOW_TRACKING_URI']}  (store {home / 'mlflow'})", flush=True)
     print(
         f"running verl_grpo_pipeline on the local profile (AIRFLOW_HOME={airflow_home}); Airflow's log: {log} ...",
         flush=True,
@@ -177,10 +202,13 @@ def main() -> int:
         print(f"  {label:45s} {path}{'' if path.exists() else '  (not produced)'}")
     print(f"  {'work dir (snapshots, processed parquet)':45s} {home / 'work'}")
     print(f"\nDAG run {'succeeded' if rc == 0 else f'FAILED (state {state}): see the task logs in {log}'}")
+    print(f"wall time: {time.monotonic() - started:.0f} s")
     from pipeline_steps.local import ray_cluster
 
     if ray_cluster.shutdown_cluster(ray_temp_dir(home)):  # the demo started it; leave nothing running
         print("stopped the local Ray cluster the demo started")
+    if mlflow_server.shutdown_server(home / "mlflow"):  # the runs stay in its SQLite store for the next start
+        print(f"stopped the MLflow server the demo started (runs kept in {home / 'mlflow'})")
     return rc
 
 

@@ -81,6 +81,10 @@ CASES = {
         lambda t: ["build-tiny-model", "--output", _read_only(t) / "model"],
         "--output",
     ),
+    "negative format warm-up": (
+        lambda t: ["build-tiny-model", "--output", t / "model", "--format-warmup-steps", "-1"],
+        "--format-warmup-steps",
+    ),
 }
 
 

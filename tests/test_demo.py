@@ -7,6 +7,7 @@ Ray cluster it started (before: 21 processes, 2.1 GB RSS left on the fixed ports
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +31,17 @@ def test_demo_runs_the_dag_and_leaves_no_ray_cluster(tmp_path):
     assert "DAG run succeeded" in p.stdout
     assert "stopped the local Ray cluster the demo started" in p.stdout
     assert "run report:" in p.stdout and "exported model:" in p.stdout
+    # it learns: the reward rises over the GRPO steps, and the model beats the base on the held-out split, so the
+    # export's gate promotes it (a fresh store: no earlier latest to beat)
+    m = re.search(r"mean reward of steps \S+: ([0-9.]+), of steps \S+: ([0-9.]+)", p.stdout)
+    assert m and float(m.group(2)) > float(m.group(1)), p.stdout[-3000:]
+    assert "promoted: True (promoted: avg@k" in p.stdout, p.stdout[-3000:]
+    # the MLflow server: started and printed, the run linked, stopped at the end
+    assert re.search(r"MLflow tracking server: http://127\.0\.0\.1:\d+", p.stdout), p.stdout[-3000:]
+    assert re.search(r"MLflow run: http://127\.0\.0\.1:\d+/#/experiments/\d+/runs/\w+", p.stdout), p.stdout[-3000:]
+    assert "stopped the MLflow server the demo started" in p.stdout
     temp = ray_temp_dir(home)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(temp) not in ps, "a process of the demo's Ray cluster is still running"
     assert "--port=6379" not in ps and "--dashboard-port=8265" not in ps
+    assert f"sqlite:///{home.resolve() / 'mlflow'}" not in ps, "the demo's MLflow server is still running"

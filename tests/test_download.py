@@ -19,6 +19,7 @@ def test_downloads_every_builtin_dataset_at_main(offline_hub, tmp_path, capsys):
         ("dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k"),
         ("geometry3k", "hiyouga/geometry3k"),
         ("aime2024", "Maxwell-Jia/AIME_2024"),
+        ("arithmetic", "pipeline-local/arithmetic"),  # generated into the cache (pipeline_steps/local/synthetic.py)
     ]:
         rc, s, _ = step(capsys, "download", "--dataset", name, "--dest", tmp_path)
         assert rc == 0, s

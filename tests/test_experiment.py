@@ -8,7 +8,23 @@ import pytest
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment
 
-PRESETS = ["local_tiny", "gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
+PRESETS = [
+    "local_tiny",
+    "local_tiny_tool_agent",
+    "local_arithmetic",
+    "gsm8k_qwen2_5_3b",
+    "gsm8k_tool_agent_qwen2_5_3b",
+    "dapo_qwen3_4b",
+    "dapo_retool_qwen3_4b",
+    "gsm8k_qwen2_5_32b",
+    "gspo",
+]
+
+
+def test_every_shipped_preset_is_checked_here():
+    assert sorted(PRESETS) == sorted(experiment.preset_names())
+
+
 TRICKY = [
     "it's",
     'say "hi"',

@@ -41,6 +41,13 @@ HOSTILE = [
     ("trainer.default_local_dir=oss://bkt/models/exported/gsm8k", "set by the pipeline"),
     ("trainer.resume_mode=resume_path", "set by the pipeline"),
     ("trainer.resume_from_path={d}", "set by the pipeline"),
+    # code verl imports: pre-flight would import a reward file in the worker; tools, loops, modules in the pods
+    ("+reward.custom_reward_function.path={s}", "names code"),
+    ("+reward={{custom_reward_function: {{path: {s}, name: main}}}}", "names code"),
+    ("actor_rollout_ref.rollout.multi_turn.tool_config_path={s}", "names code"),
+    ("+data.custom_cls={{path: {s}, name: X}}", "names code"),
+    ("actor_rollout_ref.model.external_lib=os", "names a module or class"),
+    ("+trainer.checkpoint_callback_class=builtins.open", "names a module or class"),
 ]
 
 
@@ -101,6 +108,7 @@ def test_benign_overrides_still_work(tmp_path):
         "--override=actor_rollout_ref.actor.optim.lr=2e-6",
         "--override=trainer.experiment_name=a'b$(id)_target",
         "--override=+trainer.my_note={a: 1, b: [x, y]}",
+        "--override=+reward.custom_reward_function.path=pkg:pipeline_steps.rewards/retool.py",  # shipped code
     )
     assert code == 0, err
     assert summary["ok"] is True

@@ -64,6 +64,16 @@ def validate_doc(doc: dict, crd_schema, where: str):
         jsonschema.Draft7Validator(crd_schema).validate(doc)
     elif kind == "LocalQueue":  # Kueue's CRD is not vendored here: the fields the guide relies on
         assert doc["apiVersion"] == "kueue.x-k8s.io/v1beta1" and doc["spec"]["clusterQueue"], where
+    elif kind == "SandboxSet":  # OpenKruise agents' CRD is not vendored: its fields as seed 000 uses them, and the
+        # pod template validated as a real PodTemplateSpec
+        assert doc["apiVersion"] == "agents.kruise.io/v1alpha1" and isinstance(doc["spec"]["replicas"], int), where
+        template = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": doc["spec"]["template"],
+        }
+        kubernetes_validate.validate(template, KUBE_VERSION, strict=True)
     else:
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
@@ -84,6 +94,8 @@ def test_every_manifest_validates(crd_schema):
         "ServiceAccount",
         "RayJob",
         "LocalQueue",
+        "SandboxSet",
+        "NetworkPolicy",
     } <= kinds
 
 
@@ -187,6 +199,49 @@ def test_kueue_component_adds_the_local_queue(kubectl, tmp_path, crd_schema):
     assert [q["metadata"]["name"] for q in queues] == ["verl-gpu"]
     for d in docs:
         validate_doc(d, crd_schema, "kueue")
+
+
+def test_sandbox_component_on_the_ack_overlay(kubectl, tmp_path, crd_schema):
+    """ACK with the optional sandbox component: the SandboxSet the code tool's template names, the Ray pods' egress to
+    sandbox-manager, and sandboxes without egress."""
+    overlay = tmp_path / "ack-with-sandbox"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(K8S / "overlays" / "ack", overlay)],
+                "components": [os.path.relpath(K8S / "components" / "sandbox", overlay)],
+            }
+        )
+    )
+    p = subprocess.run(
+        [kubectl, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    docs = [d for d in yaml.safe_load_all(p.stdout) if d]
+    for d in docs:
+        validate_doc(d, crd_schema, "ack+sandbox")
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    tool = yaml.safe_load((ROOT / "pipeline_steps/tools/code_sandbox.yaml").read_text())["tools"][0]["config"]
+    sandbox_set = by_name[("SandboxSet", tool["e2b_template"])]  # sandbox-manager serves a SandboxSet as a template
+    assert sandbox_set["metadata"]["annotations"]["e2b.agents.kruise.io/should-init-envd"] == "true"
+    ray = by_name[("NetworkPolicy", "ray-egress-sandbox-manager")]
+    assert ray["metadata"]["namespace"] == "verl-pipeline"
+    assert ray["spec"]["podSelector"] == {"matchLabels": {"ray.io/is-ray-node": "yes"}}  # KubeRay's label on Ray pods
+    to_manager = [
+        r
+        for r in ray["spec"]["egress"]
+        if any(t.get("podSelector", {}).get("matchLabels") == {"component": "sandbox-manager"} for t in r["to"])
+    ]
+    assert to_manager and {"protocol": "TCP", "port": 7788} in to_manager[0]["ports"]
+    closed = by_name[("NetworkPolicy", "sandboxes-no-egress")]
+    assert closed["metadata"]["namespace"] == sandbox_set["metadata"]["namespace"]
+    assert closed["spec"]["policyTypes"] == ["Egress"] and not closed["spec"].get("egress")
 
 
 def test_rbac_is_exactly_what_the_operator_needs():

@@ -155,8 +155,14 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
         evaluated = xcom(db, run_id, "evaluate")[0]["evaluate"]
         assert evaluated["results"].startswith(f"file://{store}/runs/") or evaluated["results"].startswith(str(store))
+        # the rendered trainer.rollout_data_dir puts each step's samples beside metrics.jsonl; the report shows them
+        bare = train["command"].replace("'", "").replace('"', "")
+        assert f"trainer.rollout_data_dir={store}/runs/tiny_cluster/" in bare, train["command"]
+        dumps = sorted(p.name for p in (ckpt.parent / "rollouts").glob("*.jsonl"))
+        assert dumps == ["1.jsonl", "2.jsonl", "3.jsonl"], dumps
         report = xcom(db, run_id, "report")[0]["report"]
-        assert Path(report["report"].removeprefix("file://")).is_file()
+        md = Path(report["report"].removeprefix("file://"))
+        assert md.is_file() and "## Trajectories" in md.read_text()
         assert (store / "models" / "exported" / "tiny_cluster").is_dir()  # export ran in its pod and uploaded
         assert not list((store / "tmp" / "step-summaries").glob("*.json.tmp*"))
     finally:

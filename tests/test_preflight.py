@@ -11,7 +11,14 @@ from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment, preflight
 from tests.conftest import run_step
 
-CLUSTER_PRESETS = ["gsm8k_qwen2_5_3b", "dapo_qwen3_4b", "gsm8k_qwen2_5_32b", "gspo"]
+CLUSTER_PRESETS = [
+    "gsm8k_qwen2_5_3b",
+    "gsm8k_tool_agent_qwen2_5_3b",
+    "dapo_qwen3_4b",
+    "dapo_retool_qwen3_4b",
+    "gsm8k_qwen2_5_32b",
+    "gspo",
+]
 
 
 def check(name="local_tiny", overrides=(), derived=None, check_store=False):
@@ -20,13 +27,15 @@ def check(name="local_tiny", overrides=(), derived=None, check_store=False):
     )
 
 
-@pytest.mark.parametrize("name", ["local_tiny"] + CLUSTER_PRESETS)
+@pytest.mark.parametrize("name", ["local_tiny", "local_tiny_tool_agent", "local_arithmetic"] + CLUSTER_PRESETS)
 def test_every_preset_passes(name):
     out = check(name)
     exp = experiment.load(name)
     assert out["experiment"] == name and out["digest"] == exp.digest()
     assert out["n_gpus"] == exp.verl["trainer.nnodes"] * exp.verl["trainer.n_gpus_per_node"]
     assert out["train_batch_size"] == exp.verl["data.train_batch_size"]
+    if exp.verl.get("actor_rollout_ref.rollout.multi_turn.enable"):  # the tool config was read and checked
+        assert out["tools"] == ["code_interpreter"], out
 
 
 @pytest.mark.parametrize(

@@ -206,8 +206,10 @@ def test_tool_agent_variant(processed, tmp_path, capsys):
     assert rc == 0
     for r in pq.read_table(s["splits"]["train"]).to_pylist():
         assert r["agent_name"] == "tool_agent" and r["extra_info"]["need_tools_kwargs"] is True
+        assert r["prompt"][0]["role"] == "system" and "`code_interpreter`" in r["prompt"][0]["content"]
+        assert r["prompt"][1]["role"] == "user"
         assert (
-            r["extra_info"]["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"]
+            r["extra_info"]["tools_kwargs"]["code_interpreter"]["create_kwargs"]["ground_truth"]
             == r["reward_model"]["ground_truth"]
         )
 

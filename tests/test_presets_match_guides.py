@@ -142,10 +142,30 @@ STUDIO_002 = {
     "trainer.save_freq": 100,  # save_steps (save_strategy: steps)
     "trainer.max_actor_ckpt_to_keep": 3,  # save_total_limit
 }
+# seed 000's tool agent: gsm8k_multiturn_grpo.yaml (line 40: multi_turn.enable, max_assistant_turns 5) and the rows'
+# agent_name tool_agent (the preprocess script, line 35); the tool itself is a listed deviation
+ACK_000_TOOL_AGENT = {
+    **ACK_000,
+    "actor_rollout_ref.rollout.multi_turn.enable": True,
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 5,
+    "actor_rollout_ref.rollout.agent.default_agent_loop": "tool_agent",
+}
+# seed 003's tool agent: max_turns=8 (line 130) as max_user_turns and max_assistant_turns, hermes (lines 184-188),
+# compute_score of the reward file (line 164)
+TIONE_003_RETOOL = {
+    **TIONE_003,
+    "actor_rollout_ref.rollout.multi_turn.enable": True,
+    "actor_rollout_ref.rollout.multi_turn.max_user_turns": 8,
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": 8,
+    "actor_rollout_ref.rollout.multi_turn.format": "hermes",
+    "reward.custom_reward_function.name": "compute_score",
+}
 GUIDES = {
     "gsm8k_qwen2_5_3b": ACK_000,
+    "gsm8k_tool_agent_qwen2_5_3b": ACK_000_TOOL_AGENT,
     "gsm8k_qwen2_5_32b": GKE_004,
     "dapo_qwen3_4b": TIONE_003,
+    "dapo_retool_qwen3_4b": TIONE_003_RETOOL,
     "gspo": STUDIO_002,
 }
 
@@ -199,3 +219,33 @@ def test_deviations_are_listed_with_the_guides_value_ours_and_why(preset):
         assert d["key"] not in GUIDES[preset], f"{d['key']} is in the guide table: it must match, not deviate"
         if d["key"] in exp.verl:
             assert str(exp.verl[d["key"]]).replace('"', "'") in (str(d["ours"]), str(d["ours"]).replace('"', "'")), d
+
+
+@pytest.mark.parametrize("preset", ["gsm8k_tool_agent_qwen2_5_3b", "dapo_retool_qwen3_4b"])
+def test_tool_agent_presets_reach_their_sandbox_service(preset):
+    """The tool config ships in the package (so it is in the training image) and carries seed 003's E2BCodeTool
+    values (lines 73-77: template code-interpreter-v1, sandbox timeout 300 s, execution timeout 30 s); the
+    endpoint is plain env, the API key a Secret reference; the rows are the tool_agent variant."""
+    import yaml
+
+    from pipeline_steps.tools import resolve_config_path
+
+    exp = experiment.load(preset)
+    path = exp.verl["actor_rollout_ref.rollout.multi_turn.tool_config_path"]
+    assert path.startswith("pkg:pipeline_steps.tools/"), path
+    (tool,) = yaml.safe_load(open(resolve_config_path(path)))["tools"]
+    assert tool["class_name"] == "pipeline_steps.tools.code_sandbox.CodeSandboxTool"
+    cfg = tool["config"]
+    assert (cfg["e2b_template"], cfg["sandbox_timeout"], cfg["default_timeout"]) == ("code-interpreter-v1", 300, 30)
+    assert "e2b_api_key" not in cfg and "e2b_domain" not in cfg  # per deployment, from the environment
+    cluster = exp.spec["cluster"]
+    assert cluster["env"]["E2B_DOMAIN"]
+    assert {"env": "E2B_API_KEY", "secret": "sandbox-api-key", "key": "apiKey"} in cluster["secrets"]
+    assert exp.spec["datasets"]["variant"] == "tool_agent"
+
+
+def test_retool_preset_uses_the_guides_region_and_reward():
+    exp = experiment.load("dapo_retool_qwen3_4b")
+    assert exp.spec["cluster"]["env"]["E2B_DOMAIN"] == "ap-shanghai.tencentags.com"  # seed 003 line 73
+    assert exp.verl["reward.custom_reward_function.path"] == "pkg:pipeline_steps.rewards/retool.py"
+    assert exp.spec["datasets"]["train"] == ["dapo_math"] and exp.spec["datasets"]["val"] == ["aime2024"]

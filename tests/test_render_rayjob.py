@@ -46,6 +46,8 @@ NASTY = [
 EXAMPLES = [
     ("gsm8k_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k"),
     ("dapo_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
+    ("gsm8k_tool_agent_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k"),
+    ("dapo_retool_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
     ("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k"),
     ("gspo", GKE, "gs://verl-store", "gsm8k"),
 ]
@@ -211,7 +213,11 @@ def test_store_uris_map_to_the_mount_and_resume_is_forced():
     kv = dict(a.split("=", 1) for a in argv[3:])
     assert kv["trainer.resume_mode"] == '"auto"'  # a retry always resumes from the last checkpoint
     assert kv["trainer.default_local_dir"] == '"/mnt/store/elsewhere/ckpt"'
-    assert argv[-2:] == ['trainer.default_local_dir="/mnt/store/elsewhere/ckpt"', 'trainer.resume_mode="auto"']
+    assert argv[-3:] == [
+        'trainer.default_local_dir="/mnt/store/elsewhere/ckpt"',
+        'trainer.resume_mode="auto"',
+        'trainer.rollout_data_dir="/mnt/store/elsewhere/rollouts"',  # beside metrics.jsonl: the report reads it
+    ]
     assert kv["data.train_files"] == '["/mnt/store/datasets/gsm8k/rev1/0123abcd/train.parquet"]'
     assert kv["actor_rollout_ref.model.path"] == '"/mnt/store/models/Qwen/Qwen2.5-3B-Instruct/main"'
     env_vars = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
@@ -223,6 +229,14 @@ def test_store_uris_map_to_the_mount_and_resume_is_forced():
     assert {"name": "verl-store", "mountPath": "/mnt/store", "readOnly": False} in pod["containers"][0]["volumeMounts"]
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     assert head["volumes"] == [v for v in pod["volumes"] if v["name"] != "dshm"]
+
+
+def test_a_presets_own_rollout_data_dir_wins():
+    _, job = render(overrides=["trainer.rollout_data_dir=oss://verl-store/mine/rollouts"])
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert [a for a in argv if a.startswith("trainer.rollout_data_dir=")] == [
+        'trainer.rollout_data_dir="/mnt/store/mine/rollouts"'
+    ]
 
 
 def test_gcs_fuse_mount_annotates_the_pods():

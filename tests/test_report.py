@@ -126,6 +126,12 @@ def full_run(tmp_path_factory):
                 "resumed_from_step": 2,
                 "experiment": "local_tiny",
                 "checkpoint_dir": "/runs/r1/checkpoints/global_step_6",
+                "mlflow": {
+                    "run_id": "0a1b2c3d",
+                    "tracking_uri": "http://u:secret@127.0.0.1:5000",
+                    "experiment_id": "1",
+                    "url": "http://u:secret@127.0.0.1:5000/#/experiments/1/runs/0a1b2c3d",
+                },
             }
         )
     )
@@ -157,7 +163,7 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
 
     assert out["report"] == str(run / "report" / "report.md")
     names = [Path(p).name for p in out["plots"]]
-    assert names == ["reward.png", "entropy.png", "response_length.png", "throughput.png"]
+    assert names == ["reward.png", "entropy.png", "response_length.png", "throughput.png", "step_timing.png"]
     for p in out["plots"]:
         assert_png(Path(p))
     md = Path(out["report"]).read_text()
@@ -198,11 +204,16 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
     assert (
         "<http://127.0.0.1:8265/#/jobs>" in md and "admin" not in md and ":pw@" not in md
     )  # no credentials in the link
+    # the MLflow run of the training, linked, without the URL's credentials
+    assert "| MLflow run | `0a1b2c3d` (<http://127.0.0.1:5000/#/experiments/1/runs/0a1b2c3d>) |" in md
+    assert "secret" not in md
     assert "file:///store/models/exported/x/v1" in md
     assert "not produced" not in md
 
     page = (run / "report" / "report.html").read_text()
-    assert page.count('src="data:image/png;base64,') == 4
+    assert page.count('src="data:image/png;base64,') == len(
+        names
+    )  # reward, entropy, response length, throughput, step timing
     assert "<b>a" not in page and "&lt;b&gt;a" in page  # typed text is escaped, not rendered
     assert "<img src=x" not in page and "&lt;img src=x" in page
 
@@ -234,6 +245,40 @@ def test_missing_inputs_say_not_produced(tmp_path):
     assert not list((tmp_path / "report").glob("*.png"))
 
 
+def test_system_curves_are_plotted_when_the_metrics_carry_them(tmp_path):
+    """Grad norm, learning rate, MFU, peak memory and step timing: plotted when logged, absent (no line) otherwise."""
+    from verl.utils.tracking import FileLogger
+
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(tmp_path / "metrics.jsonl")
+    try:
+        logger = FileLogger("p", "e")
+        for step in range(1, 4):
+            logger.log(
+                data={
+                    "critic/score/mean": step / 10,
+                    "actor/grad_norm": 1.0 / step,
+                    "actor/lr": 1e-3,
+                    "perf/mfu/actor": 0.01 * step,
+                    "perf/max_memory_allocated_gb": 10.0 + step,
+                    "perf/max_memory_reserved_gb": 12.0 + step,
+                    "timing_s/step": 2.0,
+                    "timing_s/gen": 1.2,
+                    "timing_s/update_actor": 0.7,
+                },
+                step=step,
+            )
+        logger.finish()
+    finally:
+        os.environ.pop("VERL_FILE_LOGGER_PATH", None)
+    out = report.run(args(tmp_path))
+    names = [Path(p).name for p in out["plots"]]
+    assert names == ["reward.png", "grad_norm.png", "lr.png", "mfu.png", "memory.png", "step_timing.png"]
+    for p in out["plots"]:
+        assert_png(Path(p))
+    md = Path(out["report"]).read_text()
+    assert "![Peak memory (perf/max_memory_allocated_gb)](memory.png)" in md
+
+
 def test_malformed_metrics_lines_are_skipped_and_counted(tmp_path):
     logged = write_metrics(tmp_path / "metrics.jsonl", steps=4, seed=3, drop=("perf/throughput",))
     good = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -253,7 +298,12 @@ def test_malformed_metrics_lines_are_skipped_and_counted(tmp_path):
     md = Path(out["report"]).read_text()
     assert out["metrics_skipped_lines"] == len(bad)
     assert f"{len(bad)} malformed line(s) skipped (line {', '.join(map(str, bad_line_numbers))})" in md
-    assert [Path(p).name for p in out["plots"]] == ["reward.png", "entropy.png", "response_length.png"]
+    assert [Path(p).name for p in out["plots"]] == [
+        "reward.png",
+        "entropy.png",
+        "response_length.png",
+        "step_timing.png",
+    ]
     assert "**Throughput (perf/throughput)**: not produced" in md
     rewards = [logged[s]["critic/score/mean"] for s in sorted(logged)]
     assert f"| critic/score/mean | {rewards[0]:.4g} | {rewards[-1]:.4g} |" in md
@@ -282,6 +332,7 @@ def test_unreadable_eval_and_lineage_are_reported_not_fatal(tmp_path):
     assert out["inputs"]["lineage.json"] == "unreadable: top level is not an object"
     assert "`eval/results.json`: unreadable" in md and "`lineage.json`: unreadable" in md
     assert "| last step | not recorded |" in md
+    assert "| MLflow run | not tracked |" in md
 
 
 def test_base_embedded_in_results_is_used_when_base_file_is_missing(full_run, tmp_path):
@@ -312,7 +363,7 @@ def test_bad_arguments_are_one_line_user_errors(tmp_path, kw, needle):
 
 def test_cli_writes_report_into_the_run_dir_and_fails_cleanly(full_run, tmp_path):
     rc, summary, _ = run_step("report", "--run-dir", f"file://{full_run['dir']}", "--output", tmp_path / "r", check=0)
-    assert summary["ok"] and summary["report"] == str(tmp_path / "r" / "report.md") and len(summary["plots"]) == 4
+    assert summary["ok"] and summary["report"] == str(tmp_path / "r" / "report.md") and len(summary["plots"]) == 5
     rc, summary, stderr = run_step("report", "--run-dir", tmp_path / "missing")
     assert rc == 2 and not summary["ok"]
     assert stderr.strip().splitlines()[-1].startswith("error: --run-dir") and "Traceback" not in stderr
@@ -341,6 +392,41 @@ def test_report_of_a_run_on_an_oss_store_reads_and_writes_the_store(oss_server, 
     assert uri.encode() in md and b"critic/score/mean" in md
     manifest = client.get_object(oss.GetObjectRequest(bucket="test-bucket", key=f"{prefix}/report/_manifest.json"))
     assert manifest.body.read()  # committed like every version in the store
+
+
+def test_report_of_an_oss_run_shows_the_clusters_rollout_dump(oss_server):
+    """A cluster run's trainer.rollout_data_dir (verl's <step>.jsonl dump, its own keys only) is fetched from the
+    store: the report gets its Trajectories section; only the newest REMOTE_ROLLOUT_STEPS files are fetched."""
+    import alibabacloud_oss_v2 as oss
+
+    from pipeline_steps.steps.report import REMOTE_ROLLOUT_STEPS
+
+    client = oss_server.client()
+    prefix = "runs/retool/manual__2"
+
+    def put(key, body: bytes):
+        client.put_object(oss.PutObjectRequest(bucket="test-bucket", key=f"{prefix}/{key}", body=body))
+
+    put("lineage.json", json.dumps({"run_id": "manual__2"}).encode())
+    last = REMOTE_ROLLOUT_STEPS + 1
+    for step in range(1, last + 1):  # numeric order decides the newest (10 sorts before 9 as text)
+        row = {"input": "What is 6*7?", "output": f"step {step} says \\boxed{{42}}", "gts": "42", "score": 1.0}
+        put(f"rollouts/{step}.jsonl", (json.dumps({**row, "step": step}) + "\n").encode())
+    put("rollouts/notes.txt", b"not a step file")
+    uri = f"oss://test-bucket/{prefix}"
+    code, s, err = run_step("report", "--run-dir", uri, env=oss_server.env())
+    assert code == 0, err
+    assert s["inputs"]["rollouts/"] == f"ok ({REMOTE_ROLLOUT_STEPS} steps)", s["inputs"]
+    md = client.get_object(oss.GetObjectRequest(bucket="test-bucket", key=f"{prefix}/report/report.md")).body.read()
+    md = md.decode()
+    assert "## Trajectories" in md and f"step {last} says" in md
+    table = md.split("## Trajectories")[1]
+    shown = [
+        int(line.split("|")[1])
+        for line in table.splitlines()
+        if line.split("|")[1:2] != [] and line.split("|")[1].strip().isdigit()
+    ]
+    assert shown == list(range(2, last + 1)), shown  # the newest, in step order; step 1 was not fetched
 
 
 def test_a_cluster_shaped_metrics_file_shows_its_validation_curve(tmp_path):

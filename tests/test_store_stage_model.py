@@ -79,3 +79,25 @@ def test_stage_hub_model_unreachable_is_one_line(tmp_path, env):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "Qwen/Qwen2.5-0.5B-Instruct" in r.stderr
     r = run_step(["stage-model", "--model", "not a repo", "--dest", f"file://{tmp_path}/s"], env)
     assert r.returncode == 2 and "org/name" in r.stderr
+
+
+def test_tiny_at_a_staged_revision_is_not_rebuilt(tmp_path, monkeypatch, capsys):
+    """The presets stage tiny at a named revision; once staged, a run reuses it instead of rebuilding (and re-training
+    the format warm-up, whose float sums need not repeat bit for bit on another machine)."""
+    from pipeline_steps import cli
+    from pipeline_steps.local import tiny_model
+
+    root = f"file://{tmp_path / 'store'}"
+    argv = ["stage-model", "--model", "tiny", "--revision", "r1", "--dest", root]
+    monkeypatch.setattr(tiny_model.build, "__defaults__", tiny_model.build.__defaults__[:-1] + (2,))  # quick warm-up
+    assert cli.main(argv) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["skipped"] is False and first["uri"].endswith("/models/local/tiny/r1")
+
+    def no_build(*a, **kw):
+        raise AssertionError("tiny model rebuilt although its revision is staged")
+
+    monkeypatch.setattr(tiny_model, "build", no_build)
+    assert cli.main(argv) == 0
+    second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert second["skipped"] is True and second["uri"] == first["uri"] and second["files"] == first["files"]

@@ -356,6 +356,7 @@ def test_wrong_schema_names_the_column(assets, tmp_path, capsys):
         ("algorithm.adv_estimator=gae", "critic"),
         ("actor_rollout_ref.actor.ppo_mini_batch_size=3", "ppo_mini_batch_size"),
         ("actor_rollout_ref.actor.optim.lrr=1e-6", "lrr"),
+        ("trainer.logger=[console,mlfow]", "trainer.logger"),  # a typo in a backend name
     ],
 )
 def test_bad_config_is_one_line_exit_2(assets, tmp_path, capsys, override, needle):

@@ -116,8 +116,18 @@ def ray_cluster(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path, tiny_model, ray_cluster, capsys):
+def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(
+    tmp_path, tiny_model, ray_cluster, capsys, monkeypatch, request
+):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline_steps.local import mlflow_server
     from pipeline_steps.local import ray_cluster as local_ray
+
+    # local_tiny logs to MLflow: the operator starts the embedded server here (not in the repo's .demo)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("PIPELINE_MLFLOW_DIR", str(tmp_path / "mlflow"))
+    request.addfinalizer(lambda: mlflow_server.shutdown_server(tmp_path / "mlflow"))  # after every attempt below
 
     train = write_parquet(tmp_path / "train.parquet")
     run_dir = tmp_path / "run"
@@ -178,6 +188,12 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(tmp_path,
     summary = json.loads((run_dir / "train_summary.json").read_text())
     assert summary["resumed_from_step"] == 1 and summary["last_step"] == 3
     assert "progress step 3:" in capsys.readouterr().out
+    # the retry continued the first attempt's MLflow run: one run with every step, and the XCom names it
+    client = MlflowClient(tracking_uri=out["mlflow"]["tracking_uri"])
+    assert out["mlflow"]["run_id"] == summary["mlflow"]["run_id"]
+    history = client.get_metric_history(out["mlflow"]["run_id"], "critic/score/mean")
+    assert sorted({m.step for m in history}) == [1, 2, 3]
+    assert len(client.search_runs([out["mlflow"]["experiment_id"]])) == 1
 
     # a worker restarted after success re-attaches to the finished attempt: nothing is submitted again
     again = deferred(make_op(), {"run_id": RUN_ID})

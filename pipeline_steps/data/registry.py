@@ -38,6 +38,10 @@ BUILTIN: dict[str, DatasetSpec] = {
     "aime2024": DatasetSpec(
         "aime2024", "Maxwell-Jia/AIME_2024", "aime", allow_patterns=("*.parquet", "*.jsonl", "README.md"), role="eval"
     ),
+    # synthetic one-digit additions in GSM8K's form, generated into the offline Hub (pipeline_steps/local/synthetic.py)
+    "arithmetic": DatasetSpec(
+        "arithmetic", "pipeline-local/arithmetic", "gsm8k", allow_patterns=("data/*", "README.md")
+    ),
     # local JSONL files (no Hub repository): preprocess only, with --input pointing at a file or folder
     "jsonl": DatasetSpec("jsonl", "", "jsonl"),
 }

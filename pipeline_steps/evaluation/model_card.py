@@ -137,6 +137,7 @@ Promotion at export time: **{"promoted to latest" if promo.get("promote") else "
 | Airflow DAG / run | `{lin.get("dag_id") or _get(lin, "airflow", "dag_id")}` / \
 `{lin.get("run_id") or _get(lin, "airflow", "run_id")}` |
 | training run | {lin.get("run_uri", NR)} |
+| MLflow run | {_mlflow_cell(record.get("mlflow"))} |
 | checkpoint | `{_get(record, "checkpoint", "dir")}` step {_get(record, "checkpoint", "step")} |
 | weights sha256 | `{record.get("weights_sha256", NR)}` |
 | exported at | {record.get("exported_at", NR)} |
@@ -155,3 +156,11 @@ model = AutoModelForCausalLM.from_pretrained("PATH_TO_THIS_DIRECTORY")
 tokenizer = AutoTokenizer.from_pretrained("PATH_TO_THIS_DIRECTORY")
 ```
 """
+
+
+def _mlflow_cell(run: dict | None) -> str:
+    """The MLflow run id, linked when the tracking server is a web server; "not tracked" without one."""
+    if not run or not run.get("run_id"):
+        return "not tracked"
+    rid = f"`{run['run_id']}`"
+    return f"[{rid}]({run['url']})" if run.get("url") else f"{rid} at `{run.get('tracking_uri', NR)}`"

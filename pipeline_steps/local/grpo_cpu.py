@@ -15,8 +15,9 @@ CPU, driven by the same composed verl config (``pipeline_steps.training.experime
   ``kl_penalty`` against a frozen reference copy when ``use_kl_loss``);
 * optimiser and LR schedule: verl's ``build_optimizer`` and warmup schedules;
 * metrics: verl's ``compute_data_metrics``/``compute_timing_metrics``/
-  ``compute_throughout_metrics`` written by verl's ``FileLogger`` format
-  (``{"step": N, "data": {...}}`` per line);
+  ``compute_throughout_metrics`` logged through verl's ``Tracking`` with the config's
+  ``trainer.logger`` backends (console, mlflow, ...) and always verl's ``FileLogger``
+  format (``{"step": N, "data": {...}}`` per line);
 * checkpoints: the actor is wrapped with FSDP2 (``fully_shard``) in a 1-process
   gloo group, so verl's own ``FSDPCheckpointManager`` writes the files its model
   merger reads (``model/optim/extra_state_world_size_1_rank_0.pt``,
@@ -36,6 +37,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import os
@@ -44,17 +46,19 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline_steps import atomic, metrics_log
+from pipeline_steps import atomic, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
 
 TRACKER = CHECKPOINT_TRACKER
+GROUP_KEY = "reward.custom_reward_function.group_name"  # local backend only: verl 0.9.1 scores per sample
 LOCAL_REWARD_MANAGERS = ("naive",)  # verl reward managers the CPU trainer reproduces
 # Inputs an advantage estimator may ask for that this trainer provides.
 _ADV_INPUTS = {"token_level_rewards", "response_mask", "index", "config", "norm_adv_by_std_in_grpo", "epsilon", "gamma"}
 
+MLFLOW_RUN_FILE = "mlflow_run.json"  # beside the checkpoints: a resumed attempt and the export find the run
 RewardFn = Callable[..., "float | dict"]
 
 
@@ -64,6 +68,8 @@ class Prompt:
     data_source: str
     ground_truth: object
     extra_info: dict
+    messages: list | None = None  # the chat, for verl's agent loops (multi-turn)
+    agent_name: str | None = None
 
 
 # ----------------------------------------------------------------------------- data
@@ -125,7 +131,10 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
                         "raise data.max_prompt_length, or set data.truncation=left|right|middle or "
                         "data.filter_overlong_prompts=true"
                     )
-            out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], dict(row.get("extra_info") or {})))
+            extra = dict(row.get("extra_info") or {})
+            if isinstance(extra.get("rollout_extra"), str):  # JSONL rows' rollout_extra, stored as JSON text in parquet
+                extra["rollout_extra"] = json.loads(extra["rollout_extra"])
+            out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], extra, messages, row.get("agent_name")))
     return out
 
 
@@ -154,6 +163,46 @@ def _file_logger(path: Path, keep_through_step: int):
     logger.project_name, logger.experiment_name, logger.filepath = "", "", str(path)
     logger.fp = open(path, "ab", buffering=0)
     return logger
+
+
+def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path):
+    """verl's ``Tracking`` with the config's ``trainer.logger`` backends, so metric names match a cluster run's.
+
+    The file backend is always ours (:func:`_file_logger`: resume keeps the checkpointed steps' lines; progress and
+    the report read it). The mlflow backend needs ``$MLFLOW_TRACKING_URI``: without it verl would write to its own
+    default ``/tmp/mlruns.db``, so it is left out with a warning. A resumed attempt continues the MLflow run of the
+    attempt before it (its id is kept beside the checkpoints; verl attaches to ``$MLFLOW_RUN_ID``).
+    """
+    from omegaconf import OmegaConf
+    from verl.utils.tracking import Tracking
+
+    backends = [b for b in _as_list(cfg.trainer.get("logger")) if b != "file"]
+    if "mlflow" in backends and not os.environ.get("MLFLOW_TRACKING_URI"):
+        log.warning("trainer.logger has mlflow but MLFLOW_TRACKING_URI is not set: not logging to MLflow")
+        backends.remove("mlflow")
+    previous = (tracking_run.read(run_file) or {}).get("run_id") if keep_through_step > 0 else None
+    saved = os.environ.get("MLFLOW_RUN_ID")
+    if "mlflow" in backends and previous and not saved:
+        os.environ["MLFLOW_RUN_ID"] = previous
+    try:
+        tracking = Tracking(
+            project_name=cfg.trainer.get("project_name") or "verl_grpo_pipeline",
+            experiment_name=cfg.trainer.get("experiment_name") or "local",
+            default_backend=backends,
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("MLFLOW_RUN_ID", None)
+    tracking.logger["file"] = _file_logger(path, keep_through_step)
+    run = None
+    if "mlflow" in tracking.logger:
+        import mlflow
+
+        info = mlflow.active_run().info
+        run = tracking_run.record(os.environ["MLFLOW_TRACKING_URI"], info.run_id, info.experiment_id)
+        atomic.write_json(run_file, run)
+    return tracking, run
 
 
 def read_metrics(path) -> list[dict]:
@@ -224,6 +273,7 @@ class GRPOTrainer:
                 f"{'/'.join(LOCAL_REWARD_MANAGERS)} reward manager only; use it locally or run on the kuberay backend"
             )
         self.reward_fn = reward_fn or self._configured_reward_fn()
+        self.group_reward_fn = None if reward_fn else self._configured_group_fn()
 
         # Model, tokenizer, reference copy, FSDP2 wrap.
         from torch.distributed.device_mesh import init_device_mesh
@@ -312,13 +362,25 @@ class GRPOTrainer:
         )
         self.logger = None
         self.last_metrics: dict = {}
+        from pipeline_steps.local import agent_rollout
+
+        # multi_turn.enable: rollouts through verl's agent loops (tool agent rows call their tools)
+        self.agent = (
+            agent_rollout.AgentRollout(cfg, self.model, self.tokenizer, self.eos_ids)
+            if agent_rollout.enabled(cfg)
+            else None
+        )
 
     # -- configuration ---------------------------------------------------------
 
     def _validate(self):
         from verl.trainer.ppo import core_algos
+        from verl.utils.tracking import Tracking
 
         cfg = self.cfg
+        unknown = [b for b in _as_list(cfg.trainer.get("logger")) if b not in Tracking.supported_backend]
+        if unknown:  # verl's own check is an assert, after the model is loaded
+            raise UserError(f"trainer.logger: {unknown} not supported by verl; use {Tracking.supported_backend}")
         actor = cfg.actor_rollout_ref.actor
         est = cfg.algorithm.adv_estimator
         try:
@@ -367,7 +429,11 @@ class GRPOTrainer:
         from verl.trainer.ppo.reward import get_custom_reward_fn
         from verl.utils.reward_score import default_compute_score
 
+        from pipeline_steps.tools import resolve_config_path
+
         path = self.cfg.reward.custom_reward_function.get("path")
+        if path and str(path).startswith("pkg:"):  # a reward shipped in this package (pkg:pipeline_steps.rewards/...)
+            self.cfg.reward.custom_reward_function.path = path = resolve_config_path(path)
         if path and not Path(str(path)).is_file():
             raise UserError(
                 f"reward.custom_reward_function.path={path}: file not found; pass a Python file defining the reward "
@@ -380,6 +446,26 @@ class GRPOTrainer:
                 f"reward.custom_reward_function: {exc}; set reward.custom_reward_function.name to a function in that "
                 "file"
             ) from None
+
+    def _configured_group_fn(self):
+        """``reward.custom_reward_function.group_name`` (local backend only): a function of the same file scoring a
+        prompt's whole group at once, ``(data_source, solution_strs, ground_truth, extra_info) -> [score | dict]``,
+        so a reward can compare the group's samples (e.g. ReTool's bonus for the shortest correct answer)."""
+        spec = self.cfg.reward.get("custom_reward_function") or {}
+        name = spec.get("group_name")
+        if not name:
+            return None
+        path = spec.get("path")
+        if not path:
+            raise UserError(f"{GROUP_KEY}={name}: set reward.custom_reward_function.path to the file that defines it")
+        from omegaconf import OmegaConf
+        from verl.trainer.ppo.reward import get_custom_reward_fn
+
+        probe = OmegaConf.create({"reward": {"custom_reward_function": {"path": str(path), "name": str(name)}}})
+        try:
+            return get_custom_reward_fn(probe)
+        except AttributeError:
+            raise UserError(f"{GROUP_KEY}={name}: no such function in {path}") from None
 
     def _eos_ids(self, model_path) -> list[int]:
         from transformers import GenerationConfig
@@ -402,6 +488,12 @@ class GRPOTrainer:
             order = np.random.RandomState(self.data_seed + epoch).permutation(len(self.train_prompts))
         idx = order[k * self.batch_size : (k + 1) * self.batch_size]
         return [self.train_prompts[i] for i in idx], epoch
+
+    def _rollout(self, prompts: list[Prompt], n: int, **sampling) -> dict:
+        if self.agent is None:
+            return self.generate(prompts, n, **sampling)
+        self.model.eval()
+        return self.agent.generate(prompts, n, **sampling)
 
     def generate(
         self, prompts: list[Prompt], n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int
@@ -454,19 +546,28 @@ class GRPOTrainer:
         import torch
 
         scores = torch.zeros(batch["responses"].shape, dtype=torch.float32)
-        lengths = batch["response_mask"].sum(-1)
+        # verl's naive manager: the valid response (model and tool tokens) is the attended part after the prompt
+        lengths = batch["attention_mask"][:, -batch["responses"].shape[1] :].sum(-1)
         values, extras = [], []
+        texts = [
+            self.tokenizer.decode(batch["responses"][i, : int(lengths[i])], skip_special_tokens=True)
+            for i in range(len(batch["items"]))
+        ]
+        grouped = self._group_scores(batch, texts) if self.group_reward_fn else None
         for i, item in enumerate(batch["items"]):
             n = int(lengths[i])
-            text = self.tokenizer.decode(batch["responses"][i, :n], skip_special_tokens=True)
+            text = texts[i]
             # verl's naive reward manager adds the turn count and the rollout's own reward scores to extra_info
             extra_info = {**item.extra_info, "num_turns": batch["num_turns"][i], "rollout_reward_scores": {}}
-            res = self.reward_fn(
-                data_source=item.data_source,
-                solution_str=text,
-                ground_truth=item.ground_truth,
-                extra_info=extra_info,
-            )
+            if grouped is not None:
+                res = grouped[i]
+            else:
+                res = self.reward_fn(
+                    data_source=item.data_source,
+                    solution_str=text,
+                    ground_truth=item.ground_truth,
+                    extra_info=extra_info,
+                )
             if inspect.isawaitable(res):  # an async scorer, awaited as verl's reward loop awaits it
                 res = asyncio.run(res)
             value = float(res["score"] if isinstance(res, dict) else res)
@@ -477,6 +578,32 @@ class GRPOTrainer:
         batch["token_level_scores"] = scores
         batch["scores"] = values
         batch["reward_extra"] = extras
+
+    def _group_scores(self, batch: dict, texts: list[str]) -> list:
+        """One call of the group reward per prompt group (``uids``), results put back in sample order."""
+        groups: dict[str, list[int]] = {}
+        for i, uid in enumerate(batch["uids"]):
+            groups.setdefault(uid, []).append(i)
+        out: list = [None] * len(texts)
+        for members in groups.values():
+            first = batch["items"][members[0]]
+            res = self.group_reward_fn(
+                data_source=first.data_source,
+                solution_strs=[texts[i] for i in members],
+                ground_truth=first.ground_truth,
+                extra_info={**first.extra_info, "rollout_reward_scores": {}},
+            )
+            if inspect.isawaitable(res):
+                res = asyncio.run(res)
+            if not isinstance(res, (list, tuple)) or len(res) != len(members):
+                raise UserError(
+                    f"{GROUP_KEY}: the group function returned {type(res).__name__}"
+                    f"{f' of {len(res)}' if isinstance(res, (list, tuple)) else ''}; return one score or dict per "
+                    f"sample of the group ({len(members)})"
+                )
+            for i, r in zip(members, res):
+                out[i] = r
+        return out
 
     def log_probs(self, model, batch: dict, rows, with_entropy: bool = False):
         from verl.utils.torch_functional import entropy_from_logits, logprobs_from_logits
@@ -616,7 +743,7 @@ class GRPOTrainer:
         timing: dict[str, float] = {}
         prompts, epoch = self.batch_prompts(step)
         t = time.perf_counter()
-        batch = self.generate(
+        batch = self._rollout(
             prompts,
             self.n,
             do_sample=bool(ro.do_sample),
@@ -657,8 +784,18 @@ class GRPOTrainer:
         t = time.perf_counter()
         actor_metrics = self.update(batch)
         timing["update_actor"] = time.perf_counter() - t
+        t = time.perf_counter()
+        self.dump_rollouts(step, batch)
+        timing["dump_rollout_generations"] = time.perf_counter() - t  # verl's timer name for the same dump
         timing["step"] = time.perf_counter() - t_step
         return self._metrics(batch, timing, step, epoch, {"actor/entropy": entropy, **actor_metrics})
+
+    def dump_rollouts(self, step: int, batch: dict) -> None:
+        """The step's samples as verl's ``trainer.rollout_data_dir`` files; locally always, beside the metrics."""
+        from pipeline_steps.evaluation import trajectories
+
+        dump = self.cfg.trainer.get("rollout_data_dir") or self.metrics_path.parent / "rollouts"
+        trajectories.write_step(dump, step, batch, self.tokenizer)
 
     def _metrics(self, batch, timing, step, epoch, extra) -> dict:
         from verl import DataProto
@@ -683,7 +820,11 @@ class GRPOTrainer:
         num_turns = np.asarray(batch["num_turns"], dtype=np.int32)
         dp = DataProto.from_dict(
             tensors={k: batch[k] for k in keys},
-            non_tensors={"__num_turns__": num_turns},  # compute_data_metrics then emits num_turns/* as verl's does
+            # compute_data_metrics then emits num_turns/* (and tool_call_counts/* for agent rollouts) as verl's does
+            non_tensors={
+                "__num_turns__": num_turns,
+                **({"tool_call_counts": batch["tool_call_counts"]} if "tool_call_counts" in batch else {}),
+            },
             meta_info={"global_token_num": batch["attention_mask"].sum(-1).tolist()},
         )
         from verl.utils import flops_counter
@@ -701,6 +842,9 @@ class GRPOTrainer:
                 achieved = estimate(self.model.config, sum(seqlens), seqlens, timing["update_actor"])
                 metrics["perf/mfu/actor"] = achieved / flops_counter.get_device_flops(device_name="CPU")
         metrics.update(compute_data_metrics(dp, use_critic=False))
+        from pipeline_steps.local import agent_rollout
+
+        metrics.update(agent_rollout.metrics(batch))
         metrics.update(
             {
                 "training/num_turns/mean": float(num_turns.mean()),
@@ -728,7 +872,7 @@ class GRPOTrainer:
         bs = max(self.batch_size, 1)
         for i in range(0, len(self.val_prompts), bs):
             chunk = self.val_prompts[i : i + bs]
-            batch = self.generate(
+            batch = self._rollout(
                 chunk,
                 int(vk.n),
                 do_sample=bool(vk.do_sample),
@@ -811,7 +955,7 @@ class GRPOTrainer:
     def fit(self, on_step: Callable[[int, dict], None] | None = None) -> dict:
         """Train from the resumed step to ``total_steps``; returns the run summary."""
         start = self.resume()
-        self.logger = _file_logger(self.metrics_path, keep_through_step=start)
+        self.logger, mlflow_run = _tracking(self.cfg, self.metrics_path, start, self.ckpt_root / MLFLOW_RUN_FILE)
         save_freq = int(self.cfg.trainer.get("save_freq", -1) or -1)
         try:
             # verl's loop rules (v1 trainer_base.fit): validate first whenever val_before_train (a resume too),
@@ -859,6 +1003,7 @@ class GRPOTrainer:
             "last_step": last_step,
             "resumed_from_step": start,
             "metrics_path": str(self.metrics_path),
+            "mlflow": mlflow_run,  # run_id, tracking_uri, experiment_id, url; None when not logging to MLflow
             "final_metrics": {
                 k: v
                 for k, v in final.items()
@@ -869,5 +1014,9 @@ class GRPOTrainer:
 
 def train(cfg, reward_fn: RewardFn | None = None, metrics_path=None, on_step=None) -> dict:
     """Build the trainer in a 1-process gloo group and run it to the end (resuming per ``trainer.resume_mode``)."""
-    with process_group():
+    from pipeline_steps.local.agent_rollout import local_sandbox
+
+    run_dir = Path(str(cfg.trainer.default_local_dir)).parent
+    # the code tool's sandboxes: the local server when no E2B service is configured (the run's files hidden from them)
+    with process_group(), local_sandbox(cfg, hide=[str(run_dir)]):
         return GRPOTrainer(cfg, reward_fn=reward_fn, metrics_path=metrics_path).fit(on_step=on_step)

@@ -6,6 +6,7 @@ revisions oldest first; ``<root>/<org>/<name>/<label>/`` holds that revision's
 files. ``*.jsonl`` files become ``*.parquet`` (what the real repositories hold);
 an image ``{"bytes_b64": ...}`` becomes ``{"bytes": ...}``.
 
+Generated repositories (:mod:`pipeline_steps.local.synthetic`) are written the same way.
 Each revision gets a deterministic 40-hex commit, a ``refs/<label>`` and the
 newest gets ``refs/main``. The commit dates go to ``<cache>/revision-index/``,
 which :mod:`pipeline_steps.data.revisions` reads in place of the Hub's commit list.
@@ -61,28 +62,39 @@ FIXTURES = Path(__file__).with_name("hub")  # package data: the local profile's 
 
 
 def build_cache(fixtures_root: str | os.PathLike, cache_dir: str | os.PathLike) -> dict[str, list[dict]]:
-    """Write every fixture repository into ``cache_dir`` (a ``HF_HUB_CACHE``). Idempotent."""
+    """Write every fixture repository, and the generated synthetic one, into ``cache_dir`` (a ``HF_HUB_CACHE``).
+
+    Idempotent."""
+    from pipeline_steps.local import synthetic
+
     fixtures_root, cache_dir = Path(fixtures_root), Path(cache_dir)
-    built = {}
+    repos = {}
     for revs_file in sorted(fixtures_root.glob("*/*/revisions.json")):
         repo_dir = revs_file.parent
-        repo_id = repo_dir.relative_to(fixtures_root).as_posix()
-        repo_cache = cache_dir / ("datasets--" + repo_id.replace("/", "--"))
-        index = []
-        for rev in json.loads(revs_file.read_text()):
-            files = _revision_files(repo_dir / rev["label"])
-            commit = commit_for(repo_id, rev["label"], files)
-            for rel, data in files.items():
-                blob = repo_cache / "blobs" / hashlib.sha256(data).hexdigest()
-                if not blob.exists():
-                    atomic.write_bytes(blob, data)
-                link = repo_cache / "snapshots" / commit / rel
-                link.parent.mkdir(parents=True, exist_ok=True)
-                if not link.is_symlink():
-                    link.symlink_to(os.path.relpath(blob, link.parent))
-            atomic.write_text(repo_cache / "refs" / rev["label"], commit)
-            index.append({"commit": commit, "date": rev["date"], "label": rev["label"]})
-        atomic.write_text(repo_cache / "refs" / "main", index[-1]["commit"])
-        atomic.write_json(cache_dir / "revision-index" / f"{repo_id.replace('/', '--')}.json", index)
-        built[repo_id] = index
-    return built
+        repos[repo_dir.relative_to(fixtures_root).as_posix()] = [
+            dict(rev, files=_revision_files(repo_dir / rev["label"])) for rev in json.loads(revs_file.read_text())
+        ]
+    repos[synthetic.REPO_ID] = synthetic.revisions()
+    return {repo_id: _write_repo(cache_dir, repo_id, revs) for repo_id, revs in repos.items()}
+
+
+def _write_repo(cache_dir: Path, repo_id: str, revisions: list[dict]) -> list[dict]:
+    """One dataset repository's revisions (``{label, date, files}``, oldest first) in the Hub cache's layout."""
+    repo_cache = cache_dir / ("datasets--" + repo_id.replace("/", "--"))
+    index = []
+    for rev in revisions:
+        files = rev["files"]
+        commit = commit_for(repo_id, rev["label"], files)
+        for rel, data in files.items():
+            blob = repo_cache / "blobs" / hashlib.sha256(data).hexdigest()
+            if not blob.exists():
+                atomic.write_bytes(blob, data)
+            link = repo_cache / "snapshots" / commit / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            if not link.is_symlink():
+                link.symlink_to(os.path.relpath(blob, link.parent))
+        atomic.write_text(repo_cache / "refs" / rev["label"], commit)
+        index.append({"commit": commit, "date": rev["date"], "label": rev["label"]})
+    atomic.write_text(repo_cache / "refs" / "main", index[-1]["commit"])
+    atomic.write_json(cache_dir / "revision-index" / f"{repo_id.replace('/', '--')}.json", index)
+    return index

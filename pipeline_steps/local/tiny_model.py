@@ -1,9 +1,12 @@
-"""The tiny local model: a small Qwen2-architecture config with random weights and a
-byte-level BPE tokenizer trained on the fixture text.
+"""The tiny local model: a small Qwen2-architecture config, a byte-level BPE tokenizer trained on the fixture
+text, and a short supervised warm-up that teaches the answer FORMAT only.
 
-No machine here can download weights, so the local profile stages, trains,
-evaluates and exports this model. It is deterministic: the same corpus and seed
-give byte-identical files.
+No machine here can download weights, so the local profile stages, trains, evaluates and exports this model.
+The warm-up (``format_warmup_steps``) trains on the synthetic ``arithmetic`` dataset's questions (with
+GSM8K's instruction) whose targets are ``#### R`` with R drawn at random from the answers' range,
+independently of the question: the model learns to answer ``#### <a number>`` and stop, and nothing about which
+number is right (it scores about chance, 1 in 10). Whatever it gets right after GRPO, the reward taught it.
+The model card (``README.md``) says so. Deterministic: the same corpus and seed give the same files.
 """
 
 from __future__ import annotations
@@ -23,6 +26,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+FORMAT_WARMUP_STEPS = 100
+CARD = """---
+license: mit
+library_name: transformers
+---
+# tiny local model
+
+A {params}-parameter Qwen2-architecture model with a {vocab}-token byte-level BPE tokenizer, built by
+`python -m pipeline_steps build-tiny-model` (seed {seed}) for the pipeline's local profile.
+
+Training before GRPO: {warmup}
+"""
+WARMUP_CARD = """{steps} steps of supervised **format** warm-up. Prompts are the synthetic `arithmetic`
+dataset's questions ("What is the largest of 3, 7 and 5?") with GSM8K's instruction; every target is `#### R` with R
+drawn uniformly from {answers}, independently of the question. The model learns to answer in the form verl's GSM8K
+scorer reads and to stop, not which answer is right: its accuracy is about chance (1 in {n}). An improvement after
+the pipeline's `train` task comes from GRPO's reward."""
 
 
 def _corpus(root: Path):
@@ -41,6 +61,7 @@ def build(
     layers=2,
     seed=0,
     owner: str | None = None,
+    format_warmup_steps: int = FORMAT_WARMUP_STEPS,
 ) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -50,39 +71,103 @@ def build(
     if (output / "config.json").exists() and (output / "tokenizer.json").exists():
         log.info("tiny model already at %s", output)
         return output
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(Path(corpus)), trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(fast),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=None,
-    )
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = fast.eos_token_id
-    model.generation_config.pad_token_id = fast.pad_token_id
+    # the output directory first: an unwritable --output fails in one line before any work
     with atomic.atomic_dir(output, owner=owner) as tmp:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(_corpus(Path(corpus)), trainer)
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+        )
+        fast.chat_template = CHAT_TEMPLATE
+        torch.manual_seed(seed)
+        config = Qwen2Config(
+            vocab_size=len(fast),
+            hidden_size=hidden_size,
+            intermediate_size=hidden_size * 2,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            eos_token_id=fast.eos_token_id,
+            pad_token_id=fast.pad_token_id,
+            bos_token_id=None,
+        )
+        model = Qwen2ForCausalLM(config)
+        model.generation_config.eos_token_id = fast.eos_token_id
+        model.generation_config.pad_token_id = fast.pad_token_id
+        if format_warmup_steps:
+            format_warmup(model, fast, format_warmup_steps, seed)
         model.save_pretrained(tmp)
         fast.save_pretrained(tmp)
+        from pipeline_steps.local import synthetic
+
+        card = CARD.format(
+            params=sum(p.numel() for p in model.parameters()),
+            vocab=len(fast),
+            seed=seed,
+            warmup=WARMUP_CARD.format(
+                steps=format_warmup_steps,
+                answers=f"{min(synthetic.ANSWERS)}..{max(synthetic.ANSWERS)}",
+                n=len(synthetic.ANSWERS),
+            )
+            if format_warmup_steps
+            else "none: random weights (built with `--format-warmup-steps 0`).",
+        )
+        (tmp / "README.md").write_text(card, encoding="utf-8")
     log.info("built tiny model at %s (%d parameters)", output, sum(p.numel() for p in model.parameters()))
     return output
+
+
+def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3) -> None:
+    """Supervised steps on (synthetic question -> ``#### R``, R random): the answer format, not the answers.
+
+    The loss covers the response tokens only (``#### R`` and the end-of-turn token).
+    """
+    import random
+
+    import torch
+
+    from pipeline_steps.data.preprocessors.gsm8k import INSTRUCTION
+    from pipeline_steps.local import synthetic
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+
+    def encode(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    template = [{"role": "user", "content": "{question} " + INSTRUCTION}]
+    prompt = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
+    prompts = [encode(prompt.replace("{question}", synthetic.question(item))) for item in synthetic.ITEMS]
+    for _ in range(steps):
+        seqs, masks = [], []
+        for _ in range(batch_size):
+            i = rng.randrange(len(prompts))
+            p_ids = prompts[i]
+            r_ids = encode(synthetic.format_example(synthetic.ITEMS[i], rng) + "<|im_end|>")
+            seqs.append(p_ids + r_ids)
+            masks.append([0] * len(p_ids) + [1] * len(r_ids))
+        width = max(map(len, seqs))
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
+        loss_mask = torch.tensor([[0] * (width - len(m)) + m for m in masks], dtype=torch.bool)
+        attn = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, :-1]
+        target_mask = loss_mask[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[target_mask], ids[:, 1:][target_mask])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    log.info("format warm-up: %d steps, last loss %.3f", steps, float(loss.detach()))

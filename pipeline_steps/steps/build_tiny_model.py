@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 from pipeline_steps import outputs
-from pipeline_steps.local.tiny_model import FIXTURES, build
+from pipeline_steps.errors import UserError
+from pipeline_steps.local.tiny_model import FIXTURES, FORMAT_WARMUP_STEPS, build
 
 
 def add_arguments(p):
@@ -14,11 +15,26 @@ def add_arguments(p):
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--format-warmup-steps",
+        type=int,
+        default=FORMAT_WARMUP_STEPS,
+        help="supervised steps teaching the answer format with random answers (0: random weights)",
+    )
 
 
 def run(args):
     outputs.refuse_overlap(args.output, {"--corpus": args.corpus})
+    if args.format_warmup_steps < 0:
+        raise UserError(f"--format-warmup-steps {args.format_warmup_steps}: must be >= 0")
     out = build(
-        args.output, args.corpus, args.vocab_size, args.hidden_size, args.layers, args.seed, owner="build-tiny-model"
+        args.output,
+        args.corpus,
+        args.vocab_size,
+        args.hidden_size,
+        args.layers,
+        args.seed,
+        owner="build-tiny-model",
+        format_warmup_steps=args.format_warmup_steps,
     )
     return {"path": str(out)}

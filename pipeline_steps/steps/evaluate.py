@@ -237,7 +237,12 @@ def score_sample(data_source: str, response: str, ground_truth: str, extra_info=
             "correct": correct,
             "score": float(res.get("score", 0)),
         }
-    return {"answer": None, "correct": float(res) > 0, "score": float(res)}
+    answer = None
+    if data_source == "openai/gsm8k":  # a bare score; verl's own GSM8K extractor gives the answer maj@k votes on
+        from verl.utils.reward_score.gsm8k import extract_solution
+
+        answer = extract_solution(response)
+    return {"answer": answer, "correct": float(res) > 0, "score": float(res)}
 
 
 def score(rows: list[dict], generations: list[list[str]]) -> dict:

@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-from pipeline_steps import atomic, outputs
+from pipeline_steps import atomic, outputs, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
 
@@ -334,6 +334,7 @@ def run(args) -> dict:
         "base_eval": promotion.summary_of(base),
         "promotion": decision.as_dict(),
         "lineage": lineage,
+        "mlflow": tracking_run.read(args.checkpoint_dir),  # the training's MLflow run (the CPU trainer records it)
     }
     atomic.write_text(model_dir / "README.md", model_card.render(record, results, base))
     atomic.write_json(model_dir / "export.json", record)
@@ -358,6 +359,11 @@ def run(args) -> dict:
             upload = store.upload_dir(str(model_dir), version_uri)  # re-sends the two small files only
     deleted = promotion.prune(store, exp_uri, args.keep)
 
+    if record["mlflow"]:  # the evaluation and the card join the training's metrics in the same MLflow run
+        metrics = tracking_run.numeric(promotion.summary_of(results), "eval/")
+        metrics |= tracking_run.numeric(promotion.summary_of(base), "eval_base/")
+        metrics["export/promoted"] = float(decision.promote)
+        tracking_run.log_to_run(record["mlflow"], metrics, [model_dir / "README.md", model_dir / "export.json"], step)
     hub = None
     if args.hub_repo:
         hub = push_to_hub(model_dir, args.hub_repo)
@@ -375,6 +381,7 @@ def run(args) -> dict:
         "skipped_files": upload.get("skipped"),
         "deleted_versions": deleted,
         "hub": hub,
+        "mlflow": record["mlflow"],
         "table": model_card.eval_table(results, base),
     }
     log.info("exported %s to %s; %s", version, version_uri, decision.reason)

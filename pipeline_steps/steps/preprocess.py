@@ -276,7 +276,9 @@ def _finish_split(parts: _Parts, conflicts: set[bytes], limit: int | None, varia
         if limit is not None:
             table = table.slice(0, max(0, limit - rows))
         if variant == "tool_agent" and len(table):
-            table = pa.Table.from_pylist(tool_agent_rows(table.to_pylist(), module.TOOL_NAME))
+            table = pa.Table.from_pylist(
+                tool_agent_rows(table.to_pylist(), module.TOOL_NAME, getattr(module, "TOOL_SYSTEM_PROMPT", None))
+            )
         if len(table):
             out = parts.where / f".shaped-{parts.name}-{i:05d}.parquet"
             pq.write_table(table, out, compression="zstd")

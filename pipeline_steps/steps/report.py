@@ -31,6 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from pipeline_steps import atomic, metrics_log, outputs
 from pipeline_steps.errors import UserError
+from pipeline_steps.evaluation import trajectories
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
 from pipeline_steps.uris import local_path
 
@@ -44,6 +45,27 @@ CURVES = (
     ("entropy.png", "actor/entropy", "Policy entropy (actor/entropy)", "entropy"),
     ("response_length.png", "response_length/mean", "Response length (response_length/mean)", "tokens"),
     ("throughput.png", "perf/throughput", "Throughput (perf/throughput)", "tokens / s / GPU"),
+)
+# Plotted only when the metrics carry them (verl logs them on the cluster; the CPU trainer logs all but memory):
+# (file name, metric key, title, y label, companion series drawn on the same axes)
+OPTIONAL_CURVES = (
+    ("grad_norm.png", "actor/grad_norm", "Gradient norm (actor/grad_norm)", "norm", ()),
+    ("lr.png", "actor/lr", "Learning rate (actor/lr)", "rate", ()),
+    ("mfu.png", "perf/mfu/actor", "Model FLOPs utilisation (perf/mfu/actor)", "fraction of peak", ()),
+    (
+        "memory.png",
+        "perf/max_memory_allocated_gb",
+        "Peak memory (perf/max_memory_allocated_gb)",
+        "GB",
+        ("perf/max_memory_reserved_gb", "perf/cpu_memory_used_gb"),
+    ),
+    (
+        "step_timing.png",
+        "timing_s/step",
+        "Step time (timing_s/step)",
+        "seconds",
+        ("timing_s/gen", "timing_s/update_actor", "timing_s/old_log_prob", "timing_s/save_checkpoint"),
+    ),
 )
 TABLE_KEYS = [k for _, k, _, _ in CURVES] + ["timing_s/step"]
 # verl's headline validation means, per data source: val-core/<source>/acc/mean@N (the naive reward manager adds acc),
@@ -229,6 +251,15 @@ def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
         state["plots"].append(name)
         lines += [f"![{title}]({name})", ""]
 
+    for name, key, title, ylabel, companions in OPTIONAL_CURVES:
+        xs, ys = series(steps, key)
+        if not xs:
+            continue
+        extra = [(c, *series(steps, c), "-") for c in companions]
+        plot(out / name, xs, ys, title, ylabel, [e for e in extra if e[1]] or None)
+        state["plots"].append(name)
+        lines += [f"![{title}]({name})", ""]
+
     rows = ["| metric | first | last | min | max | steps |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for key in TABLE_KEYS + sorted({k for d in steps.values() for k in d if VAL_RE.match(k)}):
         xs, ys = series(steps, key)
@@ -388,8 +419,18 @@ def training_section(run_dir: Path, state: dict) -> list[str]:
         f"| resumed from step | {cell(ts.get('resumed_from_step', NR))} |",
         f"| checkpoint | {code(ts.get('checkpoint_dir') or NR)} |",
         f"| metrics file | {code(ts.get('metrics_path') or NR)} |",
+        f"| MLflow run | {mlflow_cell(ts.get('mlflow'))} |",
         "",
     ]
+
+
+def mlflow_cell(run) -> str:
+    """The training's MLflow run id, linked to the tracking server when it is a web server."""
+    if not isinstance(run, dict) or not run.get("run_id"):
+        return "not tracked"
+    rid = code(str(run["run_id"]))
+    url = safe_url(str(run.get("url") or ""))
+    return f"{rid} ({link(url)})" if url else f"{rid} at {code(str(run.get('tracking_uri') or NR))}"
 
 
 def links_section(dashboard_url: str, exported_uri: str) -> list[str]:
@@ -451,6 +492,9 @@ def validate_links(dashboard_url: str, exported_uri: str) -> None:
 
 
 REMOTE_INPUTS = ("metrics.jsonl", "lineage.json", "train_summary.json", "eval/results.json", "eval/base_results.json")
+# verl's rollout dump is one file per step and a big run's steps are tens of MB each: the report fetches the newest
+# ones only (its table then starts there; the samples shown are the last step's anyway)
+REMOTE_ROLLOUT_STEPS = 20
 
 
 def run(args) -> dict:
@@ -476,6 +520,7 @@ def _run_remote(args) -> dict:
             if data is not None:
                 (local / rel).parent.mkdir(parents=True, exist_ok=True)
                 (local / rel).write_bytes(data)
+        _fetch_rollouts(store, f"{uri}/rollouts", local / "rollouts")
         out = Path(tmp) / "report"
         summary = _run_local(args, run_dir=local, out=out, shown_dir=uri)
         upload = store.upload_dir(str(out), f"{uri}/report")
@@ -487,6 +532,19 @@ def _run_remote(args) -> dict:
         uploaded=upload.get("uploaded"),
     )
     return summary
+
+
+def _fetch_rollouts(store, prefix: str, dest: Path) -> None:
+    """The newest ``<step>.jsonl`` files of verl's ``trainer.rollout_data_dir``; none (no directory) when the run
+    dumped no rollouts, so the report then has no Trajectories section, as locally."""
+    steps = sorted(
+        (n for n in store.list_names(prefix) if n.endswith(".jsonl") and n[:-6].isdigit()), key=lambda n: int(n[:-6])
+    )
+    for name in steps[-REMOTE_ROLLOUT_STEPS:]:
+        data = store.read_bytes(f"{prefix}/{name}")
+        if data is not None:
+            dest.mkdir(exist_ok=True)
+            (dest / name).write_bytes(data)
 
 
 def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None) -> dict:
@@ -506,6 +564,7 @@ def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown
         sections = [f"# {cell(title)}", "", f"Run directory {code(shown_dir or run_dir, table=False)}.", ""]
         sections += metrics_section(run_dir, tmp, state)
         sections += eval_section(run_dir, state)
+        sections += trajectories.report_section(run_dir, state)
         sections += lineage_section(run_dir, state)
         sections += training_section(run_dir, state)
         sections += links_section(args.dashboard_url, args.exported_uri)

@@ -83,19 +83,23 @@ def _already_staged(store, uri: str, local: Path | None) -> bool:
     return True
 
 
+def _skipped(store, uri: str, revision: str, source: str = "tiny") -> dict:
+    manifest = store.read_manifest(uri)
+    log.info("model %s already staged at %s", source, uri)
+    return {
+        "uri": uri,
+        "revision": revision,
+        "source": source,
+        "skipped": True,
+        "uploaded": 0,
+        "files": len(manifest["files"]),
+        "bytes_uploaded": 0,
+    }
+
+
 def _stage(store, src: Path, uri: str, revision: str, source: str) -> dict:
     if _already_staged(store, uri, src):
-        manifest = store.read_manifest(uri)
-        log.info("model %s already staged at %s", source, uri)
-        return {
-            "uri": uri,
-            "revision": revision,
-            "source": source,
-            "skipped": True,
-            "uploaded": 0,
-            "files": len(manifest["files"]),
-            "bytes_uploaded": 0,
-        }
+        return _skipped(store, uri, revision, source)
     summary = store.upload_dir(src, uri)
     return {**summary, "uri": uri, "revision": revision, "source": source, "skipped": False}
 
@@ -107,6 +111,10 @@ def run(args):
     if model == "tiny":
         from pipeline_steps.local import tiny_model
 
+        if args.revision:  # a named revision already staged is that model: no rebuild (the build trains a warm-up)
+            uri = str(root.child(f"models/local/tiny/{_check_revision(args.revision)}"))
+            if _already_staged(store, uri, None):
+                return _skipped(store, uri, args.revision)
         with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
             src = tiny_model.build(Path(tmp) / "tiny")
             rev = _check_revision(args.revision) if args.revision else content_revision(src)

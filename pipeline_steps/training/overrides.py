@@ -9,7 +9,10 @@ User overrides therefore may not contain:
 * an interpolation or resolver (``${...}``, e.g. ``${oc.env:AWS_SECRET_ACCESS_KEY}`` copying a worker secret into
   the config) anywhere in the value;
 * a ``hydra.*`` key, or a deletion (``~key``);
-* a key the pipeline derives (data files, model path, checkpoint directory, resume): the message says what sets it.
+* a key the pipeline derives (data files, model path, checkpoint directory, resume): the message says what sets it;
+* a key that names code verl imports (a reward function's file, a tool or agent-loop config listing classes, a
+  module, a class): pre-flight imports a reward file in the Airflow worker and verl imports all of them in the
+  training pods, so a user may name only a file the package ships (``pkg:...``); anything else belongs in a preset.
 
 Presets (packaged, or a deployment's own directory) pass the same checks except the derived-key one.
 """
@@ -30,6 +33,46 @@ PIPELINE_KEYS = {
     "trainer.resume_mode": "the pipeline (a retried attempt resumes from the run's last checkpoint)",
     "trainer.resume_from_path": "the pipeline (a retried attempt resumes from the run's last checkpoint)",
 }
+
+# verl keys whose value is code to import: a file (a user may name a shipped ``pkg:`` one) or a module/class name
+CODE_FILE_KEYS = {
+    "reward.custom_reward_function.path",
+    "custom_reward_function.path",
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+    "actor_rollout_ref.rollout.multi_turn.function_tool_path",
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
+    "actor_rollout_ref.rollout.agent.agent_loop_config_path",
+    "actor_rollout_ref.rollout.agent.custom_async_server.path",
+    "data.tool_config_path",
+    "data.function_tool_path",
+    "data.custom_cls.path",
+    "reward.reward_manager.module.path",
+    "reward_model.reward_loop_module_path",
+    "trainer.v1.sampler.custom_sampler.path",
+}
+CODE_NAME_KEYS = {
+    "actor_rollout_ref.model.external_lib",
+    "critic.model.external_lib",
+    "reward_model.model.external_lib",
+    "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module",
+    "reward_model.reward_loop_class_name",
+    "trainer.checkpoint_callback_class",
+}
+
+
+def _check_code_key(bare: str, value, source: str) -> None:
+    if value is None:
+        return
+    if bare in CODE_NAME_KEYS:
+        raise UserError(
+            f"{source}: {bare!r} names a module or class that verl would import; set it in a preset "
+            "(a deployment's presets directory), not in a run's overrides"
+        )
+    if bare in CODE_FILE_KEYS and not (isinstance(value, str) and value.startswith("pkg:")):
+        raise UserError(
+            f"{source}: {bare!r} names code that would run in the worker and the training pods; choose a file the "
+            "package ships (pkg:...) or set it in a preset (a deployment's presets directory)"
+        )
 
 
 def _walk(value, path: str):
@@ -66,12 +109,16 @@ def check(key: str, value, source: str, *, user: bool = True) -> None:
             )
     if user and bare in PIPELINE_KEYS:
         raise UserError(f"{source}: {bare!r} is set by {PIPELINE_KEYS[bare]}; remove this override")
+    if user:
+        _check_code_key(bare, value, source)
     for where, k, s in _walk(value, bare):
         if k is not None and SPECIAL_KEY.match(k):
             raise UserError(
                 f"{source}: the value of {bare!r} holds the key {k!r} (at {where}), a Hydra instantiation key; "
                 "such keys are refused because they would run code in the worker"
             )
+        if user and s is not None and where != bare:  # a mapping value can hold a code key too
+            _check_code_key(where, s, source)
         if s is not None and ("${" in s or "_target_" in s):
             what = "an interpolation/resolver (${...})" if "${" in s else "'_target_'"
             raise UserError(f"{source}: the value of {bare!r} contains {what} (at {where}); write the literal value")

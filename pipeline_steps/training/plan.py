@@ -76,6 +76,10 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     train_sets = list(params.get("datasets") or spec.get("datasets", {}).get("train") or [])
     eval_set = params.get("eval_dataset") or (spec.get("evaluation") or {}).get("dataset")
     pins = dict(params.get("dataset_revisions") or {})
+    # a tool-agent preset names its row variant (datasets.variant); the form's choice wins unless left at default
+    variant = params.get("variant") or "default"
+    if variant == "default":
+        variant = (spec.get("datasets") or {}).get("variant") or "default"
     known = registry.load()
     items = []
     extra_sets = list(params.get("prepare_datasets") or [])
@@ -104,7 +108,7 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
                 "role": "train" if name in train_sets else "eval" if name == eval_set else "prepare",
                 "revision": revision,
                 "resolved": resolved,
-                "variant": params.get("variant") or "default",
+                "variant": variant,
                 "limit": SMOKE_ROWS if smoke else None,
                 "work": work,
                 "store": store,

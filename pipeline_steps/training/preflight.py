@@ -58,6 +58,15 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     batch = check_batch_sizes(cfg)
     check_exportable(cfg)
     run_verl_validate(cfg, ppo_utils)
+    from pipeline_steps.tools.check import check_multi_turn  # only verl and the tool classes it names
+
+    tools = check_multi_turn(cfg)
+    from pipeline_steps.rewards.check import check_reward_function
+
+    tools.update(check_reward_function(cfg))  # a user reward is imported and called on a sample row
+    from pipeline_steps.rewards.check import check_group_reward
+
+    tools.update(check_group_reward(cfg, backend))
     staged = check_staged(cfg, backend) if check_store else {}
     return {
         "experiment": exp.name,
@@ -66,6 +75,7 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
         "adv_estimator": str(cfg.algorithm.adv_estimator),
         "rollout": str(cfg.actor_rollout_ref.rollout.name),
         **batch,
+        **tools,
         "staged": staged,
         "store_checked": check_store,
         "seconds": round(time.monotonic() - t0, 2),

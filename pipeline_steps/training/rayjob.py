@@ -95,6 +95,12 @@ def metrics_uri(ckpt_uri: str) -> str:
     return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "metrics.jsonl")
 
 
+def rollouts_uri(ckpt_uri: str) -> str:
+    """verl's per-step generation dump (``trainer.rollout_data_dir``), next to the checkpoints directory: where the
+    run report reads trajectories (as the local trainer writes them)."""
+    return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "rollouts")
+
+
 # -- config sections ----------------------------------------------------------------------------------
 
 
@@ -316,7 +322,10 @@ def build_rayjob(
             )
         ckpt_pod = mounts.to_pod_path(ckpt)
         env_vars["VERL_FILE_LOGGER_PATH"] = mounts.to_pod_path(metrics_uri(ckpt))
-        argv = entrypoint_argv(exp, mounts, {"trainer.default_local_dir": ckpt_pod, "trainer.resume_mode": "auto"})
+        derived = {"trainer.default_local_dir": ckpt_pod, "trainer.resume_mode": "auto"}
+        if not exp.verl.get("trainer.rollout_data_dir"):  # a preset's or the form's own directory wins
+            derived["trainer.rollout_data_dir"] = mounts.to_pod_path(rollouts_uri(ckpt))
+        argv = entrypoint_argv(exp, mounts, derived)
         annotations["checkpoint-uri"] = ckpt
     else:
         if (

@@ -9,6 +9,7 @@ steps are dropped, because those steps run again.
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
@@ -54,7 +55,23 @@ def keep_history(argv: list[str]) -> None:
     FileLogger.__init__ = __init__
 
 
+def resolve_tool_config(argv: list[str]) -> list[str]:
+    """``multi_turn.tool_config_path=pkg:...`` (a config shipped in this package) as the image's file path."""
+    from pipeline_steps.tools import PKG, resolve_config_path
+
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key.lstrip("+").endswith(("multi_turn.tool_config_path", "custom_reward_function.path")):
+            text = yaml.safe_load(value)
+            if isinstance(text, str) and text.startswith(PKG):
+                arg = f"{key}={json.dumps(resolve_config_path(text))}"
+        out.append(arg)
+    return out
+
+
 def main(argv: list[str]) -> None:
+    argv = resolve_tool_config(argv)
     keep_history(argv)
     sys.argv = ["verl.trainer.main_ppo", *argv]
     runpy.run_module("verl.trainer.main_ppo", run_name="__main__", alter_sys=True)

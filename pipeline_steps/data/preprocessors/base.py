@@ -33,8 +33,18 @@ def ground_truth(table: pa.Table) -> pa.Array:
     return pc.struct_field(table["reward_model"].combine_chunks(), "ground_truth").cast(pa.string())
 
 
-def tool_agent_rows(rows: list[dict], tool_name: str) -> list[dict]:
-    """verl's multi-turn tool recipes: an agent loop name and per-row kwargs for the tool's create()."""
+TOOL_SYSTEM_PROMPT = (
+    "You are a careful problem solver. You can call the `{tool}` tool to run Python code; reason step by step, "
+    "use the tool to compute or check intermediate results, then give the final answer in the format the question "
+    "asks for."
+)
+
+
+def tool_agent_rows(rows: list[dict], tool_name: str, system_prompt: str | None = None) -> list[dict]:
+    """verl's multi-turn tool recipes: an agent loop name, a system prompt naming the tool (a model is only offered
+    the tool's schema by the chat template; the guides' prompts also say when to use it) and per-row kwargs for the
+    tool's create()."""
+    system = {"role": "system", "content": (system_prompt or TOOL_SYSTEM_PROMPT).format(tool=tool_name)}
     out = []
     for row in rows:
         gt = row["reward_model"]["ground_truth"]
@@ -43,5 +53,8 @@ def tool_agent_rows(rows: list[dict], tool_name: str) -> list[dict]:
         extra["need_tools_kwargs"] = True
         extra["tools_kwargs"] = {tool_name: {"create_kwargs": {"ground_truth": gt}}}
         extra["interaction_kwargs"] = {"query": question, "ground_truth": gt}
-        out.append(dict(row, agent_name="tool_agent", extra_info=extra))
+        prompt = list(row["prompt"])
+        if prompt[0]["role"] != "system":  # a dataset's own system prompt is kept
+            prompt = [system, *prompt]
+        out.append(dict(row, prompt=prompt, agent_name="tool_agent", extra_info=extra))
     return out

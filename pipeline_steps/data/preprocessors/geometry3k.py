@@ -9,6 +9,9 @@ from pipeline_steps.data.preprocessors.base import Reject
 DATA_SOURCE = "hiyouga/geometry3k"
 REQUIRED_COLUMNS = ("images", "problem", "answer")
 TOOL_NAME = "calc_geo3k_reward"
+TOOL_SYSTEM_PROMPT = (  # verl's geo3k multi-turn recipe: the tool scores a candidate answer
+    "You can call the `{tool}` tool with a candidate answer to check it before giving the final answer in \\boxed{{}}."
+)
 PLACEHOLDER = "<image>"
 INSTRUCTION = (
     r"You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "

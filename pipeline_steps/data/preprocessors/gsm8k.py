@@ -6,7 +6,7 @@ from pipeline_steps.data.preprocessors.base import Reject
 
 DATA_SOURCE = "openai/gsm8k"
 REQUIRED_COLUMNS = ("question", "answer")
-TOOL_NAME = "calc_gsm8k_reward"
+TOOL_NAME = "code_interpreter"  # pipeline_steps/tools/code_sandbox.yaml (verl 0.9.1 has no gsm8k tool)
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _FINAL = re.compile(r"####\s*(.*?)\s*$", re.S)
 _NUMBER = re.compile(r"-?\d+(\.\d+)?")

@@ -1,0 +1,242 @@
+"""Multi-turn rollouts for the CPU trainer through verl's own agent loops.
+
+With ``actor_rollout_ref.rollout.multi_turn.enable`` on, every row is rolled out by the agent loop its ``agent_name``
+names (``rollout.agent.default_agent_loop`` when it has none), instantiated from verl's registry exactly as verl's
+``AgentLoopWorker`` does, with the tools of ``multi_turn.tool_config_path`` loaded by verl's tool registry. The
+trainer's model answers through verl's async server interface (:class:`~pipeline_steps.local.agent_server
+.HFAsyncServer`). The result has the trainer's batch layout, so the rest of the GRPO step is unchanged: responses hold
+the model's and the tools' tokens, ``response_mask`` is verl's (0 on tool tokens, so they take no part in the loss),
+``attention_mask`` covers all of them.
+
+Besides tensors, each sample keeps a readable trajectory (turns, tool calls, tool outputs) for the trajectory files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from pipeline_steps.errors import UserError
+from pipeline_steps.local.agent_server import HFAsyncServer
+
+# Tool answers that are failures: our code tool's ("[error] Name: ..." when the code raised, "Error: ..." when the
+# tool or the sandbox failed) and verl's own ("Unknown function ...", "Invalid JSON in arguments ...").
+_TOOL_ERROR = re.compile(r"^(Error:|Unknown function|Invalid JSON in arguments)|\[error\]")
+
+
+def is_tool_error(text: str) -> bool:
+    return bool(_TOOL_ERROR.search(text or ""))
+
+
+def enabled(cfg) -> bool:
+    return bool(cfg.actor_rollout_ref.rollout.multi_turn.get("enable", False))
+
+
+class AgentRollout:
+    """:param server_factory: ``fn(model, tokenizer) -> server`` with verl's ``generate`` interface; tests wrap the
+    model's server to script a turn."""
+
+    def __init__(self, cfg, model, tokenizer, eos_ids: list[int], server_factory: Callable | None = None):
+        from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        ro = cfg.actor_rollout_ref.rollout
+        self.response_length = int(ro.response_length)
+        self.default_agent = str(ro.agent.get("default_agent_loop") or "single_turn_agent")
+        self.registry = _agent_loop_registry
+        path = ro.multi_turn.get("tool_config_path")
+        self.tools = []
+        if path:
+            from verl.tools.tool_registry import initialize_tools_from_config
+
+            from pipeline_steps.tools import resolve_config_path
+
+            try:
+                self.tools = initialize_tools_from_config(resolve_config_path(path))
+            except (OSError, ValueError, ImportError, AttributeError) as exc:
+                raise UserError(
+                    f"actor_rollout_ref.rollout.multi_turn.tool_config_path={path}: {type(exc).__name__}: {exc}"
+                ) from None
+        self.server = (server_factory or _default_server)(model, tokenizer, eos_ids)
+
+    def _loop(self, agent_name: str):
+        import hydra
+        from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+        from verl.utils.dataset.rl_dataset import RLHFDataset
+
+        if agent_name not in self.registry:
+            raise UserError(f"agent_name {agent_name!r}: not a verl agent loop; use one of {sorted(self.registry)}")
+        return hydra.utils.instantiate(
+            config=self.registry[agent_name],
+            trainer_config=DictConfigWrap(config=self.cfg),
+            server_manager=self.server,
+            tokenizer=self.tokenizer,
+            processor=None,
+            dataset_cls=RLHFDataset,
+            data_config=DictConfigWrap(self.cfg.data),
+            tools=ToolListWrap(self.tools),
+        )
+
+    async def _one(self, prompt, sampling_params: dict) -> tuple:
+        agent_name = prompt.agent_name or self.default_agent
+        loop = self._loop(agent_name)
+        seen: list = []
+        pending = getattr(loop, "_handle_pending_state", None)
+        if pending is not None:  # tool agent: keep its AgentData (messages, tool calls, tool answers) to read after
+
+            async def observe(agent_data, sp):
+                seen.append(agent_data)
+                return await pending(agent_data, sp)
+
+            loop._handle_pending_state = observe
+        extra = prompt.extra_info or {}
+        out = await loop.run(
+            dict(sampling_params),
+            raw_prompt=list(prompt.messages),
+            tools_kwargs=extra.get("tools_kwargs") or {},  # as verl's RLHFDataset passes them
+            extra_info=extra,
+        )
+        return out, (seen[0].messages if seen else None)
+
+    async def _all(self, prompts, n: int, sampling_params: dict):
+        return await asyncio.gather(*[self._one(p, sampling_params) for p in prompts for _ in range(n)])
+
+    def generate(self, prompts, n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int):
+        """The trainer's batch for ``prompts`` x ``n`` (interleaved like verl's repeat), plus trajectories."""
+        import numpy as np
+        import torch
+
+        # verl's AgentLoopWorker sampling parameters; greedy is temperature 0
+        sp = {"temperature": temperature if do_sample else 0.0, "top_p": top_p, "top_k": top_k}
+        sp["max_tokens"] = self.response_length  # the loop itself stops at response_length over all turns
+        torch.manual_seed(seed)
+        results = asyncio.run(self._all(prompts, n, sp))
+        pad = self.tokenizer.pad_token_id
+        width_p = max(len(o.prompt_ids) for o, _ in results)
+        rows = len(results)
+        prompt_t = torch.full((rows, width_p), pad, dtype=torch.long)
+        prompt_a = torch.zeros((rows, width_p), dtype=torch.long)
+        resp = torch.full((rows, self.response_length), pad, dtype=torch.long)
+        resp_a = torch.zeros((rows, self.response_length), dtype=torch.long)
+        resp_m = torch.zeros((rows, self.response_length), dtype=torch.long)
+        trajectories = []
+        for i, (o, messages) in enumerate(results):
+            p, r = len(o.prompt_ids), len(o.response_ids)
+            prompt_t[i, width_p - p :] = torch.tensor(o.prompt_ids)  # left padded, as verl's postprocess
+            prompt_a[i, width_p - p :] = 1
+            resp[i, :r] = torch.tensor(o.response_ids)
+            resp_a[i, :r] = 1
+            resp_m[i, :r] = torch.tensor(o.response_mask)
+            trajectories.append(self._trajectory(o, messages))
+        return {
+            "prompts": prompt_t,
+            "responses": resp,
+            "input_ids": torch.cat([prompt_t, resp], 1),
+            "attention_mask": torch.cat([prompt_a, resp_a], 1),
+            "response_mask": resp_m,
+            "items": [p for p in prompts for _ in range(n)],
+            "uids": [str(j) for j in range(len(prompts)) for _ in range(n)],
+            "num_turns": [int(o.num_turns) for o, _ in results],
+            "tool_call_counts": np.array([len(t["tool_calls"]) for t in trajectories], dtype=np.int32),
+            "trajectories": trajectories,
+        }
+
+    def _trajectory(self, out, messages) -> dict:
+        """Turns as the model saw them (token segments split by the response mask), the tool calls the loop parsed
+        and the tools' answers."""
+        turns, seg, cur = [], [], None
+        for tok, m in zip(out.response_ids, out.response_mask):
+            if cur is not None and m != cur:
+                turns.append(self._turn(cur, seg))
+                seg = []
+            cur = m
+            seg.append(tok)
+        if seg:
+            turns.append(self._turn(cur, seg))
+        calls, outputs = [], []
+        for msg in messages or []:
+            for call in msg.get("tool_calls") or []:
+                fn = call.get("function") or {}
+                args = fn.get("arguments")
+                calls.append({"name": fn.get("name"), "arguments": args if isinstance(args, dict) else str(args)})
+            if msg.get("role") == "tool":
+                text = msg.get("content") if isinstance(msg.get("content"), str) else json.dumps(msg.get("content"))
+                outputs.append({"text": text, "error": is_tool_error(text)})
+        return {"turns": turns, "tool_calls": calls, "tool_outputs": outputs}
+
+    def _turn(self, mask_value: int, ids: list[int]) -> dict:
+        return {"role": "assistant" if mask_value else "tool", "text": self.tokenizer.decode(ids)}
+
+
+def metrics(batch: dict) -> dict:
+    """Tool use of one step: share of samples calling a tool, calls and failed calls (verl's ``tool_call_counts/*``
+    come from ``compute_data_metrics``)."""
+    trajectories = batch.get("trajectories") or []
+    if not trajectories:
+        return {}
+    calls = sum(len(t["tool_calls"]) for t in trajectories)
+    errors = sum(o["error"] for t in trajectories for o in t["tool_outputs"])
+    answered = sum(len(t["tool_outputs"]) for t in trajectories)
+    return {
+        "tool/call_rate": sum(bool(t["tool_calls"]) for t in trajectories) / len(trajectories),
+        "tool/calls": float(calls),
+        "tool/errors": float(errors),
+        "tool/error_rate": errors / answered if answered else 0.0,
+    }
+
+
+def _default_server(model, tokenizer, eos_ids):
+    return HFAsyncServer(model, tokenizer, eos_ids=eos_ids, with_log_probs=False)
+
+
+_E2B_ENDPOINT = ("E2B_DOMAIN", "E2B_API_URL")
+
+
+@contextlib.contextmanager
+def local_sandbox(cfg, hide=()):
+    """The local profile's sandbox server for the run, started on demand like the local Ray cluster: when multi-turn
+    is on, the tool config uses our code sandbox tool, and no E2B endpoint is configured (``E2B_DOMAIN`` or
+    ``E2B_API_URL``); the ``E2B_*`` settings point the tool at it while the run lasts."""
+    ro = cfg.actor_rollout_ref.rollout
+    path = ro.multi_turn.get("tool_config_path") if enabled(cfg) else None
+    if not path or any(os.environ.get(k) for k in _E2B_ENDPOINT):
+        yield None
+        return
+    from pipeline_steps.tools import resolve_config_path
+
+    text = Path(resolve_config_path(path)).read_text(errors="replace")
+    if "pipeline_steps.tools.code_sandbox.CodeSandboxTool" not in text:
+        yield None
+        return
+    if os.geteuid() != 0:
+        raise UserError(
+            "the code sandbox tool needs a sandbox service: set E2B_API_KEY and E2B_DOMAIN (or E2B_API_URL), or run "
+            "as root so the local sandbox server can start"
+        )
+    from pipeline_steps.sandbox.local import LocalSandboxServer
+
+    # state outside the hidden run directory (a sandbox's own directory lives in it)
+    with (
+        tempfile.TemporaryDirectory(prefix="sandboxes-") as state,
+        LocalSandboxServer(Path(state) / "state", args=["--warm", "2"], hide=hide) as server,
+    ):
+        saved = {k: os.environ.get(k) for k in server.env()}
+        os.environ.update(server.env())
+        # stderr: a step's stdout is its JSON summary; the line tells the log reader where tool calls went
+        print(f"started the local sandbox server for the code tool: {server.env().get('E2B_API_URL')}", file=sys.stderr)
+        try:
+            yield server
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

@@ -1,0 +1,196 @@
+"""One sandbox's persistent Python interpreter (standard library only; run by the sandbox server as root).
+
+Before any untrusted code runs it confines itself, in this order, because each step needs the privilege the
+next one drops:
+
+1. new network namespace (no interface up: no network at all, not even the host's loopback) and new mount
+   namespace in which an empty tmpfs replaces the server's state directory, ``/root``, ``/home`` and every
+   ``--hide`` path, the world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` are private, the
+   sandbox's own directory is its home
+   (``/home/user``), the Python installation is bound back read-only, and ``/proc`` shows its own processes only;
+2. resource limits (CPU seconds, address space, processes, open files, file size, no core files);
+3. ``no_new_privs``, then the sandbox's own uid/gid with no supplementary groups.
+
+Protocol: requests are JSON lines, events JSON lines (the server passes them as this process's stdin and stdout,
+which are moved to higher fds at start); fds 0-2 are ``/dev/null``, so only Python-level ``sys.stdout`` /
+``sys.stderr`` output is captured (output of child processes is dropped). Events use the E2B code interpreter's
+NDJSON shapes (``stdout``, ``stderr``, ``result``, ``error``, ``number_of_executions``) plus ``done``.
+"""
+
+import ast
+import ctypes
+import io
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
+PR_SET_NO_NEW_PRIVS = 38
+HOME = "/home/user"
+
+
+def _check(rc, what):
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def confine(cfg):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
+
+    def mount(src, target, fstype, flags, data):
+        enc = [None if v is None else v.encode() for v in (src, target, fstype)]
+        _check(libc.mount(enc[0], enc[1], enc[2], flags, None if data is None else data.encode()), f"mount {target}")
+
+    _check(libc.unshare(CLONE_NEWNET | CLONE_NEWNS), "unshare(net, mount)")
+    mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here propagates back to the host
+    # What stays visible is bound into a staging tmpfs first, then moved into place once the hiding is done:
+    # the workdir and the interpreter may live under hidden directories (a pyenv Python under /root, say).
+    stage = cfg["stage"]
+    mount("tmpfs", stage, "tmpfs", 0, "size=64k,mode=0700")
+    keep = [(cfg["workdir"], HOME, False)] + [(p, p, True) for p in cfg["expose"] if os.path.isdir(p)]
+    for i, (src, _, _) in enumerate(keep):
+        os.mkdir(f"{stage}/{i}")
+        mount(src, f"{stage}/{i}", None, MS_BIND | MS_REC, None)
+    mount("tmpfs", "/home", "tmpfs", 0, "size=64k,mode=0755")
+    for path in cfg["hide"]:  # an empty directory in place of each
+        if os.path.isdir(path) and path != cfg["state_dir"]:
+            mount("tmpfs", path, "tmpfs", 0, "size=64k,mode=0755")
+    for i, (_, dest, read_only) in enumerate(keep):
+        os.makedirs(dest, exist_ok=True)
+        mount(f"{stage}/{i}", dest, None, MS_MOVE, None)
+        if read_only:
+            mount(None, dest, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
+    mount("tmpfs", cfg["state_dir"], "tmpfs", 0, "size=64k,mode=0755")  # last: the stage lives in it
+    # The host's world-writable directories would let sandboxes pass files to each other: private ones instead.
+    mount("tmpfs", "/tmp", "tmpfs", 0, f"size={cfg['tmp_mb']}m,mode=1777")
+    for path in ("/var/tmp", "/dev/shm", "/run/lock"):
+        if os.path.isdir(path):
+            mount("tmpfs", path, "tmpfs", 0, "size=1m,mode=1777")
+    # A procfs of its own that shows only the sandbox's own processes: no other command line or status is visible.
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+
+    mb = 1024 * 1024
+    limits = {
+        resource.RLIMIT_CPU: (cfg["cpu_seconds"], cfg["cpu_seconds"] + 1),
+        resource.RLIMIT_AS: (cfg["memory_mb"] * mb,) * 2,
+        resource.RLIMIT_NPROC: (cfg["max_processes"],) * 2,
+        resource.RLIMIT_NOFILE: (cfg["max_open_files"],) * 2,
+        resource.RLIMIT_FSIZE: (cfg["max_file_mb"] * mb,) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+    }
+    for which, value in limits.items():
+        resource.setrlimit(which, value)
+
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
+    uid = cfg["uid"]
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+    os.chdir(HOME)
+
+
+class _Events:
+    """Writes events to fd 4; caps each execution's output so a flood costs CPU time, not memory or bandwidth."""
+
+    def __init__(self, fd, max_output):
+        self.out = os.fdopen(fd, "w", buffering=1, encoding="utf-8")
+        self.max_output = max_output
+        self.sent = 0
+        self.dropped = 0
+
+    def emit(self, **event):
+        self.out.write(json.dumps(event) + "\n")
+
+    def text(self, kind, text):
+        room = self.max_output - self.sent
+        if room <= 0:
+            self.dropped += len(text)
+            return
+        if len(text) > room:
+            self.dropped += len(text) - room
+            text = text[:room]
+        self.sent += len(text)
+        self.emit(type=kind, text=text, timestamp=int(time.time() * 1e9))
+
+
+class _Stream(io.TextIOBase):
+    def __init__(self, events, kind):
+        self.events, self.kind = events, kind
+
+    def writable(self):
+        return True
+
+    def write(self, s):
+        if s:
+            self.events.text(self.kind, str(s))
+        return len(s)
+
+
+def run_cell(code, namespace, events):
+    """Run ``code`` like a notebook cell: a trailing expression's value is the result."""
+    try:
+        tree = ast.parse(code, "<cell>", "exec")
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, "<cell>", "exec"), namespace)
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace)
+            if value is not None:
+                events.emit(type="result", text=repr(value), is_main_result=True)
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the interpreter keeps serving
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # the cell's frames only
+            tb = tb.tb_next
+        tb = "".join(traceback.format_exception(type(exc), exc, tb))
+        events.emit(type="error", name=type(exc).__name__, value=str(exc), traceback=tb)
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    requests_fd, events_fd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    events = _Events(events_fd, cfg["max_output_bytes"])
+    try:
+        confine(cfg)
+    except Exception as exc:  # told to the server in one line: it refuses the sandbox instead of running it open
+        events.emit(type="fatal", message=f"{type(exc).__name__}: {exc}")
+        sys.exit(1)
+    sys.stdout, sys.stderr = _Stream(events, "stdout"), _Stream(events, "stderr")
+    sys.stdin = open(os.devnull)
+    namespace = {"__name__": "__main__"}
+    count = 0
+    events.emit(type="ready")
+    for line in os.fdopen(requests_fd, "r", encoding="utf-8"):
+        request = json.loads(line)
+        count += 1
+        events.sent = events.dropped = 0
+        # The sandbox's envVars and this call's env_vars hold for this cell only, as E2B's run_code(envs=...) does.
+        env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        run_cell(request["code"], namespace, events)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if events.dropped:
+            events.emit(
+                type="stderr",
+                text=f"\n[output truncated: {events.dropped} more characters dropped]\n",
+                timestamp=int(time.time() * 1e9),
+            )
+        events.emit(type="number_of_executions", execution_count=count)
+        events.emit(type="done")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""A local E2B-compatible sandbox server: the routes the pinned ``e2b`` 2.50.0 / ``e2b-code-interpreter`` 2.10.0
+SDKs call, served on one port (give the SDK ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` both pointing at it).
+
+Control plane (header ``X-API-KEY``): ``POST /sandboxes`` (the route OpenKruise's sandbox-manager serves too),
+``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``.
+Sandbox plane (headers ``E2b-Sandbox-Id``, ``E2b-Sandbox-Port``, ``X-Access-Token``: with ``E2B_SANDBOX_URL`` set
+the SDK sends every envd and code-interpreter request to that one URL and names the sandbox in these headers):
+``GET /health`` (envd's, ``is_running``) and ``POST /execute`` (the code interpreter's NDJSON stream).
+With ``--debug-sandbox`` on port 49999, the SDK's debug mode (``E2B_DEBUG=true``: no control plane, requests to
+``localhost:49999``) reaches one standing sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hmac
+import json
+import logging
+import time
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from pipeline_steps.sandbox.pool import Pool
+
+log = logging.getLogger(__name__)
+
+ENVD_VERSION = "0.3.0"  # what envd version the SDK is told; it gates only filesystem/commands features we lack
+MAX_TIMEOUT = 24 * 3600
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat()
+
+
+def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool = False) -> Starlette:
+    def authorised(request: Request) -> bool:
+        return hmac.compare_digest(request.headers.get("x-api-key", "").encode(), api_key.encode())
+
+    def sandbox_of(request: Request):
+        """The running sandbox a sandbox-plane request names, or an error response (502 = gone, as E2B does)."""
+        sb = pool.running.get(request.headers.get("e2b-sandbox-id", ""))
+        if sb is None:
+            return None, _error(502, "sandbox not found or not running")
+        token = request.headers.get("x-access-token", "")
+        if not hmac.compare_digest(token.encode(), sb.access_token.encode()):
+            return None, _error(401, "invalid access token")
+        return sb, None
+
+    async def create(request: Request):
+        if not authorised(request):
+            return _error(401, "Invalid API key")
+        body = await request.json()
+        template = str(body.get("templateID") or "")
+        if template not in templates:
+            return _error(400, f"template {template!r} not found; this server serves {sorted(templates)}")
+        timeout = min(int(body.get("timeout") or 300), MAX_TIMEOUT)
+        try:
+            sb = await pool.acquire(
+                template, timeout, dict(body.get("metadata") or {}), dict(body.get("envVars") or {})
+            )
+        except RuntimeError as exc:
+            return _error(503, str(exc))
+        return JSONResponse(
+            {
+                "templateID": template,
+                "sandboxID": sb.sandbox_id,
+                "clientID": "local",
+                "envdVersion": ENVD_VERSION,
+                "envdAccessToken": sb.access_token,
+                "domain": None,
+            },
+            status_code=201,
+        )
+
+    async def detail(request: Request):
+        if not authorised(request):
+            return _error(401, "Invalid API key")
+        sb = pool.running.get(request.path_params["sandbox_id"])
+        if sb is None:
+            return _error(404, "sandbox not found")
+        lim = pool.limits
+        return JSONResponse(
+            {
+                "templateID": sb.template,
+                "sandboxID": sb.sandbox_id,
+                "clientID": "local",
+                "startedAt": _iso(sb.started_at),
+                "endAt": _iso(sb.end_at),
+                "envdVersion": ENVD_VERSION,
+                "cpuCount": 1,
+                "memoryMB": lim.memory_mb,
+                "diskSizeMB": lim.max_file_mb,
+                "state": "running",
+                "metadata": sb.metadata,
+            }
+        )
+
+    async def delete(request: Request):
+        if not authorised(request):
+            return _error(401, "Invalid API key")
+        if not await pool.kill(request.path_params["sandbox_id"]):
+            return _error(404, "sandbox not found")
+        return Response(status_code=204)
+
+    async def set_timeout(request: Request):
+        if not authorised(request):
+            return _error(401, "Invalid API key")
+        sb = pool.running.get(request.path_params["sandbox_id"])
+        if sb is None:
+            return _error(404, "sandbox not found")
+        timeout = int((await request.json()).get("timeout") or 0)
+        sb.end_at = time.time() + min(timeout, MAX_TIMEOUT)
+        return Response(status_code=204)
+
+    async def health(request: Request):
+        if "e2b-sandbox-id" not in request.headers:  # the server's own readiness probe
+            return JSONResponse({"ok": True, "running": len(pool.running), "warm": len(pool.warm)})
+        _, err = sandbox_of(request)
+        return err or Response(status_code=204)
+
+    async def execute(request: Request):
+        sb, err = sandbox_of(request)
+        if err:
+            return err
+        body = await request.json()
+        code = body.get("code")
+        if not isinstance(code, str):
+            return _error(400, "body must hold the code to run as a string")
+        env = {**sb.env_vars, **(body.get("env_vars") or {})}
+        return StreamingResponse(_execution(sb, code, env), media_type="application/x-ndjson")
+
+    async def _execution(sb, code: str, env: dict):
+        """Stream one execution; on timeout, disconnect or a dead interpreter, kill it all and start afresh."""
+        limit = pool.limits.exec_timeout
+        async with sb.lock:  # one execution at a time, as in a Jupyter kernel
+            finished = False
+            try:
+                if sb.kernel is None or sb.kernel.proc.returncode is not None:
+                    sb.kernel = await pool.spawn_kernel(sb)
+                async with asyncio.timeout(limit):
+                    async for event in sb.kernel.run(code, env):
+                        yield json.dumps(event) + "\n"
+                finished = True
+            except TimeoutError:
+                yield _event_error("TimeoutError", f"execution exceeded {limit:g} s")
+            except (EOFError, ValueError, RuntimeError, OSError) as exc:
+                # died (CPU limit, crash), wrote a malformed or oversized line, or could not be (re)started
+                yield _event_error("SandboxError", f"the interpreter stopped: {exc}")
+            finally:
+                if not finished:  # also on client disconnect: shielded, or the cancellation would cut the kill short
+                    with anyio.CancelScope(shield=True):
+                        await pool.kill_processes(sb)
+
+    def _event_error(name: str, value: str) -> str:
+        value += "; all its processes were killed and its variables are lost (files in its directory remain)"
+        return json.dumps({"type": "error", "name": name, "value": value, "traceback": ""}) + "\n"
+
+    routes = [
+        Route("/sandboxes", create, methods=["POST"]),
+        Route("/sandboxes/{sandbox_id}", detail, methods=["GET"]),
+        Route("/sandboxes/{sandbox_id}", delete, methods=["DELETE"]),
+        Route("/sandboxes/{sandbox_id}/timeout", set_timeout, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/execute", execute, methods=["POST"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await pool.start()
+        if debug_sandbox:
+            await pool.acquire_debug()
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,71 @@
+"""``sandbox-server``: the local E2B-compatible code sandbox server (see ``pipeline_steps.sandbox.server``).
+
+The API key is read from ``$SANDBOX_SERVER_API_KEY`` (never from the command line: any local user can read a
+process's arguments, sandboxes included). Runs until SIGTERM/SIGINT, then kills every sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipeline_steps.errors import UserError
+
+KEY_ENV = "SANDBOX_SERVER_API_KEY"
+
+
+def add_arguments(p):
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=49999)
+    p.add_argument("--state-dir", required=True, help="where sandbox directories live (hidden from sandboxes)")
+    p.add_argument("--hide", action="append", default=[], help="a directory sandboxes must not see (repeatable)")
+    p.add_argument("--template", action="append", default=None, help="template names served (code-interpreter-v1)")
+    p.add_argument("--warm", type=int, default=2, help="sandboxes kept started ahead of requests")
+    p.add_argument("--max-sandboxes", type=int, default=64)
+    p.add_argument(
+        "--uid-base",
+        type=int,
+        default=1_500_000,
+        help="sandboxes run as unused uids from here up (claimed machine-wide)",
+    )
+    p.add_argument("--exec-timeout", type=float, default=30.0, help="wall-clock seconds per run_code")
+    p.add_argument("--cpu-seconds", type=int, default=300, help="CPU seconds per interpreter lifetime")
+    p.add_argument("--memory-mb", type=int, default=1024, help="address space per process")
+    p.add_argument("--max-processes", type=int, default=64)
+    p.add_argument("--max-open-files", type=int, default=128)
+    p.add_argument("--max-file-mb", type=int, default=64)
+    p.add_argument(
+        "--debug-sandbox",
+        action="store_true",
+        help="serve the E2B SDK's debug mode (E2B_DEBUG=true) one standing sandbox; use with --port 49999",
+    )
+    p.add_argument("--max-output-bytes", type=int, default=1024 * 1024, help="output kept per run_code")
+
+
+def run(args) -> dict:
+    key = os.environ.get(KEY_ENV, "")
+    if not key:
+        raise UserError(f"set ${KEY_ENV} to the API key clients must send")
+    if os.geteuid() != 0:
+        raise UserError(
+            "sandbox-server must run as root: it gives each sandbox its own uid, network and mount namespace"
+        )
+    if args.warm < 0 or args.max_sandboxes < 1 or args.warm > args.max_sandboxes:
+        raise UserError("--warm must be between 0 and --max-sandboxes (at least 1)")
+    import uvicorn
+
+    from pipeline_steps.sandbox.pool import Limits, Pool
+    from pipeline_steps.sandbox.server import build_app
+
+    limits = Limits(
+        cpu_seconds=args.cpu_seconds,
+        memory_mb=args.memory_mb,
+        max_processes=args.max_processes,
+        max_open_files=args.max_open_files,
+        max_file_mb=args.max_file_mb,
+        max_output_bytes=args.max_output_bytes,
+        exec_timeout=args.exec_timeout,
+    )
+    pool = Pool(args.state_dir, args.hide, limits, args.warm, args.max_sandboxes, args.uid_base)
+    app = build_app(pool, key, set(args.template or ["code-interpreter-v1"]), debug_sandbox=args.debug_sandbox)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return {"host": args.host, "port": args.port}

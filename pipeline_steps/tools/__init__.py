@@ -1,0 +1,29 @@
+"""verl tools (code sandbox, MCP) and their configs, shipped as package data.
+
+A preset names a shipped tool config as ``pkg:pipeline_steps.tools/code_sandbox.yaml``: the installed package's
+location differs between a laptop's virtualenv and the training image, so the path is resolved where it is used
+(the local trainer, the pre-flight, and ``verl_main`` before verl reads ``multi_turn.tool_config_path``).
+"""
+
+from __future__ import annotations
+
+PKG = "pkg:"
+
+
+def resolve_config_path(value) -> str:
+    """``pkg:<package>/<file>`` -> that file of the installed package; any other value unchanged."""
+    from importlib.resources import files
+
+    from pipeline_steps.errors import UserError
+
+    text = str(value)
+    if not text.startswith(PKG):
+        return text
+    package, _, name = text[len(PKG) :].partition("/")
+    try:
+        path = files(package) / name
+    except ModuleNotFoundError:
+        raise UserError(f"{text}: package {package!r} is not installed") from None
+    if not name or not path.is_file():
+        raise UserError(f"{text}: no file {name!r} in package {package}")
+    return str(path)

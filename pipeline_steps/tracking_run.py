@@ -1,0 +1,88 @@
+"""A training run's MLflow run: the record kept beside its checkpoints, and logging to it after training.
+
+The CPU trainer writes ``mlflow_run.json`` (:data:`FILE`) into the checkpoints directory when it logs to MLflow, so
+a resumed attempt continues the same run and the export step logs the evaluation and the model card to it. The
+record holds no secret: a team server's credentials stay in the environment (``MLFLOW_TRACKING_USERNAME``/
+``MLFLOW_TRACKING_PASSWORD`` or ``MLFLOW_TRACKING_TOKEN``), read by MLflow's client itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FILE = "mlflow_run.json"
+
+
+def url(tracking_uri: str, run_id: str, experiment_id: str | None) -> str | None:
+    """A browser link to the run on an ``http(s)`` server (``None`` for a file or database store)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    base = tracking_uri.rstrip("/")
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}" if experiment_id else f"{base}/#/runs/{run_id}"
+
+
+def record(tracking_uri: str, run_id: str, experiment_id: str | None) -> dict:
+    return {
+        "run_id": run_id,
+        "tracking_uri": tracking_uri,
+        "experiment_id": experiment_id,
+        "url": url(tracking_uri, run_id, experiment_id),
+    }
+
+
+def read(path: str | os.PathLike) -> dict | None:
+    """The record at ``path`` (a file, or a checkpoints directory holding :data:`FILE`); None if absent or torn."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / FILE
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("run_id"), str) else None
+
+
+def numeric(flat: dict, prefix: str) -> dict[str, float]:
+    """The finite numbers of ``flat`` under MLflow-safe keys (``@`` is not allowed in a metric name)."""
+    out = {}
+    for k, v in flat.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            continue
+        out[f"{prefix}{k}".replace("@", "_at_")] = float(v)
+    return out
+
+
+def log_to_run(run: dict, metrics: dict[str, float], artifacts: list[Path], step: int | None = None) -> bool:
+    """Log ``metrics`` and ``artifacts`` (files) to the recorded run; False (with a warning) if the server is away.
+
+    Tracking is a record of the run, not part of the model: an unreachable server must not fail an export.
+    ``$MLFLOW_TRACKING_URI`` wins over the recorded URI (the same server seen from another host).
+    """
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
+
+    from pipeline_steps.local.mlflow_server import responds
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or run["tracking_uri"]
+    if uri.startswith(("http://", "https://")) and not responds(uri):  # the client would retry for minutes
+        log.warning("MLflow server %s does not answer: the run %s gets no evaluation/model card", uri, run["run_id"])
+        return False
+    client = MlflowClient(tracking_uri=uri)
+    try:
+        client.get_run(run["run_id"])
+        if metrics:
+            ts = int(time.time() * 1000)
+            client.log_batch(run["run_id"], metrics=[Metric(k, v, ts, step or 0) for k, v in metrics.items()])
+        for f in artifacts:
+            client.log_artifact(run["run_id"], str(f))
+    except Exception as exc:  # any client error: connection refused, unknown run, server error
+        log.warning("could not log to MLflow run %s at %s: %s", run["run_id"], uri, str(exc).splitlines()[0][:300])
+        return False
+    return True

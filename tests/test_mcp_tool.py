@@ -1,0 +1,119 @@
+"""The MCP tool against a real MCP server (the ``mcp`` SDK's FastMCP over streamable HTTP) whose ``run_code_once``
+runs code in the local E2B-compatible sandbox server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from importlib.resources import files
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox server needs root (uids, namespaces)")
+
+TOOL_CONFIG = str(files("pipeline_steps.tools") / "mcp_tool.yaml")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mcp_server(tmp_path_factory):
+    from pipeline_steps.sandbox.local import LocalSandboxServer
+
+    tmp = tmp_path_factory.mktemp("mcp")
+    with LocalSandboxServer(tmp / "state", args=["--warm", "2"]) as sandboxes:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "pipeline_steps.tools.mcp_code_server", "--port", str(port)]
+        proc = subprocess.Popen(cmd, env={**os.environ, **sandboxes.env()}, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    assert proc.poll() is None and time.monotonic() < deadline, "MCP server did not start"
+                    time.sleep(0.2)
+            servers = tmp / "mcp_server.json"
+            servers.write_text(json.dumps({"mcpServers": {"sandbox": {"url": f"http://127.0.0.1:{port}/mcp"}}}))
+            yield {"servers_file": servers, "port": port}
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+
+def _tool(servers_file, **config):
+    from pipeline_steps.tools.mcp_tool import MCPTool
+
+    mcp = {"mcp_servers_config_path": str(servers_file), "tool_selected_list": ["run_code_once"]}
+    return MCPTool({"type": "native", "mcp": mcp, **config}, None)
+
+
+async def _call(tool, code):
+    iid, _ = await tool.create()
+    return await tool.execute(iid, {"code": code})
+
+
+def test_shipped_config_loads_schema_from_server_and_runs_code(mcp_server, monkeypatch):
+    from verl.tools.tool_registry import initialize_tools_from_config
+
+    monkeypatch.setenv("MCP_SERVERS_CONFIG", str(mcp_server["servers_file"]))
+    [tool] = initialize_tools_from_config(TOOL_CONFIG)  # verl's registry, as rollout workers load it
+    assert tool.name == "run_code_once"
+    assert tool.tool_schema.function.parameters.required == ["code"]
+    resp, _, metrics = asyncio.run(_call(tool, "print('hi')\n6 * 7"))
+    assert resp.text == "hi\n42" and metrics["mcp_error"] == 0
+    resp, _, _ = asyncio.run(_call(tool, "undefined_name"))
+    assert resp.text.startswith("[error] NameError")
+
+
+def test_timeout_and_unreachable_server_come_back_as_text(mcp_server, tmp_path):
+    resp, _, metrics = asyncio.run(_call(_tool(mcp_server["servers_file"], timeout=2), "import time; time.sleep(5)"))
+    assert "unavailable" in resp.text and metrics["mcp_error"] == 1
+    down = tmp_path / "down.json"
+    down.write_text(json.dumps({"mcpServers": {"x": {"url": f"http://127.0.0.1:{_free_port()}/mcp"}}}))
+    from verl.tools.schemas import OpenAIFunctionToolSchema
+
+    from pipeline_steps.tools.mcp_tool import MCPTool
+
+    schema = OpenAIFunctionToolSchema.model_validate(
+        {"type": "function", "function": {"name": "run_code_once", "description": "run code"}}
+    )
+    tool = MCPTool({"type": "native", "timeout": 5, "mcp": {"mcp_servers_config_path": str(down)}}, schema)
+    resp, _, metrics = asyncio.run(_call(tool, "1"))
+    assert resp.text.startswith("Error: MCP tool run_code_once unavailable") and metrics["mcp_error"] == 1
+
+
+def test_rate_limit(mcp_server):
+    tool = _tool(mcp_server["servers_file"], rate_limit=2)
+
+    async def main():
+        start = time.monotonic()
+        results = await asyncio.gather(*[_call(tool, "1") for _ in range(5)])
+        return time.monotonic() - start, results
+
+    elapsed, results = asyncio.run(main())
+    assert [r[0].text for r in results] == ["1"] * 5
+    assert elapsed >= 1.4  # 5 calls at 2 per second, the first two from a full bucket
+
+
+def test_bad_servers_file_is_one_line(tmp_path):
+    from pipeline_steps.tools.mcp_tool import load_servers
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"mcpServers": {"x": {"url": "ftp://nope"}}}')
+    with pytest.raises(ValueError, match="needs an http") as err:
+        load_servers(str(bad))
+    assert "\n" not in str(err.value)
+    bad.write_text("not json")
+    with pytest.raises(ValueError, match="expected"):
+        load_servers(str(bad))

@@ -1,0 +1,106 @@
+"""MLflow experiment tracking, for real: the embedded tracking server (SQLite), a short CPU training logging through
+verl's ``Tracking`` with ``trainer.logger`` holding ``mlflow``, read back through MLflow's own client.
+
+The metric names in MLflow must be those of the file logger's lines (after verl's MLflow key sanitising, which turns
+``@`` into ``_at_``), at the same steps and values: a local run and a cluster run then chart the same names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.test_export import LINEAGE, _results
+from tests.test_train_local import _train_args, assets, run_cli  # noqa: F401  (assets: the module fixture)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from pipeline_steps.local import mlflow_server
+
+    d = tmp_path_factory.mktemp("mlflow")
+    uri = mlflow_server.ensure_server(d)
+    yield uri, d
+    mlflow_server.shutdown_server(d)
+
+
+def test_server_is_reused_not_started_twice(server):
+    from pipeline_steps.local import mlflow_server
+
+    uri, d = server
+    assert mlflow_server.ensure_server(d) == uri
+    assert mlflow_server.responds(uri)
+
+
+def test_training_metrics_reach_mlflow_under_the_file_logger_names(server, assets, tmp_path):  # noqa: F811
+    from mlflow.tracking import MlflowClient
+    from verl.utils.tracking import _MlflowLoggingAdapter
+
+    from pipeline_steps import metrics_log
+
+    uri, _ = server
+    out = tmp_path / "run"
+    args = _train_args(assets, out, steps=2)
+    args += ["--override", "trainer.experiment_name=mlflow_test"]
+    proc = run_cli(*args, env={"MLFLOW_TRACKING_URI": uri, "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "train_summary.json").read_text())
+    run_id = summary["mlflow"]["run_id"]
+    assert run_id and summary["mlflow"]["tracking_uri"] == uri
+    assert summary["mlflow"]["url"] == f"{uri}/#/experiments/{summary['mlflow']['experiment_id']}/runs/{run_id}"
+
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "verl_grpo_pipeline"  # trainer.project_name
+    assert run.info.run_name == "mlflow_test"  # trainer.experiment_name
+    assert run.data.params["trainer/total_training_steps"] == "2"  # verl logs the composed config as params
+
+    sanitize = _MlflowLoggingAdapter()._sanitize_key
+    lines = metrics_log.read(out / "metrics.jsonl").by_step()
+    assert sorted(lines) == [1, 2]
+    expected = {sanitize(k) for data in lines.values() for k in data}
+    assert "critic/score/mean" in expected and "actor/pg_loss" in expected
+    assert set(run.data.metrics) == expected
+    for name in ("critic/score/mean", "actor/pg_loss", "response_length/mean", "timing_s/step"):
+        history = {m.step: m.value for m in client.get_metric_history(run_id, name)}
+        assert sorted(history) == [1, 2], name
+        for step, value in history.items():
+            want = float(lines[step][name])
+            assert math.isclose(value, want, rel_tol=1e-6, abs_tol=1e-9), (name, step, value, want)
+
+    # export finds the run beside the checkpoints (no MLFLOW_TRACKING_URI needed) and adds the evaluation and card
+    (tmp_path / "lineage.json").write_text(json.dumps(LINEAGE))
+    (tmp_path / "results.json").write_text(json.dumps(_results(0.5)))
+    (tmp_path / "base.json").write_text(json.dumps(_results(0.25)))
+    exp = run_cli(
+        "export",
+        *("--checkpoint-dir", str(out / "checkpoints"), "--output", str(tmp_path / "export")),
+        *("--store-root", f"file://{tmp_path}/store", "--experiment", "local_tiny"),
+        *("--lineage", str(tmp_path / "lineage.json"), "--eval-results", str(tmp_path / "results.json")),
+        *("--base-results", str(tmp_path / "base.json")),
+        env={"MLFLOW_TRACKING_URI": ""},
+    )
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    assert json.loads(exp.stdout.strip().splitlines()[-1])["mlflow"]["run_id"] == run_id
+    card = (tmp_path / "export" / "model" / "README.md").read_text()
+    assert f"[`{run_id}`]({summary['mlflow']['url']})" in card
+    run = client.get_run(run_id)
+    assert run.data.metrics["eval/avg_at_k"] == 0.5 and run.data.metrics["eval_base/avg_at_k"] == 0.25
+    assert run.data.metrics["export/promoted"] == 1.0
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"README.md", "export.json"}
+    logged_card = client.download_artifacts(run_id, "README.md", str(tmp_path / "dl"))
+    assert open(logged_card).read() == card
+
+
+def test_without_a_tracking_uri_mlflow_is_skipped_with_a_warning(assets, tmp_path, monkeypatch):  # noqa: F811
+    out = tmp_path / "run"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    proc = run_cli(*_train_args(assets, out, steps=1), env={"VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MLFLOW_TRACKING_URI is not set" in proc.stderr
+    assert json.loads((out / "train_summary.json").read_text())["mlflow"] is None
