@@ -13,6 +13,8 @@ import logging
 import math
 import os
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,15 @@ def numeric(flat: dict, prefix: str) -> dict[str, float]:
     return out
 
 
+def responds(uri: str, timeout: float = 2.0) -> bool:
+    """True when an MLflow server answers its health check at ``uri``."""
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
 def log_to_run(run: dict, metrics: dict[str, float], artifacts: list[Path], step: int | None = None) -> bool:
     """Log ``metrics`` and ``artifacts`` (files) to the recorded run; False (with a warning) if the server is away.
 
@@ -67,8 +78,6 @@ def log_to_run(run: dict, metrics: dict[str, float], artifacts: list[Path], step
     """
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
-
-    from pipeline_steps.local.mlflow_server import responds
 
     uri = os.environ.get("MLFLOW_TRACKING_URI") or run["tracking_uri"]
     if uri.startswith(("http://", "https://")) and not responds(uri):  # the client would retry for minutes

@@ -41,13 +41,6 @@ HOSTILE = [
     ("trainer.default_local_dir=oss://bkt/models/exported/gsm8k", "set by the pipeline"),
     ("trainer.resume_mode=resume_path", "set by the pipeline"),
     ("trainer.resume_from_path={d}", "set by the pipeline"),
-    # code verl imports: pre-flight would import a reward file in the worker; tools, loops, modules in the pods
-    ("+reward.custom_reward_function.path={s}", "names code"),
-    ("+reward={{custom_reward_function: {{path: {s}, name: main}}}}", "names code"),
-    ("actor_rollout_ref.rollout.multi_turn.tool_config_path={s}", "names code"),
-    ("+data.custom_cls={{path: {s}, name: X}}", "names code"),
-    ("actor_rollout_ref.model.external_lib=os", "names a module or class"),
-    ("+trainer.checkpoint_callback_class=builtins.open", "names a module or class"),
 ]
 
 
@@ -85,6 +78,36 @@ def test_the_plan_task_refuses_form_overrides_before_any_step_runs(sentinel):
         plan.plan(params, None, "manual__1", "verl_grpo_pipeline")
     assert "\n" not in str(err.value)
     assert sentinel.read_text() == SENTINEL_TEXT
+
+
+# Code verl imports, typed into the trigger form: pre-flight would import a reward file in the Airflow worker, verl
+# imports the rest in the training pods. (A step's own --override is typed by someone with a shell: allowed there.)
+FORM_CODE = [
+    ("+reward.custom_reward_function.path={s}", "names code"),
+    ("+reward={{custom_reward_function: {{path: {s}, name: main}}}}", "names code"),
+    ("actor_rollout_ref.rollout.multi_turn.tool_config_path={s}", "names code"),
+    ("+data.custom_cls={{path: {s}, name: X}}", "names code"),
+    ("actor_rollout_ref.model.external_lib=os", "names a module or class"),
+    ("+trainer.checkpoint_callback_class=builtins.open", "names a module or class"),
+]
+
+
+@pytest.mark.parametrize("template,needle", FORM_CODE, ids=[h[0][:40] for h in FORM_CODE])
+def test_the_form_may_not_name_code_for_verl_to_import(template, needle, sentinel):
+    from pipeline_steps.training import plan
+
+    params = {"experiment": "local_tiny", "verl_overrides": [template.format(s=sentinel)]}
+    with pytest.raises(UserError, match=needle) as err:
+        plan.plan(params, None, "manual__1", "verl_grpo_pipeline")
+    assert "\n" not in str(err.value)
+
+
+def test_the_form_may_name_code_the_package_ships():
+    from pipeline_steps.training import plan
+
+    shipped = "+reward.custom_reward_function.path=pkg:pipeline_steps.rewards/retool.py"
+    out = plan.plan({"experiment": "local_tiny", "verl_overrides": [shipped]}, None, "manual__1", "verl_grpo_pipeline")
+    assert out["experiment"] == "local_tiny"  # planned: the train task takes the overrides from the form
 
 
 def test_a_deployment_preset_cannot_smuggle_instantiation_either(tmp_path, monkeypatch, sentinel):

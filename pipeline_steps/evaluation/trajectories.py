@@ -18,6 +18,8 @@ import re
 import sys
 from pathlib import Path
 
+from pipeline_steps.evaluation.markdown import cell, fmt
+
 SAMPLES_SHOWN = 3
 MAX_TEXT = 1500  # characters of one turn on the page
 
@@ -101,7 +103,6 @@ def _block(text: str) -> list[str]:
 
 
 def render_sample(row: dict) -> list[str]:
-    from pipeline_steps.steps.report import cell, fmt
 
     head = (
         f"step {cell(row.get('step'))} · group {cell(row.get('uid', '—'))} · score {fmt(row.get('score'))} · "
@@ -130,7 +131,6 @@ def report_section(run_dir: Path, state: dict) -> list[str]:
     state["inputs"]["rollouts/"] = f"ok ({len(steps)} steps" + (f", {skipped} bad lines skipped)" if skipped else ")")
     if not steps:
         return lines + ["`rollouts/`: no step files.", ""]
-    from pipeline_steps.steps.report import fmt
 
     lines += [
         "| step | samples | tool-call rate | tool calls | tool errors | turns / sample | mean score |",

@@ -17,11 +17,10 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 from pipeline_steps.local.ray_cluster import _free_port, _pid_alive
+from pipeline_steps.tracking_run import responds
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +34,6 @@ def server_dir(directory=None) -> Path:
     if os.environ.get("PIPELINE_MLFLOW_DIR"):
         return Path(os.environ["PIPELINE_MLFLOW_DIR"])
     return Path(os.environ.get("PIPELINE_HOME") or ".demo") / "mlflow"
-
-
-def responds(uri: str, timeout: float = 2.0) -> bool:
-    """True when an MLflow server answers its health check at ``uri``."""
-    try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
 
 
 def _read_state(d: Path) -> dict | None:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pipeline_steps import atomic, metrics_log, outputs
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation import trajectories
+from pipeline_steps.evaluation.markdown import cell, fmt
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
 from pipeline_steps.uris import local_path
 
@@ -148,18 +149,6 @@ def code(value, table: bool = True) -> str:
     fence = "`" * (max((len(m) for m in re.findall(r"`+", s)), default=0) + 1)
     pad = " " if s.startswith("`") or s.endswith("`") else ""
     return f"{fence}{pad}{s}{pad}{fence}"
-
-
-def cell(value) -> str:
-    """Table cells: no line breaks, pipes escaped."""
-    return " ".join(str(value).split()).replace("|", "\\|")
-
-
-def fmt(x) -> str:
-    """Numbers as shown on the page (4 significant digits)."""
-    if x is None:
-        return "—"
-    return f"{float(x):.4g}"
 
 
 def safe_url(url: str) -> str:

@@ -10,9 +10,10 @@ User overrides therefore may not contain:
   the config) anywhere in the value;
 * a ``hydra.*`` key, or a deletion (``~key``);
 * a key the pipeline derives (data files, model path, checkpoint directory, resume): the message says what sets it;
-* a key that names code verl imports (a reward function's file, a tool or agent-loop config listing classes, a
-  module, a class): pre-flight imports a reward file in the Airflow worker and verl imports all of them in the
-  training pods, so a user may name only a file the package ships (``pkg:...``); anything else belongs in a preset.
+* from the trigger form (:func:`check_form`), a key that names code verl imports (a reward function's file, a tool or
+  agent-loop config listing classes, a module, a class): pre-flight imports a reward file in the Airflow worker and
+  verl imports all of them in the training pods, so a form may name only a file the package ships (``pkg:...``);
+  anything else belongs in a preset. (``--override`` on a step's command line is typed by someone with a shell.)
 
 Presets (packaged, or a deployment's own directory) pass the same checks except the derived-key one.
 """
@@ -109,16 +110,21 @@ def check(key: str, value, source: str, *, user: bool = True) -> None:
             )
     if user and bare in PIPELINE_KEYS:
         raise UserError(f"{source}: {bare!r} is set by {PIPELINE_KEYS[bare]}; remove this override")
-    if user:
-        _check_code_key(bare, value, source)
     for where, k, s in _walk(value, bare):
         if k is not None and SPECIAL_KEY.match(k):
             raise UserError(
                 f"{source}: the value of {bare!r} holds the key {k!r} (at {where}), a Hydra instantiation key; "
                 "such keys are refused because they would run code in the worker"
             )
-        if user and s is not None and where != bare:  # a mapping value can hold a code key too
-            _check_code_key(where, s, source)
         if s is not None and ("${" in s or "_target_" in s):
             what = "an interpolation/resolver (${...})" if "${" in s else "'_target_'"
             raise UserError(f"{source}: the value of {bare!r} contains {what} (at {where}); write the literal value")
+
+
+def check_form(key: str, value, source: str) -> None:
+    """What the trigger form may not set beyond :func:`check`: code for verl to import, at any depth of the value."""
+    bare = key.lstrip("+")
+    _check_code_key(bare, value, source)
+    for where, k, s in _walk(value, bare):
+        if s is not None and where != bare:  # a mapping value can hold a code key too
+            _check_code_key(where, s, source)

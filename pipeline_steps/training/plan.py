@@ -20,6 +20,7 @@ from pipeline_steps.data import registry
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import parse_uri
 from pipeline_steps.training import experiment
+from pipeline_steps.training import overrides as override_rules
 from pipeline_steps.uris import strip_file_scheme
 
 SMOKE_ROWS = 8
@@ -66,6 +67,8 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     from pipeline_steps.data import revisions
 
     # every override parsed and checked now (one line in the plan task's log), not minutes later in pre-flight
+    for text in params.get("verl_overrides") or []:
+        override_rules.check_form(*experiment.parse_override(text), f"verl_overrides {text[:80]!r}")
     exp = experiment.load(params.get("experiment") or "local_tiny", overrides(params))
     spec = exp.spec
     store = (params.get("store_uri") or default_store()).rstrip("/")
