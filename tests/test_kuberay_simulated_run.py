@@ -31,7 +31,28 @@ MOUNT = "/mnt/store"
 NS = "training"
 
 
-def _preset(directory: Path) -> None:
+# The first attempt waits in step 2's reward once step 1 is logged, until the test has killed it: a CPU step of the
+# tiny model takes ~0.1 s, shorter than the kill's poll, so without the wait the kill could land after any step.
+HOLDING_REWARD = """
+import json, os, time
+
+
+def _step_1_logged():
+    try:
+        with open(os.environ.get("VERL_FILE_LOGGER_PATH", "")) as f:
+            return any(json.loads(line).get("step", 0) >= 1 for line in f if line.strip())
+    except (OSError, ValueError):
+        return False
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    while os.path.exists({hold!r}) and _step_1_logged():
+        time.sleep(0.05)
+    return float(len(set(solution_str)) % 3)  # differs within a group, so the update is not zero
+"""
+
+
+def _preset(directory: Path, reward: Path) -> None:
     spec = yaml.safe_load((ROOT / "pipeline_steps/training/presets/local_tiny.yaml").read_text())
     spec.update(name="tiny_cluster", backend="cluster", description="local_tiny, cluster-shaped (simulated run)")
     spec["cluster"] = {
@@ -48,15 +69,23 @@ def _preset(directory: Path) -> None:
     spec["verl"].pop("trainer.n_gpus_per_node", None)  # from cluster.gpus_per_node
     spec["verl"]["trainer.experiment_name"] = "tiny_cluster"
     spec["verl"]["actor_rollout_ref.rollout.name"] = "vllm"  # what a cluster preset sets (the CPU trainer samples)
+    spec["verl"]["reward.custom_reward_function.path"] = str(reward)  # a deployment preset may name its own code
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tiny_cluster.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
 
 
-def _step_logged(env: dict) -> bool:
-    """The first training attempt has logged step 1 (its checkpoint is written before the step's line)."""
+def _step_logged(hold: Path):
+    """The kill condition: the first training attempt has logged step 1 (its checkpoint is written before the step's
+    line) and waits in step 2's reward; the hold is lifted as the kill is sent, so the retried attempt runs through."""
     from pipeline_steps import metrics_log
 
-    return any(r["step"] >= 1 for r in metrics_log.read(env["VERL_FILE_LOGGER_PATH"]).rows)
+    def condition(env: dict) -> bool:
+        if any(r["step"] >= 1 for r in metrics_log.read(env["VERL_FILE_LOGGER_PATH"]).rows):
+            hold.unlink(missing_ok=True)
+            return True
+        return False
+
+    return condition
 
 
 def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path):
@@ -69,6 +98,9 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
     store = home / "store"
     pods = tmp_path / "pods"
     pods.mkdir()
+    hold, reward = tmp_path / "hold", tmp_path / "holding_reward.py"
+    hold.touch()
+    reward.write_text(HOLDING_REWARD.format(hold=str(hold)))
     venv_bin = str(Path(sys.executable).parent)
     runner = PodRunner(
         pods,
@@ -85,13 +117,13 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
         },
-        kill_first=("tests.cpu_main_ppo", _step_logged),
+        kill_first=("tests.cpu_main_ppo", _step_logged(hold)),
     )
     api = StandIn(crd_file=ROOT / "k8s/crds/ray.io_rayjobs.v1.7.0.yaml", executor=runner)
     api.start()
     try:
         kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
-        _preset(tmp_path / "presets")
+        _preset(tmp_path / "presets", reward)
         env = prepare(home, airflow_home)
         env.update(
             {

@@ -23,8 +23,12 @@ OUTPUT_CAP = 64 * 1024
 
 @pytest.fixture(scope="module")
 def dirs():
-    # Outside /tmp and /var/tmp on purpose: sandboxes get private ones, which would hide these for the wrong reason.
-    root = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=Path(__file__).resolve().parents[1]))
+    # Outside the directories a sandbox gets private or empty copies of (/tmp, /var/tmp, /root, /home, ...), which
+    # would hide these for the wrong reason: beside the checkout, unless the checkout itself is in one (then /srv).
+    base = Path(__file__).resolve().parents[1]
+    if any(base.is_relative_to(p) for p in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/root", "/home")):
+        base = Path("/srv")
+    root = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=base))
     os.chmod(root, 0o755)
     hidden, visible = root / "store", root / "public"
     for d in (hidden, visible):
