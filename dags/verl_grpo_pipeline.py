@@ -14,7 +14,7 @@ import os
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import Param, TriggerRule, dag, task
+from airflow.sdk import AssetAlias, Param, TriggerRule, dag, task
 
 from operators.cluster_step import PipelineStepJobOperator
 from operators.notify import notify_failure
@@ -260,6 +260,10 @@ def verl_grpo_pipeline():
         store_uri=planned["store"],
         store_conn_id=STORE_CONN_ID,
         asset_alias=DATASET_ASSETS,
+        # declared here too: a mapped task's __init__ runs only at execution, so without this the DAG processor never
+        # registers the alias, and two mapped uploads emitting through it first both create its row (on PostgreSQL
+        # the second task then fails on idx_asset_alias_name_unique after its step succeeded)
+        outlets=[AssetAlias(DATASET_ASSETS)],
         **retrying(timedelta(hours=2)),
     ).expand(request=preprocess.output.map(planning.upload_request))
     stage_model = PipelineStepOperator(

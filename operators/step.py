@@ -72,7 +72,10 @@ class PipelineStepOperator(BaseOperator):
         if asset_alias:
             from airflow.sdk import AssetAlias
 
-            kwargs["outlets"] = [*kwargs.get("outlets", []), AssetAlias(asset_alias)]
+            outlets = list(kwargs.get("outlets") or [])
+            if AssetAlias(asset_alias) not in outlets:  # a mapped task's DAG file declares it for the DAG processor
+                outlets.append(AssetAlias(asset_alias))
+            kwargs["outlets"] = outlets
         super().__init__(**kwargs)
         self.asset_alias = asset_alias
         self.skip_unless = skip_unless

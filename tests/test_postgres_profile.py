@@ -210,10 +210,11 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
         assert json.loads(store.read_bytes(f"{exp_uri}/latest.json")) == latest
 
 
-# make test-stress, with the two-runs test above: both fail now and then when two runs upload the same dataset
-# version at once. The step succeeds and emits the version's Asset through the alias in both runs; Airflow then
-# inserts the same (alias, asset) association from two transactions (AssetManager._add_asset_alias_association)
-# and on PostgreSQL the second task ends failed after its step succeeded (seen twice, see the README).
+# make test-stress, with the two-runs test above: both failed now and then because the mapped upload_dataset tasks
+# emitted through an AssetAlias the DAG processor had not registered (a mapped operator's __init__ runs only at
+# execution): the first two emissions both created the alias row, and on PostgreSQL the second task ended failed
+# after its step succeeded (idx_asset_alias_name_unique). Fixed in the DAG; back in make test once they have passed
+# repeatedly.
 @pytest.mark.stress
 def test_a_backfill_over_three_dates_with_two_active_runs_completes(airflow_pg):
     url = airflow_pg["url"]
