@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from pipeline_steps.local.ray_cluster import _free_port, _pid_alive
+from pipeline_steps.local.ray_cluster import _free_port, _pid_alive, stop_group
 from pipeline_steps.tracking_run import responds
 
 log = logging.getLogger(__name__)
@@ -96,16 +95,7 @@ def shutdown_server(directory=None, timeout: float = 20) -> bool:
     if not state:
         return False
     pid, pgid = int(state["pid"]), int(state["pgid"])
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + timeout / 2
-        while time.monotonic() < deadline and _pid_alive(pid):
-            time.sleep(0.2)
-        if not _pid_alive(pid):
-            break
+    stop_group(pid, pgid, timeout, poll=0.2)
     (d / STATE_FILE).unlink(missing_ok=True)
     log.info("stopped the local MLflow server at %s", state["uri"])
     return True

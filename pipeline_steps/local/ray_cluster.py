@@ -293,6 +293,25 @@ def wait(address: str, submission_id: str, timeout: float, poll: float = 1.0) ->
         time.sleep(poll)
 
 
+def stop_group(pid: int, pgid: int, timeout: float, poll: float = 0.5) -> None:
+    """Stop a background service started in its own process group: SIGTERM, then SIGKILL, each given half of
+    ``timeout`` for the leader ``pid`` to exit; once it has, any straggler of the group is killed too."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout / 2
+        while time.monotonic() < deadline and _pid_alive(pid):
+            time.sleep(poll)
+        if not _pid_alive(pid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+
+
 def shutdown_cluster(temp_dir: str | os.PathLike | None = None, timeout: float = 30) -> bool:
     """Stop the cluster :func:`ensure_cluster` started (its jobs first); False if it started none."""
     state = _read_state(temp_dir)
@@ -307,21 +326,7 @@ def shutdown_cluster(temp_dir: str | os.PathLike | None = None, timeout: float =
                     client.stop_job(job.submission_id)
         except Exception as exc:  # the cluster may already be half down
             log.warning("could not stop jobs before shutdown: %s", exc)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + timeout / 2
-            while time.monotonic() < deadline and _pid_alive(pid):
-                time.sleep(0.5)
-            if not _pid_alive(pid):
-                # the ray start process is gone; take any straggler of its group with it
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                break
+        stop_group(pid, pgid, timeout)
     (_temp_dir(state.get("temp_dir")) / STATE_FILE).unlink(missing_ok=True)
     log.info("stopped the local Ray cluster at %s", state["address"])
     return True
