@@ -5,6 +5,12 @@ create latency  ``AsyncSandbox.create`` p50/p99, with the warm pool (``--warm 8`
                 after use, so the pool has the gaps a rollout leaves between tool calls to refill
 run_code        calls per second at 1, 8 and 32 sandboxes used concurrently (``sum(range(10_000))`` each call)
 memory          resident memory of each sandbox's processes with 32 sandboxes alive (the interpreter after a call)
+rollout         per multi-turn rollout of the CPU trainer (tiny model, ``local_tiny_tool_agent``, verl's ToolAgentLoop,
+                the code tool on this server): seconds verl's loop spent generating against seconds in tool calls,
+                as the trainer logs them (``timing_s/agent_loop/{generate_sequences,tool_calls}/mean``); the first
+                assistant turn is scripted as a tool call (tests/test_agent_grpo_cpu.py: ScriptedFirstTurn), as a
+                randomly initialised model writes none; the 8 rollouts of a step run concurrently, as on the cluster,
+                so both figures are wall time and include waiting for the others' turns on the CPU
 
   .venv/bin/python -m benchmarks.bench_sandbox [--creates N] [--seconds S]   (or: make bench BENCH=sandbox)
 """
@@ -84,12 +90,40 @@ async def _memory(opts: dict, n: int) -> float:
     return statistics.median(rss.values()) / 2**20 if rss else float("nan")
 
 
+def _rollout_timings(tmp: Path, steps: int) -> list[dict]:
+    """The trainer's per-step agent-loop timings for ``steps`` GRPO steps of 2 prompts x 4 samples."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline_steps.local import agent_rollout, grpo_cpu, tiny_model
+    from pipeline_steps.steps import train_local
+    from pipeline_steps.training import experiment
+    from tests.test_agent_grpo_cpu import ScriptedFirstTurn, _rows
+
+    model = tiny_model.build(tmp / "model", format_warmup_steps=0)
+    train = tmp / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(_rows(2)), train)
+    out = tmp / "run"
+    overrides = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "actor_rollout_ref.rollout.n=4"]
+    derived = train_local.derived_keys([train], [], model, out)
+    cfg = experiment.compose(experiment.load("local_tiny_tool_agent", overrides, derived=derived))
+    default = agent_rollout._default_server
+    agent_rollout._default_server = lambda *a: ScriptedFirstTurn(default(*a))
+    try:
+        with grpo_cpu.process_group(), agent_rollout.local_sandbox(cfg, hide=[str(out)]):
+            grpo_cpu.GRPOTrainer(cfg, reward_fn=lambda *a, **k: 0.0, metrics_path=out / "metrics.jsonl").fit()
+    finally:
+        agent_rollout._default_server = default
+    return [line["data"] for line in grpo_cpu.read_metrics(out / "metrics.jsonl")]
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline_steps.sandbox.local import LocalSandboxServer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--creates", type=int, default=40)
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--steps", type=int, default=3, help="GRPO steps of the multi-turn rollout timing")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench_sandbox: the sandbox server needs root (per-sandbox uids and namespaces)")
@@ -105,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
                 if warm:
                     tput = {c: asyncio.run(_throughput(srv.sdk_options(), c, args.seconds)) for c in (1, 8, 32)}
                     mem = asyncio.run(_memory(srv.sdk_options(), 32))
+        for key in ("E2B_DOMAIN", "E2B_API_URL", "E2B_API_KEY", "E2B_SANDBOX_URL"):
+            os.environ.pop(key, None)  # the trainer starts its own local server, as a local run does
+        steps = _rollout_timings(Path(tmp) / "rollout", args.steps)
 
     print("| sandbox create | p50 | p99 |\n| --- | --- | --- |")
     for warm, p50, p99 in rows:
@@ -113,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     for c, (rate, med) in tput.items():
         print(f"| {c} | {rate:.0f} | {med * 1e3:.1f} ms |")
     print(f"\nresident memory per sandbox (32 alive, after one call): {mem:.1f} MiB")
+    print("\n| step | generating, s per rollout | in tools, s per rollout | tools / generating | step, s |")
+    print("| --- | --- | --- | --- | --- |")
+    for i, m in enumerate(steps, 1):
+        gen, tool = m["timing_s/agent_loop/generate_sequences/mean"], m["timing_s/agent_loop/tool_calls/mean"]
+        ratio = tool / gen if gen else float("nan")
+        print(f"| {i} | {gen:.3f} | {tool:.3f} | {ratio:.2f} | {m['timing_s/step']:.2f} |")
     print(f"(cores: {os.cpu_count()}, load: {os.getloadavg()[0]:.1f})")
     return 0
 

@@ -1,8 +1,9 @@
 """`make airflow`: Airflow on the local profile, UI and all, for clicking through the trigger form.
 
 The same embedded default as `make demo` (offline Hugging Face cache from the shipped fixtures, the local file://
-store, the tiny model, the `gpu` pool, a local Ray cluster on free ports), then `airflow standalone` with the UI on a
-free port it prints. Local use only: every UI user is an admin without a login
+store, the tiny model, the `gpu` pool, a local Ray cluster on free ports), then Airflow's four components (what
+`airflow standalone` starts, but restarted when one exits: scripts/airflow_components.py) with the UI on a free port
+it prints. Local use only: every UI user is an admin without a login
 (``AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS``). Ctrl-C stops Airflow and the Ray cluster it started.
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from scripts.demo import ROOT, _free_port, prepare, ray_temp_dir
 
 
-def standalone_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
+def airflow_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
     env = prepare(home, airflow_home)
     env.update(
         {
@@ -34,18 +35,21 @@ def standalone_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
 
 
 def start(home: Path, airflow_home: Path, port: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """Start `airflow standalone`; return the process and the UI URL once the UI answers."""
-    env = standalone_env(home, airflow_home, port)
-    airflow = str(Path(sys.executable).with_name("airflow"))
+    """Start Airflow's components under their supervisor; return its process and the UI URL once the UI answers."""
+    env = airflow_env(home, airflow_home, port)
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [airflow, "standalone"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        [sys.executable, str(Path(__file__).with_name("airflow_components.py"))],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"airflow standalone exited {proc.returncode}; see {log_path}")
+            raise RuntimeError(f"Airflow's supervisor exited {proc.returncode}; see {log_path}")
         try:
             urllib.request.urlopen(f"{url}/api/v2/monitor/health", timeout=2)
             return proc, url

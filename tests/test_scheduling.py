@@ -1,7 +1,7 @@
-"""A real Airflow (``airflow standalone``: scheduler with LocalExecutor on SQLite, DAG processor, triggerer, API
-server), started and stopped by this module, runs a backfill of ``verl_grpo_pipeline`` over three weekly logical dates
-on the local profile in smoke mode, created the way a user creates one: in the UI (Trigger -> Backfill, the dates in
-the date pickers, Smoke run switched on), in Debian's Chromium driven by Playwright.
+"""A real Airflow (`make airflow`'s: scheduler with LocalExecutor on SQLite, DAG processor, triggerer, API server,
+each restarted if it exits), started and stopped by this module, runs a backfill of ``verl_grpo_pipeline`` over three
+weekly logical dates on the local profile in smoke mode, created the way a user creates one: in the UI (Trigger ->
+Backfill, the dates in the date pickers, Smoke run switched on), in Debian's Chromium driven by Playwright.
 The Hub is replaced by the offline fixture cache whose repositories have dated revisions (gsm8k: v1 on 2026-09-01,
 v2 on 2026-10-15), so the runs must record v1, v1, v2; the second run, on an unchanged revision, must skip
 preprocessing and upload nothing.
@@ -9,12 +9,10 @@ preprocessing and upload nothing.
 
 import json
 import os
-import signal
 import socket
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -35,63 +33,40 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def airflow(tmp_path_factory):
-    from scripts.demo import prepare
+    from scripts.airflow_local import start, stop
 
     tmp = tmp_path_factory.mktemp("airflow-e2e")
     port = free_port()
     saved = dict(os.environ)  # restored at the end: these settings must not leak into later test modules
     os.environ.update(
         {
-            "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
             "AIRFLOW__CORE__PARALLELISM": "4",
-            "AIRFLOW__API__PORT": str(port),
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",  # the UI without a login (local only)
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
-            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "1200",
-            "PIPELINE_RAY_TEMP_DIR": tempfile.mkdtemp(
-                prefix="ray-", dir="/tmp"
-            ),  # Ray's socket paths must stay < 108 bytes
-            "PIPELINE_RAY_DASHBOARD_PORT": str(free_port()),
-            "PIPELINE_RAY_PORT": str(free_port()),
             # weekly, ending on the backfill's last date: the run that unpausing with catchup off would schedule is the
             # backfill's own last date, so no extra scheduled run competes with the backfill
             "VERL_PIPELINE_SCHEDULE": "@weekly",
             "VERL_PIPELINE_END_DATE": DATES[-1],
         }
     )
-    env = prepare(tmp / "pipeline", tmp / "airflow-home")
-    airflow_bin = str(Path(sys.executable).with_name("airflow"))
-    log = open(tmp / "standalone.log", "w")
-    proc = subprocess.Popen(
-        [airflow_bin, "standalone"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    home, log = tmp / "pipeline", tmp / "standalone.log"
+    proc = None
     try:
+        proc, url = start(home, tmp / "airflow-home", port, log)  # `make airflow`'s code path
+        env = dict(os.environ, AIRFLOW_HOME=str(tmp / "airflow-home"), AIRFLOW__CORE__DAGS_FOLDER=str(ROOT / "dags"))
+        airflow_bin = str(Path(sys.executable).with_name("airflow"))
         deadline = time.time() + 300
         while time.time() < deadline:
             out = subprocess.run([airflow_bin, "dags", "list", "-o", "json"], env=env, capture_output=True, text=True)
             if "verl_grpo_pipeline" in out.stdout:
                 break
-            assert proc.poll() is None, (tmp / "standalone.log").read_text()[-3000:]
+            assert proc.poll() is None, log.read_text()[-3000:]
             time.sleep(5)
         else:
             pytest.fail("the DAG processor did not register verl_grpo_pipeline within 5 minutes")
-        yield {
-            "env": env,
-            "bin": airflow_bin,
-            "home": tmp,
-            "db": tmp / "airflow-home" / "airflow.db",
-            "url": f"http://127.0.0.1:{port}",
-        }
+        yield {"env": env, "bin": airflow_bin, "home": tmp, "db": tmp / "airflow-home" / "airflow.db", "url": url}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        from pipeline_steps.local import ray_cluster as local_ray
-
-        local_ray.shutdown_cluster(os.environ["PIPELINE_RAY_TEMP_DIR"])
+        if proc is not None:
+            stop(proc, home)
         os.environ.clear()
         os.environ.update(saved)
 

@@ -147,6 +147,7 @@ class AgentRollout:
             "num_turns": [int(o.num_turns) for o, _ in results],
             "tool_call_counts": np.array([len(t["tool_calls"]) for t in trajectories], dtype=np.int32),
             "trajectories": trajectories,
+            "loop_timings": [_timings(o) for o, _ in results],
         }
 
     def _trajectory(self, out, messages) -> dict:
@@ -176,21 +177,40 @@ class AgentRollout:
         return {"role": "assistant" if mask_value else "tool", "text": self.tokenizer.decode(ids)}
 
 
+def _timings(out) -> dict[str, float]:
+    """The seconds verl's agent loop itself timed in one rollout (``AgentLoopOutput.metrics``)."""
+    m = out.metrics
+    m = m.model_dump() if hasattr(m, "model_dump") else dict(m or {})
+    return {k: float(m.get(k) or 0.0) for k in TIMED}
+
+
+TIMED = ("generate_sequences", "tool_calls")  # what verl's ToolAgentLoop times with simple_timer
+
+
 def metrics(batch: dict) -> dict:
     """Tool use of one step: share of samples calling a tool, calls and failed calls (verl's ``tool_call_counts/*``
-    come from ``compute_data_metrics``)."""
+    come from ``compute_data_metrics``); and the agent loop's timings under the names verl's AgentLoopManager gives
+    them on the cluster (``timing_s/agent_loop/<generate_sequences|tool_calls>/<min|max|mean>``), so a local run
+    and a cluster run show the time in tools against the time generating the same way."""
     trajectories = batch.get("trajectories") or []
     if not trajectories:
         return {}
     calls = sum(len(t["tool_calls"]) for t in trajectories)
     errors = sum(o["error"] for t in trajectories for o in t["tool_outputs"])
     answered = sum(len(t["tool_outputs"]) for t in trajectories)
-    return {
+    out = {
         "tool/call_rate": sum(bool(t["tool_calls"]) for t in trajectories) / len(trajectories),
         "tool/calls": float(calls),
         "tool/errors": float(errors),
         "tool/error_rate": errors / answered if answered else 0.0,
     }
+    timings = batch.get("loop_timings") or []
+    for name in TIMED if timings else ():
+        values = [t[name] for t in timings]
+        out[f"timing_s/agent_loop/{name}/min"] = min(values)
+        out[f"timing_s/agent_loop/{name}/max"] = max(values)
+        out[f"timing_s/agent_loop/{name}/mean"] = sum(values) / len(values)
+    return out
 
 
 def _default_server(model, tokenizer, eos_ids):

@@ -1,0 +1,85 @@
+"""Airflow's four components for the local profile, each restarted when it exits, as Kubernetes restarts a pod.
+
+``airflow standalone`` starts the same four (scheduler, DAG processor, triggerer, API server) but leaves a component
+dead once it exits, and Airflow 3's scheduler does exit on known races (a ``StaleDataError`` on ``dag_run`` when a
+backfill is created while it expands mapped tasks, apache/airflow#63926 and its kin): the UI then accepts runs that
+never start. Here a dead component is restarted after a short back-off; SIGTERM or SIGINT stops them all.
+
+Run as ``python -m scripts.airflow_components`` (``scripts/airflow_local.py: start`` does) with the environment
+already prepared (``AIRFLOW_HOME``, a migrated database, the executor); each component's lines go to stdout with its
+name in front.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+COMPONENTS = ("scheduler", "dag-processor", "triggerer", "api-server")
+BACKOFF = (2, 5, 10, 30)  # seconds before the 1st, 2nd, 3rd, later restart of the same component
+
+
+def _pump(name: str, proc: subprocess.Popen, lock: threading.Lock) -> None:
+    for line in proc.stdout:
+        with lock:
+            sys.stdout.write(f"{name:14}| {line.decode('utf-8', 'replace')}")
+            sys.stdout.flush()
+
+
+def main() -> int:
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    lock = threading.Lock()
+    stopping = threading.Event()
+    procs: dict[str, subprocess.Popen] = {}
+    restarts = dict.fromkeys(COMPONENTS, 0)
+
+    def say(text: str) -> None:
+        with lock:
+            print(f"{'supervisor':14}| {text}", flush=True)
+
+    def launch(name: str) -> None:
+        proc = subprocess.Popen([airflow, name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        threading.Thread(target=_pump, args=(name, proc, lock), daemon=True).start()
+        procs[name] = proc
+
+    def stop(signum, _frame) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for name in COMPONENTS:
+        launch(name)
+    say(f"started {', '.join(COMPONENTS)}")
+    due: dict[str, float] = {}
+    while not stopping.is_set():
+        for name, proc in procs.items():
+            if proc.poll() is not None and name not in due:
+                wait = BACKOFF[min(restarts[name], len(BACKOFF) - 1)]
+                say(f"{name} exited with code {proc.returncode}; restarting it in {wait} s")
+                due[name] = time.monotonic() + wait
+        for name, when in list(due.items()):
+            if time.monotonic() >= when:
+                restarts[name] += 1
+                del due[name]
+                launch(name)
+                say(f"{name} restarted (restart {restarts[name]})")
+        stopping.wait(1)
+    say("stopping")
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + 30
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
