@@ -1,8 +1,8 @@
 """The production profile's database: Airflow on PostgreSQL with the LocalExecutor, two runs at once.
 
 Real parts: a PostgreSQL 15 cluster of Debian's package started by the test in a temporary directory on a free port,
-the pinned psycopg2 driver, `airflow standalone` (scheduler, triggerer, DAG processor, API server) through `make
-airflow`'s code path, the whole DAG on the local profile, Airflow's REST API. What it shows:
+the pinned psycopg2 driver, Airflow's scheduler, triggerer, DAG processor and API server through `make airflow`'s
+code path, the whole DAG on the local profile, Airflow's REST API. What it shows:
 
 * two manual runs at once, a ``gpu`` pool of 8 slots and 8 slots per training task: the second run's ``train`` waits
   until the first run's ``train`` has released the pool (their start and end times do not overlap);
