@@ -57,9 +57,13 @@ EXAMPLES = [
 TRAIN_IMAGE = "registry.example.com/verl-grpo-train@sha256:" + "0" * 64
 
 
+# and, for the code sandbox tool, its sandbox service (sandbox-manager's domain on ACK): the seed-000 preset names none
+SANDBOX_DOMAIN = "sandbox.example.com"
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for var in (render_rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS"):
+    for var in (render_rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS", render_rayjob.SANDBOX_DOMAIN_ENV):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(render_rayjob.IMAGE_ENV, TRAIN_IMAGE)
 
@@ -92,7 +96,15 @@ def render(
     exp = experiment.load(preset, overrides=list(overrides), derived=keys)
     args = dict(dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", namespace="verl-pipeline", mounts=mounts)
     args.update(kw)
-    return exp, build_rayjob(exp, **args)
+    if "E2B_DOMAIN" in json.dumps(exp.spec.get("cluster", {}).get("env") or {}) or os.environ.get(
+        render_rayjob.SANDBOX_DOMAIN_ENV
+    ):
+        return exp, build_rayjob(exp, **args)
+    os.environ[render_rayjob.SANDBOX_DOMAIN_ENV] = SANDBOX_DOMAIN  # as the deployment's Helm values set it
+    try:
+        return exp, build_rayjob(exp, **args)
+    finally:
+        del os.environ[render_rayjob.SANDBOX_DOMAIN_ENV]
 
 
 def validate(job, schema):
@@ -553,3 +565,33 @@ def test_an_exact_tag_on_a_registry_with_a_port_is_taken(monkeypatch):
     assert {c["image"] for p in pods for c in p["template"]["spec"]["containers"]} == {
         "registry.example.com:5000/verl-grpo-train:0.1.0"
     }
+
+
+def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
+    """The code tool's sandbox service comes from the deployment ($PIPELINE_E2B_DOMAIN, Helm values), which wins over
+    a preset's; a run whose pods would have no endpoint or no API key Secret is refused in one line at render."""
+    domain = render_rayjob.SANDBOX_DOMAIN_ENV
+    ack = "gsm8k_tool_agent_qwen2_5_3b"
+    with pytest.raises(UserError, match=r"needs its sandbox service: set \$PIPELINE_E2B_DOMAIN"):
+        build_rayjob(
+            experiment.load(ack, derived=derived("oss://verl-store", ack, "gsm8k")),
+            dag_id="verl_grpo_pipeline",
+            run_id=RUN,
+            task_id="train",
+            mounts=ACK,
+        )
+    monkeypatch.setenv(domain, "Not a domain!")
+    with pytest.raises(UserError, match="not a domain name"):
+        render(ack)
+    monkeypatch.setenv(domain, "sandbox.team.internal")
+    for preset in (ack, "dapo_retool_qwen3_4b"):  # the deployment's domain wins over the guide's AGS region
+        _, job = render(preset, dataset="dapo_math" if "dapo" in preset else "gsm8k")
+        head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+        assert {"name": "E2B_DOMAIN", "value": "sandbox.team.internal"} in head["env"]
+        assert "E2B_DOMAIN: sandbox.team.internal" in job["spec"]["runtimeEnvYAML"]
+    exp = experiment.load(ack, derived=derived("oss://verl-store", ack, "gsm8k"))
+    exp.spec["cluster"]["secrets"] = [s for s in exp.spec["cluster"]["secrets"] if s["env"] != "E2B_API_KEY"]
+    with pytest.raises(UserError, match="needs E2B_API_KEY"):
+        build_rayjob(exp, dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", mounts=ACK)
+    _, plain = render("gsm8k_qwen2_5_3b")  # no tool agent: no sandbox settings at all
+    assert "E2B" not in json.dumps(plain)

@@ -230,10 +230,9 @@ def local_sandbox(cfg, hide=()):
     if not path or any(os.environ.get(k) for k in _E2B_ENDPOINT):
         yield None
         return
-    from pipeline_steps.tools import resolve_config_path
+    from pipeline_steps.tools import uses_code_sandbox
 
-    text = Path(resolve_config_path(path)).read_text(errors="replace")
-    if "pipeline_steps.tools.code_sandbox.CodeSandboxTool" not in text:
+    if not uses_code_sandbox(path):
         yield None
         return
     if os.geteuid() != 0:

@@ -27,3 +27,19 @@ def resolve_config_path(value) -> str:
     if not name or not path.is_file():
         raise UserError(f"{text}: no file {name!r} in package {package}")
     return str(path)
+
+
+CODE_SANDBOX_TOOL = "pipeline_steps.tools.code_sandbox.CodeSandboxTool"
+
+
+def uses_code_sandbox(value) -> bool:
+    """Whether the tool config ``value`` (``pkg:`` or a readable path) loads our E2B code sandbox tool; a path that
+    exists only in the training image counts as not."""
+    from pathlib import Path
+
+    from pipeline_steps.errors import UserError
+
+    try:
+        return CODE_SANDBOX_TOOL in Path(resolve_config_path(value)).read_text(errors="replace")
+    except (OSError, UserError):
+        return False

@@ -176,6 +176,41 @@ def _plain_env(cluster: dict) -> dict:
     return out
 
 
+SANDBOX_DOMAIN_ENV = "PIPELINE_E2B_DOMAIN"
+_HOST = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
+
+
+def _sandbox_endpoint(exp: Experiment, env: dict, cluster: dict) -> dict:
+    """``env`` with the code sandbox tool's service, when the run's tool agent uses that tool.
+
+    The sandbox service is the deployment's (sandbox-manager's domain on ACK, the AGS region's domain on TI-ONE), so
+    ``$PIPELINE_E2B_DOMAIN`` (Helm values) wins over a preset's ``cluster.env.E2B_DOMAIN``, as the image does. A run
+    whose pods would have no endpoint or no API key Secret fails here in one line, not in the first rollout.
+    """
+    from pipeline_steps.tools import uses_code_sandbox
+
+    mt = "actor_rollout_ref.rollout.multi_turn."
+    enabled = str(exp.verl.get(mt + "enable", False)).lower() in ("true", "1")
+    if not enabled or not uses_code_sandbox(exp.verl.get(mt + "tool_config_path") or ""):
+        return env
+    domain = os.environ.get(SANDBOX_DOMAIN_ENV)
+    if domain:
+        if not _HOST.match(domain):
+            raise UserError(f"${SANDBOX_DOMAIN_ENV}={domain!r}: not a domain name (e.g. sandbox.example.com)")
+        env = dict(env, E2B_DOMAIN=domain)
+    if not (env.get("E2B_DOMAIN") or env.get("E2B_API_URL")):
+        raise UserError(
+            f"the code sandbox tool needs its sandbox service: set ${SANDBOX_DOMAIN_ENV} (Helm values) to your "
+            "sandbox-manager's or AGS region's domain, or cluster.env.E2B_DOMAIN in the preset"
+        )
+    if not any(isinstance(s, dict) and s.get("env") == "E2B_API_KEY" for s in cluster.get("secrets") or []):
+        raise UserError(
+            "the code sandbox tool needs E2B_API_KEY: add {env: E2B_API_KEY, secret: <name>, key: <key>} to "
+            "cluster.secrets (k8s/secrets/README.md)"
+        )
+    return env
+
+
 # -- entrypoint ---------------------------------------------------------------------------------------
 
 
@@ -311,7 +346,8 @@ def build_rayjob(
     if queue is not None and not (_DNS_SUBDOMAIN.match(str(queue)) and len(str(queue)) <= 63):
         raise UserError(f"cluster.kueue_queue={queue!r}: not a Kueue LocalQueue name")
 
-    env_vars = {"PYTHONUNBUFFERED": "1", **_plain_env(cluster)}
+    plain_env = _sandbox_endpoint(exp, _plain_env(cluster), cluster)
+    env_vars = {"PYTHONUNBUFFERED": "1", **plain_env}
     annotations = {}
     if entrypoint is None:
         ckpt = exp.verl.get("trainer.default_local_dir")
@@ -369,7 +405,7 @@ def build_rayjob(
 
     volumes, volume_mounts = mounts.volumes()
     # cluster.env also goes into the containers: NCCL/gIB settings and LD_LIBRARY_PATH must be there when Ray starts
-    secret_env = [{"name": k, "value": v} for k, v in _plain_env(cluster).items()] + _secret_env(cluster)
+    secret_env = [{"name": k, "value": v} for k, v in plain_env.items()] + _secret_env(cluster)
     pod_annotations = mounts.pod_annotations()
     head_tpl = spec["rayClusterSpec"]["headGroupSpec"]["template"]
     head_tpl["metadata"]["annotations"] = dict(pod_annotations)
