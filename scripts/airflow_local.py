@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from scripts.demo import ROOT, _free_port, prepare, ray_temp_dir
+from scripts.demo import ROOT, _free_port, prepare, stop_services
 
 
 def airflow_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
@@ -60,18 +60,13 @@ def start(home: Path, airflow_home: Path, port: int, log_path: Path) -> tuple[su
 
 
 def stop(proc: subprocess.Popen, home: Path) -> None:
-    from pipeline_steps.local import ray_cluster
-
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    ray_cluster.shutdown_cluster(ray_temp_dir(home))
-    from pipeline_steps.local import mlflow_server
-
-    mlflow_server.shutdown_server(home / "mlflow")
+    stop_services(home)
 
 
 def main() -> int:

@@ -31,6 +31,14 @@ def ray_temp_dir(home: Path) -> Path:
     return Path("/tmp") / f"ray-{hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:8]}"
 
 
+def stop_services(home: Path) -> tuple[bool, bool]:
+    """Stop the local Ray cluster and MLflow server that runs on profile ``home`` started on demand; whether each
+    was running."""
+    from pipeline_steps.local import mlflow_server, ray_cluster
+
+    return bool(ray_cluster.shutdown_cluster(ray_temp_dir(home))), bool(mlflow_server.shutdown_server(home / "mlflow"))
+
+
 def local_profile_env(home: Path) -> dict[str, str]:
     """Environment for the embedded default; tests use the same function. The local Ray cluster gets free ports
     and its own directory, so it never collides with another cluster on the machine."""
@@ -203,11 +211,10 @@ def main() -> int:
     print(f"  {'work dir (snapshots, processed parquet)':45s} {home / 'work'}")
     print(f"\nDAG run {'succeeded' if rc == 0 else f'FAILED (state {state}): see the task logs in {log}'}")
     print(f"wall time: {time.monotonic() - started:.0f} s")
-    from pipeline_steps.local import ray_cluster
-
-    if ray_cluster.shutdown_cluster(ray_temp_dir(home)):  # the demo started it; leave nothing running
+    ray, mlflow = stop_services(home)  # the demo started them; leave nothing running
+    if ray:
         print("stopped the local Ray cluster the demo started")
-    if mlflow_server.shutdown_server(home / "mlflow"):  # the runs stay in its SQLite store for the next start
+    if mlflow:  # the runs stay in its SQLite store for the next start
         print(f"stopped the MLflow server the demo started (runs kept in {home / 'mlflow'})")
     return rc
 

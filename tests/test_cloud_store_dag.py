@@ -71,7 +71,7 @@ def _dags_test(airflow: str, dag_id: str, conf: dict, env: dict, log: Path) -> i
 
 @pytest.mark.parametrize("kind", ["oss", "gcs"])
 def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_path):
-    from scripts.demo import newest_run, prepare, ray_temp_dir, task_states, xcom
+    from scripts.demo import newest_run, prepare, stop_services, task_states, xcom
 
     server = request.getfixturevalue("oss_server" if kind == "oss" else "gcs_server")
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
@@ -133,6 +133,4 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
         states = task_states(db, run_id)
         assert states and all(s == "success" for s in states.values()), states
     finally:
-        from pipeline_steps.local import ray_cluster
-
-        ray_cluster.shutdown_cluster(ray_temp_dir(home))
+        stop_services(home)  # the local Ray cluster and MLflow server the run started

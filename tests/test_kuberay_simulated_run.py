@@ -199,7 +199,6 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
         assert not list((store / "tmp" / "step-summaries").glob("*.json.tmp*"))
     finally:
         api.stop()
-        from pipeline_steps.local import ray_cluster
-        from scripts.demo import ray_temp_dir
+        from scripts.demo import stop_services
 
-        ray_cluster.shutdown_cluster(ray_temp_dir(home))
+        stop_services(home)

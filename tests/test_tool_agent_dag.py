@@ -32,7 +32,7 @@ pytestmark = [
 def test_tool_agent_preset_runs_the_dag(tmp_path):
     import pyarrow.parquet as pq
 
-    from scripts.demo import newest_run, prepare, ray_temp_dir, task_states, xcom
+    from scripts.demo import newest_run, prepare, ray_temp_dir, stop_services, task_states, xcom
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
     env = prepare(home, airflow_home)
@@ -76,6 +76,4 @@ def test_tool_agent_preset_runs_the_dag(tmp_path):
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
         assert f"sandbox-server --port {port.group(1)}" not in ps, "the local sandbox server outlived the training step"
     finally:
-        from pipeline_steps.local import ray_cluster
-
-        ray_cluster.shutdown_cluster(ray_temp_dir(home))
+        stop_services(home)  # the local Ray cluster and MLflow server the run started
