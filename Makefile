@@ -8,7 +8,7 @@ export PIPELINE_HOME ?= $(CURDIR)/.demo
 export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 
-.PHONY: venv demo airflow sandbox test test-fast test-stress lint bench lock clean
+.PHONY: venv demo airflow sandbox test test-fast lint bench lock clean
 
 venv: $(VENV)/.installed
 
@@ -38,15 +38,11 @@ lint: venv
 
 # The whole suite (CI runs this): lint, then every test.
 test: lint
-	$(BIN)/python -m pytest -q -m "not stress" tests
-
-# Several pipelines at once (two concurrent runs queueing on the gpu pool, on PostgreSQL): minutes, and load-sensitive.
-test-stress: venv
-	$(BIN)/python -m pytest -q -m stress tests
+	$(BIN)/python -m pytest -q tests
 
 # Minutes, not tens of minutes: everything not marked slow (no real Airflow, Ray or training end to end).
 test-fast: lint
-	$(BIN)/python -m pytest -q -m "not slow and not stress" tests
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 bench: venv
 	$(BIN)/python -m benchmarks $(BENCH)

@@ -160,7 +160,6 @@ def _why(airflow_pg: dict, states: dict) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.stress
 def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow_pg):
     url = airflow_pg["url"]
     pool = _api(url, "/pools/gpu")
@@ -210,12 +209,10 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
         assert json.loads(store.read_bytes(f"{exp_uri}/latest.json")) == latest
 
 
-# make test-stress, with the two-runs test above: both failed now and then because the mapped upload_dataset tasks
-# emitted through an AssetAlias the DAG processor had not registered (a mapped operator's __init__ runs only at
-# execution): the first two emissions both created the alias row, and on PostgreSQL the second task ended failed
-# after its step succeeded (idx_asset_alias_name_unique). Fixed in the DAG; back in make test once they have passed
-# repeatedly.
-@pytest.mark.stress
+# With the two-runs test above, this failed now and then until the mapped upload_dataset tasks declared their
+# AssetAlias in the DAG (a mapped operator's __init__ runs only at execution, so the DAG processor never registered
+# it): the first two emissions both created the alias row, and on PostgreSQL the second task ended failed after its
+# step succeeded (idx_asset_alias_name_unique).
 def test_a_backfill_over_three_dates_with_two_active_runs_completes(airflow_pg):
     url = airflow_pg["url"]
     _api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
