@@ -23,7 +23,7 @@ from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_
 from pipeline_steps.errors import UserError
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
-PREPROCESSOR_VERSION = 3
+PREPROCESSOR_VERSION = 4  # 4: JSONL rollout_extra is a struct (was JSON text)
 
 log = logging.getLogger(__name__)
 BATCH_ROWS = 65536
@@ -103,8 +103,9 @@ def _columns(path) -> str:
         return "schema unreadable"
 
 
-def _converted_batches(module, files, split, out_split, data_source, rejects, where):
-    """Yield (rows_in, pa.Table of verl rows) per batch; rejected rows go to ``rejects``."""
+def _converted_batches(module, files, split, out_split, data_source, rejects, where, schema=None):
+    """Yield (rows_in, pa.Table of verl rows) per batch; rejected rows go to ``rejects``. ``schema``: the rows' types
+    fixed up front (the preprocessor's ``row_schema``), else inferred per batch."""
     import pyarrow as pa
 
     start = 0
@@ -129,7 +130,7 @@ def _converted_batches(module, files, split, out_split, data_source, rejects, wh
                             rows.append(module.convert_row(row, out_split, start + i, data_source))
                         except Reject as r:
                             rejects.append((out_split, row, str(r)))
-                    table = pa.Table.from_pylist(rows) if rows else None
+                    table = pa.Table.from_pylist(rows, schema=schema) if rows else None
             except (AttributeError, TypeError, KeyError, ValueError, pa.ArrowException) as exc:
                 raise UserError(
                     f"{where}: {Path(path).name} does not have the columns the {module.__name__.rsplit('.', 1)[-1]} "
@@ -314,6 +315,8 @@ def process(spec: registry.DatasetSpec, root: Path, out: Path, variant: str = "d
     splits = resolve_splits(spec, root)
     if not splits:
         raise UserError(f"--input {root}: no data files found for dataset {spec.name}")
+    # a first pass fixing the rows' types over every split (JSONL: rollout_extra's keys), so batches and splits agree
+    schema = module.row_schema([f for fs in splits.values() for f in fs]) if hasattr(module, "row_schema") else None
     stats_splits = {}
     rejects = _Rejects(out / "rejected.jsonl")
     try:
@@ -327,7 +330,7 @@ def process(spec: registry.DatasetSpec, root: Path, out: Path, variant: str = "d
             before = len(rejects)
             parts = _Parts(out, out_split)
             rows_in, converted, unique, conflicts = _dedupe(
-                _converted_batches(module, files, split, out_split, data_source, rejects, where), parts.write
+                _converted_batches(module, files, split, out_split, data_source, rejects, where, schema), parts.write
             )
             rows_out, conflict_rows = _finish_split(
                 parts, conflicts, limit, variant, module, rejects, out / f"{out_split}.parquet"
