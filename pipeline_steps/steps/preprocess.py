@@ -34,9 +34,16 @@ VARIANTS = ("default", "tool_agent")
 def add_arguments(p):
     p.add_argument(
         "--dataset",
-        required=True,
-        help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, jsonl, ...)",
+        default=None,
+        help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, jsonl, ...); with --train-file, "
+        "the JSONL dataset's name",
     )
+    p.add_argument(
+        "--train-file",
+        default=None,
+        help="the JSONL file URI the download step read (a dataset named by its files rather than the registry)",
+    )
+    p.add_argument("--validation-file", default=None, help="with --train-file: the validation JSONL file URI")
     p.add_argument("--input", required=True, help="snapshot directory (from the download step) or a JSONL file")
     p.add_argument("--output", required=True, help="output directory (replaced atomically)")
     p.add_argument(
@@ -425,7 +432,7 @@ def _existing(out: Path, settings: dict) -> dict | None:
 
 
 def run(args):
-    spec = registry.get(args.dataset, args.registry)
+    spec = registry.for_step(args)
     root = Path(args.input)
     out = Path(args.output)
     outputs.refuse_overlap(out, {"--input": root})
@@ -459,7 +466,9 @@ def run(args):
         stats["settings"] = settings  # what a later run must match to reuse this output
         stats["source"] = {
             "input": str(root),
-            "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None,
+            # a Hub commit, or a JSONL dataset's content revision (download step)
+            "commit": root.name if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{16}", root.name) else None,
+            **({"files": {"train": spec.train_file, "validation": spec.validation_file}} if spec.train_file else {}),
         }
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True, default=str) + "\n")
     log.info(
