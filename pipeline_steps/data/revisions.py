@@ -53,6 +53,7 @@ def commits(repo_id: str) -> tuple[list[dict], str]:
         items = json.loads(f.read_text())
         source = "index"
     else:
+        import httpx
         from huggingface_hub import HfApi
         from huggingface_hub.errors import (
             GatedRepoError,
@@ -62,6 +63,10 @@ def commits(repo_id: str) -> tuple[list[dict], str]:
         )
 
         try:
+            # huggingface_hub reads HF_HUB_OFFLINE once, at import: a process that imported it earlier (transformers
+            # does) would otherwise try the network although the environment says offline
+            if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false"):
+                raise OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
             items = [
                 {"commit": c.commit_id, "date": c.created_at.isoformat()}
                 for c in HfApi().list_repo_commits(repo_id, repo_type="dataset")
@@ -84,7 +89,7 @@ def commits(repo_id: str) -> tuple[list[dict], str]:
             raise UserError(
                 f"cannot list commits of {repo_id} offline and no revision index exists; pin the dataset revision"
             ) from None
-        except (HfHubHTTPError, OSError) as exc:
+        except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:  # httpx: no route, DNS, timeout (not OSErrors)
             raise UserError(
                 f"cannot list commits of {repo_id} ({exc.__class__.__name__}); "
                 "pin the dataset revision or check the HF connection"
