@@ -63,7 +63,7 @@ def _check_store_reaches_the_pods(params: dict, spec: dict, store: str) -> None:
         )
 
 
-def _form_file_dataset(params: dict, known: dict) -> registry.DatasetSpec | None:
+def _form_file_dataset(params: dict) -> registry.DatasetSpec | None:
     """The trigger form's JSONL files (``train_jsonl``, optional ``validation_jsonl``) as a registry spec."""
     train, validation = params.get("train_jsonl"), params.get("validation_jsonl")
     if validation and not train:
@@ -119,7 +119,7 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     known = registry.load()
     # a JSONL file chosen in the form (store or Hub URI) is a dataset of its own, trained on instead of the preset's
     # train sets (alongside the form's "datasets" when those are given too)
-    file_set = _form_file_dataset(params, known)
+    file_set = _form_file_dataset(params)
     preset_train = [] if file_set else spec.get("datasets", {}).get("train") or []
     train_sets = list(params.get("datasets") or preset_train)
     if file_set:
