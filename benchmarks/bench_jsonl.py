@@ -29,7 +29,7 @@ def process_fn(example, idx):  # verl examples/data_preprocess style: one Python
     return {"data_source": "math_dapo", "prompt": [m for m in example["messages"] if m["role"] != "assistant"],
             "ability": "custom",
             "reward_model": {"style": "rule", "ground_truth": str(example["rollout_extra"]["solution"])},
-            "extra_info": {"split": "train", "index": idx, "rollout_extra": json.dumps(example["rollout_extra"])}}
+            "extra_info": {"split": "train", "index": idx, "rollout_extra": example["rollout_extra"]}}
 ds = ds.map(process_fn, with_indices=True, remove_columns=ds.column_names)
 ds.to_parquet(out)
 """

@@ -51,6 +51,8 @@ DEFAULT_EXPERIMENT = os.environ.get("VERL_PIPELINE_DEFAULT_EXPERIMENT", "local_t
 DEFAULT_BACKEND = os.environ.get("VERL_PIPELINE_DEFAULT_BACKEND", "local")
 PRESET = experiment.preset_summary(DEFAULT_EXPERIMENT)  # the default preset's values, shown in the form
 NAME = "^[a-z0-9][a-z0-9_.-]{0,63}$"
+# a JSONL file: a store object or a Hub dataset file (HfFileSystem's spelling, optional @revision after the repo)
+JSONL_URI = r"^(file:///|(oss|gs)://|hf://datasets/)[A-Za-z0-9._/@%=-]+\.jsonl$"
 
 
 def _default(what: str) -> str:
@@ -90,6 +92,24 @@ PARAMS = {
         title="Training datasets",
         section="Data",
         description="Which data, at which revision. Registry names; " + _default("datasets"),
+    ),
+    "train_jsonl": Param(
+        None,
+        type=["null", "string"],
+        pattern=JSONL_URI,
+        title="Training JSONL file",
+        section="Data",
+        description="Your own data, trained on instead of the preset's datasets (with them if listed above): one "
+        '{"messages": [...], "rollout_extra": {"solution": ...}} per line; file:///abs/x.jsonl, oss://bucket/x.jsonl, '
+        "gs://bucket/x.jsonl or hf://datasets/org/name[@revision]/x.jsonl.",
+    ),
+    "validation_jsonl": Param(
+        None,
+        type=["null", "string"],
+        pattern=JSONL_URI,
+        title="Validation JSONL file",
+        section="Data",
+        description="Optional, with a training JSONL file: its validation split, the same form of URI and rows.",
     ),
     "prepare_datasets": Param(
         None,
@@ -241,14 +261,15 @@ def verl_grpo_pipeline():
 
     @task(task_id="download_requests", **retrying(timedelta(minutes=5)))
     def download_requests(datasets) -> list[dict]:
-        return [planning.download_request(item) for item in datasets]
+        return [planning.download_kwargs(item) for item in datasets]
 
     planned = plan()
     download = PipelineStepOperator.partial(
         task_id="download",
         step="download",
+        store_conn_id=STORE_CONN_ID,  # a JSONL file in the store is read with the store's connection
         **retrying(timedelta(hours=2)),
-    ).expand(request=download_requests(planned["datasets"]))
+    ).expand_kwargs(download_requests(planned["datasets"]))
     preprocess = PipelineStepOperator.partial(
         task_id="preprocess",
         step="preprocess",

@@ -82,6 +82,10 @@ BAD = [
     ({"verl_overrides": ["no equals sign"]}, "verl_overrides"),
     ({"verl_overrides": ["; echo pwned=1"]}, "verl_overrides"),
     ({"store_uri": "s3://bucket"}, "store_uri"),
+    ({"train_jsonl": "ftp://host/rows.jsonl"}, "train_jsonl"),
+    ({"train_jsonl": "file:///data/rows.csv"}, "train_jsonl"),
+    ({"train_jsonl": "hf://org/model/rows.jsonl"}, "train_jsonl"),  # a model repository: datasets only
+    ({"validation_jsonl": "file:///data/$(whoami).jsonl"}, "validation_jsonl"),
     ({"smoke": "yes"}, "smoke"),
 ]
 
@@ -111,6 +115,8 @@ def test_trigger_form_accepts_a_full_form(dag):
             "nnodes": 2,
             "verl_overrides": ["actor_rollout_ref.actor.clip_ratio_high=0.28"],
             "store_uri": "oss://bucket/verl",
+            "train_jsonl": "hf://datasets/my-org/my-data@refs%2Fpr%2F1/data/train.jsonl",
+            "validation_jsonl": "oss://bucket/data/val.jsonl",
         }
     )
     assert params.validate()["rollout_n"] == 8

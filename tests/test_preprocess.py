@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_steps import cli
-from tests.conftest import run_step
+from tests.conftest import assert_refused, run_step
 
 DATASETS = ["gsm8k", "dapo_math", "geometry3k", "aime2024"]
 
@@ -354,6 +354,32 @@ def test_jsonl_custom_rows_and_bad_lines(tmp_path, capsys, tiny_model):
     from verl.utils.reward_score import default_compute_score
 
     assert default_compute_score(rows[3]["data_source"], "Answer: 6", "6")["score"] == 1.0
+
+
+def test_jsonl_rollout_extra_key_with_two_types_is_one_line_naming_both_rows(tmp_path):
+    """``rollout_extra`` becomes a parquet struct: a key that is a string in one row and a number in another has no
+    type, and the step says which key and which two lines (JSONL lines, counted from 1) before writing anything."""
+    rows = [
+        {"solution": "1", "meta": {"level": "easy"}},
+        {"solution": "2"},
+        {"solution": "3", "meta": {"level": 3}},
+    ]
+    src = tmp_path / "rows.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"q{i}"}], "rollout_extra": e}) + "\n"
+            for i, e in enumerate(rows)
+        )
+    )
+    code, _, err = run_step("preprocess", "--dataset", "jsonl", "--input", src, "--output", tmp_path / "out")
+    assert_refused(
+        code,
+        err,
+        "rollout_extra key 'meta.level'",
+        "a string in line 1 of rows.jsonl",
+        "an integer in line 3 of rows.jsonl",
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_limit_and_bad_flags(processed, tmp_path, capsys):

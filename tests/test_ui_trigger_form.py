@@ -113,8 +113,9 @@ def test_the_form_opens_with_every_section_valid_and_trigger_enabled(ui):
         ("Hyperparameters", "[name=element_rollout_n]", "0", "rollout_n"),
         ("Cluster", "#element_store_uri", "ftp://x", "store_uri"),
         ("Hyperparameters", "#element_verl_overrides", "no equals sign", "verl_overrides"),
+        ("Data", "#element_train_jsonl", "ftp://host/rows.jsonl", "train_jsonl"),
     ],
-    ids=["rollout-n-0", "store-ftp", "override-without-equals"],
+    ids=["rollout-n-0", "store-ftp", "override-without-equals", "train-jsonl-ftp"],
 )
 def test_bad_values_are_refused_with_their_message_visible(ui, section, selector, value, param):
     before = _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"]

@@ -27,8 +27,9 @@ def test_retool_reward_scores_boxed_answer_and_tool_use():
     assert compute_score("x", "6*7\nAnswer: 41\nno, wait\nAnswer: $42$", "42")["acc"] == 1.0
     assert compute_score("x", "the Answer: 42 is inline", "42")["acc"] == 0.0
     assert compute_score("x", "[error] NameError \\boxed{1}", "42")["score"] == pytest.approx(-1.05)
-    extra = {"rollout_extra": json.dumps({"solution": "7"})}  # as stored in parquet
+    extra = {"rollout_extra": {"solution": "7", "note": None}}  # a parquet struct: every row's keys, None if absent
     assert compute_score("x", "\\boxed{7}", "42", extra)["acc"] == 1.0
+    assert compute_score("x", "\\boxed{42}", "42", {"rollout_extra": {"solution": None}})["acc"] == 1.0
     group = compute_group_score("x", ["\\boxed{42} long answer", "\\boxed{42}", "\\boxed{3}"], "42")
     assert [g["score"] for g in group] == [1.0, pytest.approx(1.1), -1.0]
 
@@ -52,26 +53,51 @@ def test_preflight_calls_the_reward_on_a_sample_row(tmp_path):
         check_reward_function(_cfg(tmp_path / "none.py"))
 
 
-def test_rollout_extra_reaches_the_reward_as_a_dict(tmp_path, tiny_model):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+def test_rollout_extra_reaches_the_reward_as_a_dict(tmp_path, tiny_model, capsys, monkeypatch):
+    """The preprocess step stores ``rollout_extra`` as a parquet struct over the union of the rows' keys, so verl's own
+    dataset class (what ``main_ppo`` reads on the cluster, which hands ``extra_info`` to ``compute_score`` unchanged)
+    and the CPU trainer's loader both give the reward a dict, whichever batch a row was written in."""
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
+    from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from pipeline_steps.data.preprocessors import jsonl
+    from pipeline_steps import cli
     from pipeline_steps.local.grpo_cpu import load_prompts
+    from pipeline_steps.rewards.retool import compute_score
+    from pipeline_steps.steps import preprocess
 
-    row = jsonl.convert_row(
-        {"messages": [{"role": "user", "content": "1+1?"}], "rollout_extra": {"solution": "2", "tag": "a"}},
-        "train",
-        0,
-        jsonl.DATA_SOURCE,
+    extras = [
+        {"solution": "2", "tag": "a"},
+        {"solution": "3", "weight": 0.5, "meta": {"ids": [1, 2]}},
+        {"solution": "4", "weight": 1, "meta": {"source": "web"}},  # an integer beside a decimal: a number
+    ]
+    src = tmp_path / "rows.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"{i}+1?"}], "rollout_extra": e}) + "\n"
+            for i, e in enumerate(extras)
+        )
     )
-    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "t.parquet")
+    monkeypatch.setattr(
+        preprocess, "LINE_BATCH_ROWS", 1
+    )  # one row per batch: types are the first pass's, not a batch's
+    assert cli.main(["preprocess", "--dataset", "jsonl", "--input", str(src), "--output", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    union = {"solution": None, "tag": None, "weight": None, "meta": {"ids": None, "source": None}}
+
+    def expected(e):
+        return {**union, **e, "meta": {**union["meta"], **(e.get("meta") or {})} if "meta" in e else None}
+
+    want = [expected(e) for e in extras]
+    want[2]["weight"] = 1.0
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    data = OmegaConf.create({"max_prompt_length": 256})
-    [p] = load_prompts([tmp_path / "t.parquet"], tok, data)
-    assert p.extra_info["rollout_extra"] == {"solution": "2", "tag": "a"}
+    data = OmegaConf.create({"max_prompt_length": 256, "filter_overlong_prompts": False, "cache_dir": str(tmp_path)})
+    dataset = RLHFDataset([str(tmp_path / "out" / "train.parquet")], tok, data)
+    got = [dataset[i]["extra_info"]["rollout_extra"] for i in range(len(dataset))]
+    assert all(isinstance(g, dict) for g in got) and got == want, got
+    local = [p.extra_info["rollout_extra"] for p in load_prompts([tmp_path / "out" / "train.parquet"], tok, data)]
+    assert local == want
+    assert compute_score("x", "\\boxed{3}", "0", dataset[1]["extra_info"])["acc"] == 1.0  # its solution, a dict key
 
 
 GROUP_REWARD = """

@@ -38,6 +38,14 @@ def _index_file(repo_id: str) -> Path | None:
     return None
 
 
+def in_cache(repo_id: str, repo_type: str = "dataset") -> bool:
+    """Whether the Hugging Face cache holds anything of the repository (offline, the only Hub there is)."""
+    from huggingface_hub import constants
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    return (Path(cache) / f"{repo_type}s--{repo_id.replace('/', '--')}").is_dir()
+
+
 def commits(repo_id: str) -> tuple[list[dict], str]:
     """[{commit, date}] newest first, and where they came from."""
     f = _index_file(repo_id)
@@ -45,19 +53,43 @@ def commits(repo_id: str) -> tuple[list[dict], str]:
         items = json.loads(f.read_text())
         source = "index"
     else:
+        import httpx
         from huggingface_hub import HfApi
-        from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+        from huggingface_hub.errors import (
+            GatedRepoError,
+            HfHubHTTPError,
+            OfflineModeIsEnabled,
+            RepositoryNotFoundError,
+        )
 
         try:
+            # huggingface_hub reads HF_HUB_OFFLINE once, at import: a process that imported it earlier (transformers
+            # does) would otherwise try the network although the environment says offline
+            if os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false"):
+                raise OfflineModeIsEnabled("HF_HUB_OFFLINE is set")
             items = [
                 {"commit": c.commit_id, "date": c.created_at.isoformat()}
                 for c in HfApi().list_repo_commits(repo_id, repo_type="dataset")
             ]
+        except RepositoryNotFoundError as exc:
+            if isinstance(exc, GatedRepoError):
+                raise UserError(
+                    f"dataset {repo_id} is gated; accept its terms on the Hub and set a token (HF connection or "
+                    "HF_TOKEN)"
+                ) from None
+            raise UserError(
+                f"dataset {repo_id} not found on the Hub (or private without a token); check the name and the HF "
+                "connection"
+            ) from None
         except OfflineModeIsEnabled:
+            if not in_cache(repo_id):
+                raise UserError(
+                    f"dataset {repo_id} is not in the offline Hub cache (no such repository here); check the name"
+                ) from None
             raise UserError(
                 f"cannot list commits of {repo_id} offline and no revision index exists; pin the dataset revision"
             ) from None
-        except (HfHubHTTPError, OSError) as exc:
+        except (HfHubHTTPError, httpx.HTTPError, OSError) as exc:  # httpx: no route, DNS, timeout (not OSErrors)
             raise UserError(
                 f"cannot list commits of {repo_id} ({exc.__class__.__name__}); "
                 "pin the dataset revision or check the HF connection"

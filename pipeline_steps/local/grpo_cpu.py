@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import json
 import logging
 import math
 import os
@@ -131,9 +130,7 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
                         "raise data.max_prompt_length, or set data.truncation=left|right|middle or "
                         "data.filter_overlong_prompts=true"
                     )
-            extra = dict(row.get("extra_info") or {})
-            if isinstance(extra.get("rollout_extra"), str):  # JSONL rows' rollout_extra, stored as JSON text in parquet
-                extra["rollout_extra"] = json.loads(extra["rollout_extra"])
+            extra = dict(row.get("extra_info") or {})  # a JSONL row's rollout_extra is a parquet struct: a dict here
             out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], extra, messages, row.get("agent_name")))
     return out
 

@@ -6,7 +6,8 @@ revisions oldest first; ``<root>/<org>/<name>/<label>/`` holds that revision's
 files. ``*.jsonl`` files become ``*.parquet`` (what the real repositories hold);
 an image ``{"bytes_b64": ...}`` becomes ``{"bytes": ...}``.
 
-Generated repositories (:mod:`pipeline_steps.local.synthetic`) are written the same way.
+Generated repositories (:mod:`pipeline_steps.local.synthetic`) are written the same way (their files as generated:
+``pipeline-local/chat-jsonl`` keeps its ``.jsonl`` files).
 Each revision gets a deterministic 40-hex commit, a ``refs/<label>`` and the
 newest gets ``refs/main``. The commit dates go to ``<cache>/revision-index/``,
 which :mod:`pipeline_steps.data.revisions` reads in place of the Hub's commit list.
@@ -75,6 +76,7 @@ def build_cache(fixtures_root: str | os.PathLike, cache_dir: str | os.PathLike) 
             dict(rev, files=_revision_files(repo_dir / rev["label"])) for rev in json.loads(revs_file.read_text())
         ]
     repos[synthetic.REPO_ID] = synthetic.revisions()
+    repos[synthetic.JSONL_REPO_ID] = synthetic.jsonl_revisions()  # kept as JSONL: a user's own files
     return {repo_id: _write_repo(cache_dir, repo_id, revs) for repo_id, revs in repos.items()}
 
 

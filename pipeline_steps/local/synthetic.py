@@ -10,12 +10,18 @@ evaluation on it measures what training generalised, not what it memorised. What
 CPU steps is mostly which answers are likely (27% of the answers are 9, 22% are 8, against 10% for a uniform guess);
 the held-out split has the same answer distribution, so that gain shows on it.
 
+``pipeline-local/chat-jsonl`` is the same task as a user's own JSONL dataset on the Hub (guide 002's shape,
+``{"messages": [...], "rollout_extra": {"solution": ..., ...}}``, in ``data/train.jsonl`` and
+``data/validation.jsonl``), for choosing a Hub JSONL file in the trigger form on the local profile
+(``hf://datasets/pipeline-local/chat-jsonl/data/train.jsonl``).
+
 Deterministic: the same code gives byte-identical files and the same commits.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import random
 
 REPO_ID = "pipeline-local/arithmetic"
@@ -90,6 +96,47 @@ def revisions() -> list[dict]:
             "README.md": CARD.format(test=TEST_ROWS, label=label, train=n_train).encode(),
             "data/train-00000-of-00001.parquet": _parquet([_row(n) for n in train]),
             "data/test-00000-of-00001.parquet": _parquet([_row(n) for n in test]),
+        }
+        out.append({"label": label, "date": date, "files": files})
+    return out
+
+
+JSONL_REPO_ID = "pipeline-local/chat-jsonl"
+# label, commit date, train rows (v2 adds rows); the validation file is the arithmetic test split's first rows
+JSONL_REVISIONS = (("v1", "2026-09-01T00:00:00+00:00", 40), ("v2", "2026-10-01T00:00:00+00:00", 60))
+JSONL_VALIDATION_ROWS = 10
+JSONL_CARD = """---
+license: mit
+task_categories: [question-answering]
+---
+# chat-jsonl (synthetic)
+
+The arithmetic task as a user's own JSONL dataset: one `{"messages": [...], "rollout_extra": {...}}` object per line,
+`rollout_extra` holding the `solution` and the three `digits`. Revision {label} has {train} train rows.
+"""
+
+
+def _chat_row(item) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f'{question(item)} Reply with "Answer: N".'}],
+        "rollout_extra": {"solution": str(answer(item)), "digits": list(item)},
+    }
+
+
+def _jsonl(rows: list[dict]) -> bytes:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+
+
+def jsonl_revisions() -> list[dict]:
+    """``pipeline-local/chat-jsonl``'s revisions (``{label, date, files}``, oldest first): JSONL files as a user
+    would push them to a Hub dataset repository."""
+    out = []
+    for label, date, n_train in JSONL_REVISIONS:
+        train, test = splits(n_train)
+        files = {
+            "README.md": JSONL_CARD.replace("{label}", label).replace("{train}", str(n_train)).encode(),
+            "data/train.jsonl": _jsonl([_chat_row(n) for n in train]),
+            "data/validation.jsonl": _jsonl([_chat_row(n) for n in test[:JSONL_VALIDATION_ROWS]]),
         }
         out.append({"label": label, "date": date, "files": files})
     return out

@@ -5,13 +5,12 @@ the whole multi-turn response (the model's turns and the tools' answers). Score:
 (``\\boxed{}``, or the last ``Answer:`` line the pipeline's DAPO/AIME prompts ask for),
 -1 otherwise (ReTool's outcome reward); a correct answer that used the code tool gets ``TOOL_BONUS`` more, and every
 tool call whose code failed costs ``ERROR_COST``, so the policy learns to call the tool and to write code that runs.
-``extra_info["rollout_extra"]`` (a JSONL row's ``rollout_extra``, guide 002) may carry ``{"solution": ...}``, which
-then wins over ``ground_truth``.
+``extra_info["rollout_extra"]`` (a JSONL row's ``rollout_extra``, guide 002, a dict) may carry ``{"solution": ...}``,
+which then wins over ``ground_truth``.
 """
 
 from __future__ import annotations
 
-import json
 import re
 
 TOOL_BONUS = 0.1
@@ -45,9 +44,7 @@ def _normalise(answer) -> str:
 def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> dict:
     extra = extra_info or {}
     rollout_extra = extra.get("rollout_extra") or {}
-    if isinstance(rollout_extra, str):  # as the preprocess step stores it in parquet (the cluster passes it as is)
-        rollout_extra = json.loads(rollout_extra)
-    truth = rollout_extra.get("solution", ground_truth)
+    truth = rollout_extra.get("solution") or ground_truth
     answer = final_answer(solution_str)
     correct = answer is not None and _normalise(answer) == _normalise(truth)
     calls = solution_str.count("<tool_call>")

@@ -5,18 +5,27 @@ materialises the snapshot under ``DEST/<name>/<commit>/`` (hard links where the
 file system allows), so the output path names the exact commit that was read.
 The token comes from ``HF_TOKEN`` (set by the Airflow operator from a connection);
 it is read by huggingface_hub itself and never logged.
+
+A dataset of JSONL files named by URI (``--train-file``/``--validation-file``, or a registry entry's
+``train_file``/``validation_file``) is materialised the same way as ``DEST/<name>/<revision>/train.jsonl`` (and
+``validation.jsonl``): a Hub file (``hf://datasets/...``) through ``hf_hub_download`` at its commit (the revision),
+a store file (``file://``, ``oss://``, ``gs://``) through the store layer, its revision then the first 16 hex digits
+of the sha256 of the files' bytes: the same bytes give the same version, changed bytes a new one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import hashlib
 import logging
 import os
 import shutil
-from pathlib import Path
+import tempfile
+from pathlib import Path, PurePosixPath
 
 from pipeline_steps import atomic
-from pipeline_steps.data import registry
+from pipeline_steps.data import registry, revisions
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -24,8 +33,18 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p):
     p.add_argument(
-        "--dataset", required=True, help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, ...)"
+        "--dataset",
+        default=None,
+        help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, ...); with --train-file, the "
+        "name to give the JSONL dataset (default: derived from the file)",
     )
+    p.add_argument(
+        "--train-file",
+        default=None,
+        help="a JSONL file instead of a registry repository: file:///abs/x.jsonl, oss://bucket/key.jsonl, "
+        "gs://bucket/key.jsonl or hf://datasets/<org>/<name>[@<revision>]/<path>.jsonl",
+    )
+    p.add_argument("--validation-file", default=None, help="with --train-file: a JSONL file for the validation split")
     p.add_argument(
         "--revision", default="main", help="branch, tag or commit to read (pin a commit for reproducible runs)"
     )
@@ -33,29 +52,29 @@ def add_arguments(p):
     p.add_argument("--registry", default=None, help="YAML/JSON file with extra dataset entries")
 
 
-def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: str = "dataset") -> Path:
-    """``snapshot_download`` with Hub errors turned into one-line user errors."""
-    from huggingface_hub import snapshot_download
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
+
+
+def _cache_dir() -> str | None:
+    return os.environ.get("HF_HUB_CACHE") or None  # read now, not at huggingface_hub import
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str, repo_type: str = "dataset", path: str | None = None):
+    """Hub errors as one-line user errors naming the repository (and the file, for a single-file download)."""
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
         OfflineModeIsEnabled,
+        RemoteEntryNotFoundError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
+    offline = _offline()
     try:
-        return Path(
-            snapshot_download(
-                repo_id=repo_id,
-                repo_type=repo_type,
-                revision=revision,
-                allow_patterns=list(allow_patterns) or None,
-                local_files_only=offline,  # a pinned commit would otherwise still ask the Hub for its file list
-                cache_dir=os.environ.get("HF_HUB_CACHE") or None,  # read now, not at huggingface_hub import
-            )
-        )
+        yield
     except RevisionNotFoundError:
         raise UserError(
             f"--revision {revision!r} does not exist in {repo_type} {repo_id}; pass an existing branch, tag or commit"
@@ -68,12 +87,64 @@ def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: 
         raise UserError(
             f"{repo_type} {repo_id} not found (or private without a token); check the name and the HF connection"
         ) from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        where = "in the offline cache" if offline else "locally and the Hub is unreachable"
+    except RemoteEntryNotFoundError:  # online: the repository and revision exist, the file does not
         raise UserError(
-            f"revision {revision!r} of {repo_type} {repo_id} is not available {where}; "
-            "pin a revision that is cached or allow network access"
+            f"{repo_type} {repo_id}@{revision} has no file {path!r}; check the path inside the repository"
         ) from None
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        if offline and not revisions.in_cache(repo_id, repo_type):
+            raise UserError(
+                f"{repo_type} {repo_id} is not in the offline Hub cache (no such repository here); check the name"
+            ) from None
+        where = "in the offline cache" if offline else "locally and the Hub is unreachable"
+        what = f"file {path!r} at revision {revision!r}" if path else f"revision {revision!r}"
+        raise UserError(
+            f"{what} of {repo_type} {repo_id} is not available {where}; "
+            "check the name, pin a revision that is cached or allow network access"
+        ) from None
+
+
+def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: str = "dataset") -> Path:
+    """``snapshot_download`` with Hub errors turned into one-line user errors."""
+    from huggingface_hub import snapshot_download
+
+    with _hub_errors(repo_id, revision, repo_type):
+        return Path(
+            snapshot_download(
+                repo_id=repo_id,
+                repo_type=repo_type,
+                revision=revision,
+                allow_patterns=list(allow_patterns) or None,
+                local_files_only=_offline(),  # a pinned commit would otherwise still ask the Hub for its file list
+                cache_dir=_cache_dir(),
+            )
+        )
+
+
+def fetch_hub_file(uri: str, what: str) -> tuple[Path, str, str]:
+    """One dataset file named ``hf://datasets/<org>/<name>[@<revision>]/<path>`` through ``hf_hub_download`` into the
+    Hugging Face cache: (its path in the cache, the commit it was read at, the repository id)."""
+    from huggingface_hub import hf_hub_download
+
+    parsed = registry.hub_file(uri, what)
+    revision = parsed.revision or "main"
+    try:
+        with _hub_errors(parsed.id, revision, path=parsed.path_in_repo):
+            path = Path(
+                hf_hub_download(
+                    parsed.id,
+                    parsed.path_in_repo,
+                    repo_type="dataset",
+                    revision=revision,
+                    local_files_only=_offline(),
+                    cache_dir=_cache_dir(),
+                )
+            )
+    except UserError as exc:
+        raise UserError(f"{what} {uri}: {exc}") from None
+    # the cache's layout: <repo>/snapshots/<commit>/<path in repo>
+    commit = path.parts[-len(PurePosixPath(parsed.path_in_repo).parts) - 1]
+    return path, commit, parsed.id
 
 
 def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
@@ -101,12 +172,95 @@ def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
     return n
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+STAGING = ".tmp-incoming."
+
+
+def download_files(spec: registry.DatasetSpec, dest: Path) -> dict:
+    """A JSONL dataset (``spec.train_file`` and optional ``spec.validation_file``) -> ``dest/<name>/<revision>/
+    {train,validation}.jsonl``. Revision: the Hub commit when every file is a Hub file of one repository read at one
+    commit, otherwise the first 16 hex digits of the sha256 over the files (split name and content)."""
+    from pipeline_steps.store import open_store
+
+    files = {"train": spec.train_file}
+    if spec.validation_file:
+        files["validation"] = spec.validation_file
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--dest {dest}: cannot write there ({exc.strerror}); choose a writable directory") from None
+    for stale in dest.glob(f"{STAGING}*"):  # a killed run's staging directory
+        if atomic.abandoned(stale, STAGING):
+            shutil.rmtree(stale, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=f"{STAGING}{os.getpid()}.", dir=dest))
+    try:
+        sources, commits = {}, set()
+        for split, uri in files.items():
+            what = "--train-file" if split == "train" else "--validation-file"
+            target = staging / f"{split}.jsonl"
+            if uri.startswith("hf://"):
+                path, commit, repo_id = fetch_hub_file(uri, what)
+                try:
+                    os.link(path.resolve(), target)
+                except OSError:
+                    shutil.copyfile(path.resolve(), target)
+                commits.add((repo_id, commit))
+                sources[split] = {"uri": uri, "repo_id": repo_id, "commit": commit}
+            else:
+                registry.check_file_uri(uri, what)
+                open_store(uri).download_file(uri, target, what)
+                sources[split] = {"uri": uri}
+            sources[split].update(sha256=_sha256(target), bytes=target.stat().st_size)
+        if len(commits) == 1 and all("commit" in s for s in sources.values()):
+            (repo_id, revision), kind = next(iter(commits)), "hub-commit"
+        else:
+            h = hashlib.sha256()
+            for split in sorted(sources):
+                h.update(f"{split}\0{sources[split]['sha256']}\0".encode())
+            repo_id, revision, kind = "", h.hexdigest()[:16], "content-sha256"
+        out = dest / spec.name / revision
+        n = materialise(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    names = sorted(f"{split}.jsonl" for split in files)
+    log.info("dataset %s: %s -> %s (%s %s, %d new files)", spec.name, files, out, kind, revision, n)
+    return {
+        "dataset": spec.name,
+        "repo_id": repo_id,
+        "revision": revision,
+        "revision_kind": kind,
+        "commit": revision,  # the version's folder name, as for a Hub snapshot
+        "path": str(out),
+        "files": names,
+        "sources": sources,
+    }
+
+
 def run(args):
-    if not str(args.revision).strip():
-        raise UserError("--revision '': empty; pass a branch, tag or 40-hex commit (default main)")
     if Path(args.dest).exists() and not Path(args.dest).is_dir():
         raise UserError(f"--dest {args.dest}: exists and is not a directory; pass a directory for the snapshots")
-    spec = registry.get(args.dataset, args.registry)
+    spec = registry.for_step(args)
+    if spec.train_file:
+        if args.revision != "main":
+            raise UserError(
+                f"--revision {args.revision!r}: a JSONL file's version is its Hub revision in the URI "
+                "(hf://datasets/<org>/<name>@<revision>/<path>.jsonl) or, for a store file, its content; "
+                "drop --revision"
+            )
+        return download_files(spec, Path(args.dest))
+    if not spec.repo_id:
+        raise UserError(
+            f"--dataset {spec.name!r} names no Hub repository and no JSONL file; pass --train-file with a JSONL URI"
+        )
+    if not str(args.revision).strip():
+        raise UserError("--revision '': empty; pass a branch, tag or 40-hex commit (default main)")
     snapshot = fetch_snapshot(spec.repo_id, args.revision, spec.allow_patterns)
     commit = snapshot.name  # snapshot folders are named by the resolved commit
     out = Path(args.dest) / spec.name / commit

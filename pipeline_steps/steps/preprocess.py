@@ -23,7 +23,7 @@ from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_
 from pipeline_steps.errors import UserError
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
-PREPROCESSOR_VERSION = 3
+PREPROCESSOR_VERSION = 4  # 4: JSONL rollout_extra is a struct (was JSON text)
 
 log = logging.getLogger(__name__)
 BATCH_ROWS = 65536
@@ -34,9 +34,16 @@ VARIANTS = ("default", "tool_agent")
 def add_arguments(p):
     p.add_argument(
         "--dataset",
-        required=True,
-        help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, jsonl, ...)",
+        default=None,
+        help="dataset name from the registry (gsm8k, dapo_math, geometry3k, aime2024, jsonl, ...); with --train-file, "
+        "the JSONL dataset's name",
     )
+    p.add_argument(
+        "--train-file",
+        default=None,
+        help="the JSONL file URI the download step read (a dataset named by its files rather than the registry)",
+    )
+    p.add_argument("--validation-file", default=None, help="with --train-file: the validation JSONL file URI")
     p.add_argument("--input", required=True, help="snapshot directory (from the download step) or a JSONL file")
     p.add_argument("--output", required=True, help="output directory (replaced atomically)")
     p.add_argument(
@@ -103,8 +110,9 @@ def _columns(path) -> str:
         return "schema unreadable"
 
 
-def _converted_batches(module, files, split, out_split, data_source, rejects, where):
-    """Yield (rows_in, pa.Table of verl rows) per batch; rejected rows go to ``rejects``."""
+def _converted_batches(module, files, split, out_split, data_source, rejects, where, schema=None):
+    """Yield (rows_in, pa.Table of verl rows) per batch; rejected rows go to ``rejects``. ``schema``: the rows' types
+    fixed up front (the preprocessor's ``row_schema``), else inferred per batch."""
     import pyarrow as pa
 
     start = 0
@@ -129,7 +137,7 @@ def _converted_batches(module, files, split, out_split, data_source, rejects, wh
                             rows.append(module.convert_row(row, out_split, start + i, data_source))
                         except Reject as r:
                             rejects.append((out_split, row, str(r)))
-                    table = pa.Table.from_pylist(rows) if rows else None
+                    table = pa.Table.from_pylist(rows, schema=schema) if rows else None
             except (AttributeError, TypeError, KeyError, ValueError, pa.ArrowException) as exc:
                 raise UserError(
                     f"{where}: {Path(path).name} does not have the columns the {module.__name__.rsplit('.', 1)[-1]} "
@@ -314,6 +322,8 @@ def process(spec: registry.DatasetSpec, root: Path, out: Path, variant: str = "d
     splits = resolve_splits(spec, root)
     if not splits:
         raise UserError(f"--input {root}: no data files found for dataset {spec.name}")
+    # a first pass fixing the rows' types over every split (JSONL: rollout_extra's keys), so batches and splits agree
+    schema = module.row_schema([f for fs in splits.values() for f in fs]) if hasattr(module, "row_schema") else None
     stats_splits = {}
     rejects = _Rejects(out / "rejected.jsonl")
     try:
@@ -327,7 +337,7 @@ def process(spec: registry.DatasetSpec, root: Path, out: Path, variant: str = "d
             before = len(rejects)
             parts = _Parts(out, out_split)
             rows_in, converted, unique, conflicts = _dedupe(
-                _converted_batches(module, files, split, out_split, data_source, rejects, where), parts.write
+                _converted_batches(module, files, split, out_split, data_source, rejects, where, schema), parts.write
             )
             rows_out, conflict_rows = _finish_split(
                 parts, conflicts, limit, variant, module, rejects, out / f"{out_split}.parquet"
@@ -422,7 +432,7 @@ def _existing(out: Path, settings: dict) -> dict | None:
 
 
 def run(args):
-    spec = registry.get(args.dataset, args.registry)
+    spec = registry.for_step(args)
     root = Path(args.input)
     out = Path(args.output)
     outputs.refuse_overlap(out, {"--input": root})
@@ -456,7 +466,9 @@ def run(args):
         stats["settings"] = settings  # what a later run must match to reuse this output
         stats["source"] = {
             "input": str(root),
-            "commit": root.name if re.fullmatch(r"[0-9a-f]{40}", root.name) else None,
+            # a Hub commit, or a JSONL dataset's content revision (download step)
+            "commit": root.name if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{16}", root.name) else None,
+            **({"files": {"train": spec.train_file, "validation": spec.validation_file}} if spec.train_file else {}),
         }
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True, default=str) + "\n")
     log.info(

@@ -507,6 +507,23 @@ class Store(abc.ABC):
                 problems.append(f"{e['path']}: size/checksum differs from the manifest")
         return manifest, problems
 
+    def download_file(self, uri: str, dest: str | os.PathLike, what: str = "file") -> dict:
+        """One object (a user's file, not a version) into ``dest``; a one-line UserError naming ``what`` when it does
+        not exist. Returns ``{"uri", "bytes"}``."""
+        u = self._parse(uri)
+        info = self._head(u.key)
+        if info is None:
+            raise UserError(f"{what} {uri}: no such object in the store; check the path and the bucket")
+        out = Path(dest)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if info.size == 0:  # nothing to fetch (a ranged GET of an empty object is a 416 on GCS)
+            out.touch()
+        else:
+            self._get_file(u.key, out)
+        if out.stat().st_size != info.size:
+            raise RuntimeError(f"{uri}: downloaded {out.stat().st_size} bytes of {info.size}; retry")
+        return {"uri": str(u), "bytes": info.size}
+
     def download_dir(self, src_uri: str, dest_dir: str | os.PathLike) -> dict:
         """Download a complete version into ``dest_dir`` (atomically), verifying every file's
         size and sha256 against the manifest; UserError on an incomplete version or a mismatch."""

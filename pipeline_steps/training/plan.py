@@ -63,6 +63,46 @@ def _check_store_reaches_the_pods(params: dict, spec: dict, store: str) -> None:
         )
 
 
+def _form_file_dataset(params: dict) -> registry.DatasetSpec | None:
+    """The trigger form's JSONL files (``train_jsonl``, optional ``validation_jsonl``) as a registry spec."""
+    train, validation = params.get("train_jsonl"), params.get("validation_jsonl")
+    if validation and not train:
+        raise UserError(
+            f"validation_jsonl {str(validation)[:200]!r}: set train_jsonl too (the training file); a validation file "
+            "alone gives nothing to train on"
+        )
+    if not train:
+        return None
+    return registry.file_spec(train, validation, what=("train_jsonl", "validation_jsonl"))
+
+
+def _pinned_files(ds: registry.DatasetSpec, as_of: datetime | None) -> tuple[dict, str, dict]:
+    """A JSONL dataset's files with every unpinned Hub file pinned to its repository's newest commit at ``as_of`` (as
+    registry datasets are), the revision to show (the train file's Hub revision; ``content`` for a store file, whose
+    version the download step derives from its bytes) and how it was resolved."""
+    import dataclasses
+
+    from pipeline_steps.data import revisions
+
+    files = {"train": ds.train_file, **({"validation": ds.validation_file} if ds.validation_file else {})}
+    revision, resolved = "content", {"source": "content"}
+    for split, uri in files.items():
+        if not uri.startswith("hf://"):
+            continue
+        parsed = registry.hub_file(uri, f"{split} file")
+        if parsed.revision:
+            rev, how = parsed.revision, {"source": "pinned"}
+        elif as_of is not None:
+            how = revisions.resolve(parsed.id, as_of)
+            rev = how["commit"]
+            files[split] = dataclasses.replace(parsed, revision=rev).to_uri()
+        else:
+            rev, how = "main", {"source": "branch"}
+        if split == "train":
+            revision, resolved = rev, how
+    return files, revision, resolved
+
+
 def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) -> dict:
     from pipeline_steps.data import revisions
 
@@ -76,14 +116,21 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     _check_store_reaches_the_pods(params, spec, store)
     work = str(Path(os.environ.get("PIPELINE_WORK_DIR") or home() / "work"))
     smoke = bool(params.get("smoke"))
-    train_sets = list(params.get("datasets") or spec.get("datasets", {}).get("train") or [])
+    known = registry.load()
+    # a JSONL file chosen in the form (store or Hub URI) is a dataset of its own, trained on instead of the preset's
+    # train sets (alongside the form's "datasets" when those are given too)
+    file_set = _form_file_dataset(params)
+    preset_train = [] if file_set else spec.get("datasets", {}).get("train") or []
+    train_sets = list(params.get("datasets") or preset_train)
+    if file_set:
+        known[file_set.name] = file_set
+        train_sets = list(dict.fromkeys([*train_sets, file_set.name]))
     eval_set = params.get("eval_dataset") or (spec.get("evaluation") or {}).get("dataset")
     pins = dict(params.get("dataset_revisions") or {})
     # a tool-agent preset names its row variant (datasets.variant); the form's choice wins unless left at default
     variant = params.get("variant") or "default"
     if variant == "default":
         variant = (spec.get("datasets") or {}).get("variant") or "default"
-    known = registry.load()
     items = []
     extra_sets = list(params.get("prepare_datasets") or [])
     selected = list(dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets))
@@ -92,31 +139,43 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
         raise UserError(
             f"dataset_revisions: {stray} not among this run's datasets {selected}; fix the name or select the dataset"
         )
-    for name in dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets):
-        if name not in known or not known[name].repo_id:
+    as_of = logical_date if logical_date is not None and params.get("revisions_as_of_logical_date", True) else None
+    for name in selected:
+        ds = known.get(name)
+        if ds is None or not (ds.repo_id or ds.train_file):
             raise UserError(
                 f"dataset {name!r} is not a downloadable registry entry; choose from "
-                f"{sorted(k for k, v in known.items() if v.repo_id)}"
+                f"{sorted(k for k, v in known.items() if v.repo_id or v.train_file)}, or name a JSONL file in "
+                "train_jsonl"
             )
-        if name in pins:
+        files = None
+        if ds.train_file:
+            if name in pins:
+                raise UserError(
+                    f"dataset_revisions: {name!r} is made of JSONL files; pin a Hub file's revision in its URI "
+                    "(hf://datasets/<org>/<name>@<revision>/<path>.jsonl); a store file's version is its content"
+                )
+            files, revision, resolved = _pinned_files(ds, as_of)
+        elif name in pins:
             revision, resolved = pins[name], {"source": "pinned"}
-        elif logical_date is not None and params.get("revisions_as_of_logical_date", True):
-            resolved = revisions.resolve(known[name].repo_id, logical_date)
+        elif as_of is not None:
+            resolved = revisions.resolve(ds.repo_id, as_of)
             revision = resolved["commit"]
         else:
             revision, resolved = "main", {"source": "branch"}
-        items.append(
-            {
-                "dataset": name,
-                "role": "train" if name in train_sets else "eval" if name == eval_set else "prepare",
-                "revision": revision,
-                "resolved": resolved,
-                "variant": variant,
-                "limit": SMOKE_ROWS if smoke else None,
-                "work": work,
-                "store": store,
-            }
-        )
+        item = {
+            "dataset": name,
+            "role": "train" if name in train_sets else "eval" if name == eval_set else "prepare",
+            "revision": revision,
+            "resolved": resolved,
+            "variant": variant,
+            "limit": SMOKE_ROWS if smoke else None,
+            "work": work,
+            "store": store,
+        }
+        if files:
+            item["files"] = files  # {"train": uri, "validation": uri}: what download reads (Hub URIs pinned)
+        items.append(item)
     preset_model = spec.get("model") or {}
     if params.get("model"):  # typed in the form: a Hub repo id (or tiny), never a path on the worker
         model = str(params["model"]).strip()
@@ -147,11 +206,29 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     }
 
 
+def _file_args(item: dict) -> list[str]:
+    files = item.get("files") or {}
+    return [
+        a
+        for split, flag in (("train", "--train-file"), ("validation", "--validation-file"))
+        if split in files
+        for a in (flag, files[split])
+    ]
+
+
 def download_request(item: dict) -> dict:
-    return {
-        "args": ["--dataset", item["dataset"], "--revision", item["revision"], "--dest", f"{item['work']}/snapshots"],
-        "carry": item,
-    }
+    if item.get("files"):  # JSONL files: their revision is in the (pinned) Hub URI or their content
+        args = ["--dataset", item["dataset"], *_file_args(item), "--dest", f"{item['work']}/snapshots"]
+    else:
+        args = ["--dataset", item["dataset"], "--revision", item["revision"], "--dest", f"{item['work']}/snapshots"]
+    return {"args": args, "carry": item}
+
+
+def download_kwargs(item: dict) -> dict:
+    """The mapped download task's arguments: its request, and the store a store file is read from (its connection's
+    credentials go to the step, as for every step that reads the store); empty for Hub downloads."""
+    stored = [u for u in (item.get("files") or {}).values() if not u.startswith("hf://")]
+    return {"request": download_request(item), "store_uri": stored[0] if stored else ""}
 
 
 def preprocess_request(done: dict) -> dict:
@@ -166,6 +243,7 @@ def preprocess_request(done: dict) -> dict:
         f"{done['work']}/processed/{done['dataset']}/{commit}/{tag}",
         "--variant",
         done["variant"],
+        *_file_args(done),
     ]
     if done.get("limit"):
         args += ["--limit", str(done["limit"])]
@@ -220,6 +298,12 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
     val_files = [
         u for d in uploaded if d["dataset"] in val_names and (u := _split_uri(d, "test", "validation", "train"))
     ]
+    # a training JSONL dataset's own validation file (the form's validation_jsonl) is validation data too
+    val_files += [
+        u
+        for d in train
+        if (d.get("files") or {}).get("validation") and (u := _split_uri(d, "validation")) and u not in val_files
+    ]
     evals = [
         d
         for d in uploaded
@@ -240,6 +324,7 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
                 "content_hash": d["preprocess"]["content_hash"],
                 "uri": d["upload"]["uri"],
                 "resolved": d.get("resolved"),
+                **({"files": d["download"]["sources"]} if d["download"].get("sources") else {}),
             }
             for d in uploaded
         ],

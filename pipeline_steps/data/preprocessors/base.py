@@ -6,6 +6,8 @@ A preprocessor module (one per dataset, like verl's ``utils/reward_score``) defi
 ``convert_row(row, split, index, data_source) -> dict`` (raises :class:`Reject`) for small datasets, or
 ``convert_batch(batch, split, start, data_source) -> (pa.Table, [(row, reason)])`` for vectorised ones.
 Optional ``read_rows(path) -> iterator of (row | None, reject reason | None)`` replaces the parquet reader.
+Optional ``row_schema(paths) -> pa.Schema``: the converted rows' types, fixed by a first pass over every input file
+before any batch is written (rows built from Python dicts would otherwise get a type inferred batch by batch).
 """
 
 from __future__ import annotations

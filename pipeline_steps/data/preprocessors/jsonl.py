@@ -2,36 +2,54 @@
 
 Lines are read one by one so that a non-UTF-8 or truncated line is a counted rejection, not a failed file.
 Trailing assistant messages (reference answers) are dropped from the prompt.
+
+``rollout_extra`` is kept as what it is, a JSON object: a parquet struct in ``extra_info.rollout_extra``, so verl's
+dataset hands it to a reward function as a dict on the cluster as well as locally (verl passes ``extra_info`` to
+``compute_score`` unchanged). Rows need not have the same keys: the struct holds the union of every row's keys (a
+key a row lacks is None there). Its type is fixed before any row is written, by a first pass over the input
+(:func:`row_schema`): the preprocess step streams rows in batches, and a type inferred batch by batch would differ
+between batches. A key whose type differs between rows (a string in one, a number in another) is refused in one line
+naming the key and both rows; integers and decimals mix as decimals (JSON has one number type).
 """
 
+from __future__ import annotations
+
 import json
+from pathlib import Path
 
 from pipeline_steps.data.preprocessors.base import Reject
+from pipeline_steps.errors import UserError
 
 DATA_SOURCE = "math_dapo"  # rule-based "Answer:" matching; set data_source in the registry entry for another scorer
 REQUIRED_COLUMNS = ()
 TOOL_NAME = "code_interpreter"
 
 
-def read_rows(path):
+def _lines(path):
+    """(line number, row | None, reject reason | None) per non-blank line."""
     with open(path, "rb") as f:
-        for raw in f:
+        for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
-                yield {"raw": raw[:200].decode("utf-8", "replace")}, "not_utf8"
+                yield lineno, {"raw": raw[:200].decode("utf-8", "replace")}, "not_utf8"
                 continue
             try:
                 row = json.loads(text)
             except json.JSONDecodeError:
-                yield {"raw": text[:200]}, "invalid_json"
+                yield lineno, {"raw": text[:200]}, "invalid_json"
                 continue
             if not isinstance(row, dict):
-                yield {"raw": text[:200]}, "not_an_object"
+                yield lineno, {"raw": text[:200]}, "not_an_object"
                 continue
-            yield row, None
+            yield lineno, row, None
+
+
+def read_rows(path):
+    for _, row, reason in _lines(path):
+        yield row, reason
 
 
 def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
@@ -55,5 +73,106 @@ def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
         "prompt": [{"role": m["role"], "content": m["content"]} for m in messages],
         "ability": "custom",
         "reward_model": {"style": "rule", "ground_truth": str(solution).strip()},
-        "extra_info": {"split": split, "index": index, "rollout_extra": json.dumps(extra, sort_keys=True)},
+        "extra_info": {"split": split, "index": index, "rollout_extra": extra},
     }
+
+
+# -- the rollout_extra struct's type ---------------------------------------------------------------------------------
+
+_KINDS = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "object"}
+
+
+class _Type:
+    """The type of one ``rollout_extra`` key over every row seen so far, and the first row that gave it."""
+
+    __slots__ = ("kind", "where", "fields", "item")
+
+    def __init__(self):
+        self.kind: str | None = None  # None while only nulls were seen
+        self.where = ""
+        self.fields: dict[str, _Type] = {}
+        self.item: _Type | None = None
+
+    def add(self, value, key: str, where: str) -> None:
+        if value is None:
+            return
+        kind = _KINDS.get(type(value), "string")
+        if self.kind is None:
+            self.kind, self.where = kind, where
+        elif self.kind != kind:
+            if {self.kind, kind} == {"integer", "number"}:
+                self.kind = "number"
+            else:
+                raise UserError(
+                    f"rollout_extra key {key!r} is {_a(self.kind)} in {self.where} and {_a(kind)} in {where}; give "
+                    "the key one type in every row (or leave it out, or null, where it does not apply)"
+                )
+        if kind == "object":
+            for k, v in value.items():
+                self.fields.setdefault(str(k), _Type()).add(v, f"{key}.{k}" if key else str(k), where)
+        elif kind == "list":
+            for v in value:
+                if self.item is None:
+                    self.item = _Type()
+                self.item.add(v, f"{key}[]", where)
+        elif kind == "integer" and not -(1 << 63) <= value < 1 << 63:
+            raise UserError(
+                f"rollout_extra key {key!r} in {where}: {value} does not fit a 64-bit integer; store it as a string"
+            )
+
+    def arrow(self, key: str):
+        import pyarrow as pa
+
+        if self.kind is None:
+            return pa.null()
+        if self.kind == "object":
+            if not self.fields:
+                raise UserError(
+                    f"rollout_extra key {key!r} is an empty object in every row ({self.where}); parquet cannot store "
+                    "an object without keys: drop it or give it a key"
+                )
+            return pa.struct([pa.field(k, t.arrow(f"{key}.{k}" if key else k)) for k, t in sorted(self.fields.items())])
+        if self.kind == "list":
+            return pa.list_(self.item.arrow(f"{key}[]") if self.item else pa.null())
+        return {"boolean": pa.bool_(), "integer": pa.int64(), "number": pa.float64(), "string": pa.string()}[self.kind]
+
+
+def _a(kind: str) -> str:
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
+def rollout_extra_type(paths):
+    """First pass: the struct type of ``rollout_extra`` over every row that converts (rejected rows do not count)."""
+    root = _Type()
+    for path in paths:
+        name = Path(path).name
+        for lineno, row, reason in _lines(path):
+            if reason:
+                continue
+            try:
+                converted = convert_row(row, "", 0, "")
+            except Reject:
+                continue
+            root.add(converted["extra_info"]["rollout_extra"], "", f"line {lineno} of {name}")
+    return root.arrow("")
+
+
+def row_schema(paths):
+    """The schema of every converted row (preprocess writes all batches and splits in it)."""
+    import pyarrow as pa
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(message)),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [("split", pa.string()), ("index", pa.int64()), ("rollout_extra", rollout_extra_type(paths))]
+                ),
+            ),
+        ]
+    )
