@@ -210,10 +210,15 @@ class GRPOTrainOperator(BaseOperator):
                 with user_errors("upload the run directory"):
                     self.log.info("uploaded the run directory to %s: %s", run_dir, mirror.publish(run_dir))
             result = training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
-        if event.get("backend") != "kuberay":  # the CPU trainer records its MLflow run beside the checkpoints
-            from pipeline_steps import tracking_run
+        from pipeline_steps import tracking_run
 
+        tb_uri = tracking_run.tensorboard_dir(run_dir)
+        if event.get("backend") != "kuberay":  # the CPU trainer records its MLflow run beside the checkpoints
             result["mlflow"] = tracking_run.read(mirror.local_for(run_dir) / "checkpoints")
+            tb_local = mirror.local_for(tb_uri)
+            result["tensorboard"] = tracking_run.tensorboard_info(tb_uri, tb_local) if tb_local.is_dir() else None
+        if result.get("tensorboard"):
+            self.log.info("TensorBoard logs: %s (%s)", tb_uri, result["tensorboard"]["command"] or "download them")
         return result
 
     def _submit_kuberay(self, context, exp):

@@ -1,4 +1,5 @@
-"""A training run's MLflow run: the record kept beside its checkpoints, and logging to it after training.
+"""A training run's tracking: its MLflow run (the record kept beside its checkpoints, logging to it after training)
+and where its TensorBoard event files are.
 
 The CPU trainer writes ``mlflow_run.json`` (:data:`FILE`) into the checkpoints directory when it logs to MLflow, so
 a resumed attempt continues the same run and the export step logs the evaluation and the model card to it. The
@@ -12,6 +13,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +22,34 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 FILE = "mlflow_run.json"
+TENSORBOARD_SUBDIR = "tensorboard"  # <run dir>/tensorboard: verl's tensorboard logger writes here ($TENSORBOARD_DIR)
+
+
+def loggers(value) -> list[str]:
+    """``trainer.logger`` as a list of backend names (verl takes a name or a list)."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, str):
+        return [value]
+    return [str(v) for v in value]
+
+
+def tensorboard_dir(run_dir: str) -> str:
+    """Where a run's TensorBoard event files go: ``<run dir>/tensorboard`` (a path or a store URI)."""
+    return f"{str(run_dir).rstrip('/')}/{TENSORBOARD_SUBDIR}"
+
+
+def tensorboard_info(uri: str, local: str | os.PathLike | None = None) -> dict:
+    """Where the event files are and the command that shows them: ``{"uri", "command"}``.
+
+    ``local``: the directory on this machine (a local run's); otherwise a ``file://`` URI or a plain path gives the
+    command, and an object-store URI gives none (TensorBoard reads it only with that store's fsspec driver installed;
+    download the directory, or point TensorBoard at a mount of the bucket).
+    """
+    path = local
+    if path is None and (uri.startswith("file://") or "://" not in uri):
+        path = uri[len("file://") :] if uri.startswith("file://") else uri
+    return {"uri": uri, "command": f"tensorboard --logdir {shlex.quote(str(path))}" if path else None}
 
 
 def url(tracking_uri: str, run_id: str, experiment_id: str | None) -> str | None:

@@ -148,6 +148,9 @@ def show_run(db: Path) -> None:
         print("\n" + learning_summary(t))
         if (t.get("mlflow") or {}).get("url"):
             print(f"MLflow run: {t['mlflow']['url']}")
+        if t.get("tensorboard"):
+            tb = t["tensorboard"]
+            print(f"TensorBoard logs: {tb['uri']}" + (f"  ({tb['command']})" if tb.get("command") else ""))
     for e in xcom(db, run_id, "evaluate"):
         results_md = Path(e["evaluate"]["output"]) / "results.md"
         text = results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1)

@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pipeline_steps import atomic, metrics_log, outputs
+from pipeline_steps import atomic, metrics_log, outputs, tracking_run
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation import trajectories
 from pipeline_steps.evaluation.markdown import cell, fmt
@@ -394,12 +394,21 @@ def lineage_section(run_dir: Path, state: dict) -> list[str]:
     return lines + [""]
 
 
-def training_section(run_dir: Path, state: dict) -> list[str]:
+def training_section(run_dir: Path, state: dict, tensorboard: dict | None = None) -> list[str]:
+    """The training summary's facts, and where the run is tracked (MLflow run, TensorBoard logs).
+
+    :param tensorboard: ``{uri, command}`` of the event files when the run directory is a fetched copy (a cloud
+        store's run); a local run directory is looked at directly.
+    """
     lines = ["## Training run", ""]
     ts, status = read_json(run_dir / "train_summary.json")
     state["inputs"]["train_summary.json"] = status
+    if tensorboard is None and (run_dir / tracking_run.TENSORBOARD_SUBDIR).is_dir():
+        tb_dir = run_dir / tracking_run.TENSORBOARD_SUBDIR
+        tensorboard = tracking_run.tensorboard_info(str(tb_dir), tb_dir)
+    tb_row = f"| TensorBoard logs | {tensorboard_cell(tensorboard or (ts or {}).get('tensorboard'))} |"
     if ts is None:
-        return lines + [f"`train_summary.json`: {status}.", ""]
+        return lines + [f"`train_summary.json`: {status}.", "", "| | |", "| --- | --- |", tb_row, ""]
     return lines + [
         "| | |",
         "| --- | --- |",
@@ -409,8 +418,17 @@ def training_section(run_dir: Path, state: dict) -> list[str]:
         f"| checkpoint | {code(ts.get('checkpoint_dir') or NR)} |",
         f"| metrics file | {code(ts.get('metrics_path') or NR)} |",
         f"| MLflow run | {mlflow_cell(ts.get('mlflow'))} |",
+        tb_row,
         "",
     ]
+
+
+def tensorboard_cell(tb) -> str:
+    """Where the event files are and the command that shows them (guide 003's ``trainer.logger`` tensorboard)."""
+    if not isinstance(tb, dict) or not tb.get("uri"):
+        return "not logged (add tensorboard to trainer.logger)"
+    uri = code(str(tb["uri"]))
+    return f"{uri}: {code(str(tb['command']))}" if tb.get("command") else uri
 
 
 def mlflow_cell(run) -> str:
@@ -510,8 +528,10 @@ def _run_remote(args) -> dict:
                 (local / rel).parent.mkdir(parents=True, exist_ok=True)
                 (local / rel).write_bytes(data)
         _fetch_rollouts(store, f"{uri}/rollouts", local / "rollouts")
+        tb_uri = tracking_run.tensorboard_dir(uri)
+        tb = tracking_run.tensorboard_info(tb_uri) if store.list_names(tb_uri) else None
         out = Path(tmp) / "report"
-        summary = _run_local(args, run_dir=local, out=out, shown_dir=uri)
+        summary = _run_local(args, run_dir=local, out=out, shown_dir=uri, tensorboard=tb)
         upload = store.upload_dir(str(out), f"{uri}/report")
     report_uri = f"{uri}/report"
     summary.update(
@@ -536,7 +556,9 @@ def _fetch_rollouts(store, prefix: str, dest: Path) -> None:
             (dest / name).write_bytes(data)
 
 
-def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None) -> dict:
+def _run_local(
+    args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None, tensorboard=None
+) -> dict:
     run_dir = run_dir or local_path(args.run_dir, "--run-dir")
     if not run_dir.is_dir():
         raise UserError(
@@ -555,7 +577,7 @@ def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown
         sections += eval_section(run_dir, state)
         sections += trajectories.report_section(run_dir, state)
         sections += lineage_section(run_dir, state)
-        sections += training_section(run_dir, state)
+        sections += training_section(run_dir, state, tensorboard)
         sections += links_section(args.dashboard_url, args.exported_uri)
         sections += ["## Inputs", "", "| file | status |", "| --- | --- |"]
         sections += [f"| `{name}` | {cell(status)} |" for name, status in state["inputs"].items()] + [""]

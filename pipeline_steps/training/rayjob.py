@@ -8,7 +8,8 @@ marked fields filled: a deterministic name and ``spec.jobId`` from the DAG run
 ``python3 -m pipeline_steps.training.verl_main <overrides>`` (verl's ``main_ppo`` with the metrics history
 kept across attempts) with every argument shell-quoted,
 store URIs turned into paths on the bucket mounts, checkpoints
-(``trainer.default_local_dir``) and verl's file logger on the shared mount,
+(``trainer.default_local_dir``), verl's file logger and (with the tensorboard logger) ``$TENSORBOARD_DIR`` on the
+shared mount,
 ``trainer.resume_mode=auto`` so a new attempt resumes, secrets only through
 ``secretKeyRef``, a deadline, cleanup after the job and an optional Kueue queue.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline_steps import tracking_run
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 from pipeline_steps.errors import UserError
 from pipeline_steps.store.base import SCHEMES
@@ -93,6 +95,11 @@ def checkpoint_uri(runs_uri: str, experiment: str, run_id: str) -> str:
 def metrics_uri(ckpt_uri: str) -> str:
     """verl's file-logger output, next to the checkpoints directory."""
     return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "metrics.jsonl")
+
+
+def tensorboard_uri(ckpt_uri: str) -> str:
+    """verl's tensorboard logger's directory (``$TENSORBOARD_DIR``), next to the checkpoints directory."""
+    return tracking_run.tensorboard_dir(posixpath.dirname(ckpt_uri.rstrip("/")))
 
 
 def rollouts_uri(ckpt_uri: str) -> str:
@@ -327,6 +334,11 @@ def build_rayjob(
             derived["trainer.rollout_data_dir"] = mounts.to_pod_path(rollouts_uri(ckpt))
         argv = entrypoint_argv(exp, mounts, derived)
         annotations["checkpoint-uri"] = ckpt
+        if "tensorboard" in tracking_run.loggers(exp.verl.get("trainer.logger")):
+            # verl's default is tensorboard_log/<project>/<experiment> under the job's working directory, which
+            # goes with the pod; on the mount the event files stay in the store with the run
+            env_vars["TENSORBOARD_DIR"] = mounts.to_pod_path(tensorboard_uri(ckpt))
+            annotations["tensorboard-uri"] = tensorboard_uri(ckpt)
     else:
         if (
             not isinstance(entrypoint, (list, tuple))
