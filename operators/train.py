@@ -98,6 +98,9 @@ class GRPOTrainOperator(BaseOperator):
     :param metrics_reader: ``module.function`` that reads the metrics file (default: local path or store URI).
     :param log_tail_lines: lines of the job's log to show.
     :param dashboard_url_template: Ray dashboard link for KubeRay (see :class:`operators.rayjob.RayJobOperator`).
+    :param mlflow_conn_id: a team's MLflow server (:class:`operators.hooks.mlflow.MlflowHook`), used when the
+        preset's ``trainer.logger`` has mlflow and the connection exists: the local job logs there instead of the
+        embedded server; the RayJob gets its URI and its credentials by Secret reference.
     """
 
     template_fields: Sequence[str] = (
@@ -134,9 +137,11 @@ class GRPOTrainOperator(BaseOperator):
         metrics_reader: str | None = None,
         log_tail_lines: int = 20,
         dashboard_url_template: str = "http://{dashboard_url}",
+        mlflow_conn_id: str | None = "mlflow_default",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.mlflow_conn_id = mlflow_conn_id
         self.experiment, self.overrides, self.backend = experiment, overrides, backend
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
         self.run_dir, self.ray_address, self.check_store = run_dir, ray_address, check_store
@@ -195,14 +200,17 @@ class GRPOTrainOperator(BaseOperator):
         with store_environment(self.store_conn_id, str(self.run_dir)), user_errors("pre-flight"):
             summary = preflight(exp, check_store=self.check_store)  # a bad config does not get better on retry
         self.log.info("pre-flight passed: %s", json.dumps(summary, default=str, sort_keys=True)[:2000])
-        self._tracking_env = local_tracking_env(exp) if backend == "local" else {}
-        trigger = self._submit_local(context) if backend == "local" else self._submit_kuberay(context, exp)
+        trigger = self._submit_local(context, exp) if backend == "local" else self._submit_kuberay(context, exp)
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict) -> dict:
         from pipeline_steps.store import mirror
 
         url = KubeRayJobs(self).dashboard_from_event(event) if event.get("backend") == "kuberay" else None
+        if event.get("backend") != "kuberay":  # the job has read its MLflow credentials (if it got any) long ago
+            from operators.hooks.mlflow import remove_credentials_file
+
+            remove_credentials_file(submission_base(**self._ids(context)))
         complete(self, context, event, url)
         run_dir = str(self.run_dir).rstrip("/")
         with store_environment(self.store_conn_id, run_dir):
@@ -222,16 +230,23 @@ class GRPOTrainOperator(BaseOperator):
         return result
 
     def _submit_kuberay(self, context, exp):
+        from operators.hooks.mlflow import MlflowHook
+        from pipeline_steps import tracking_run
         from pipeline_steps.training.mounts import MountMap
         from pipeline_steps.training.rayjob import build_rayjob
 
+        cluster = exp.spec.get("cluster") or {}
+        if "mlflow" in tracking_run.loggers(exp.verl.get("trainer.logger")):  # a team server from the connection
+            cluster = MlflowHook(self.mlflow_conn_id).cluster_settings(cluster)
         jobs = KubeRayJobs(self)
         with user_errors("render RayJob"):
-            body = build_rayjob(exp, namespace=jobs.namespace_for(), mounts=MountMap.from_env(), **self._ids(context))
+            body = build_rayjob(
+                exp, namespace=jobs.namespace_for(), mounts=MountMap.from_env(), cluster=cluster, **self._ids(context)
+            )
         self.rayjob = body
         return jobs.submit(context, body, body)  # the entrypoint resumes by itself: a retry re-submits it
 
-    def _submit_local(self, context):
+    def _submit_local(self, context, exp):
         """The train-local step as a local Ray job, on local files: on a cloud store, the inputs' and the run
         directory's local mirror (:mod:`pipeline_steps.store.mirror`); the run directory is uploaded at the end."""
         from pipeline_steps.local import ray_cluster
@@ -254,11 +269,10 @@ class GRPOTrainOperator(BaseOperator):
         argv += ["--model-path", model, "--output-dir", str(local_run)]
         self.progress_uri = str(local_run / "metrics.jsonl")
         env = {"VERL_FILE_LOGGER_PATH": self.progress_uri, "TOKENIZERS_PARALLELISM": "false"}
-        env.update(getattr(self, "_tracking_env", {}))
+        base = submission_base(**self._ids(context))
+        env.update(local_tracking_env(exp, self.mlflow_conn_id, base))
         self._local = LocalRayJobs(self)
-        return self._local.submit(
-            context, submission_base(**self._ids(context)), ray_cluster.job_argv(None, *argv), env
-        )
+        return self._local.submit(context, base, ray_cluster.job_argv(None, *argv), env)
 
     def on_kill(self) -> None:
         if self._local is not None:
@@ -267,12 +281,25 @@ class GRPOTrainOperator(BaseOperator):
             KubeRayJobs(self).kill(self.rayjob)
 
 
-def local_tracking_env(exp) -> dict[str, str]:
-    """``MLFLOW_TRACKING_URI`` for a local job whose ``trainer.logger`` has mlflow: the configured one, else the
-    local profile's embedded server (started on demand, reused while it runs, like the local Ray cluster)."""
+def local_tracking_env(exp, mlflow_conn_id: str | None = None, job: str = "job") -> dict[str, str]:
+    """The environment of a local job whose ``trainer.logger`` has mlflow: the MLflow connection's server when the
+    connection exists (its credentials in a file only this user reads, named by ``$PIPELINE_MLFLOW_CREDENTIALS_FILE``:
+    the Ray dashboard shows a job's environment), else ``$MLFLOW_TRACKING_URI``, else the local profile's embedded
+    server (started on demand, reused while it runs, like the local Ray cluster).
+
+    :param job: the Ray submission's base name (names the credentials file)
+    """
+    from operators.hooks.mlflow import MlflowHook
+    from pipeline_steps import tracking_run
     from pipeline_steps.local import mlflow_server
 
-    logger = exp.verl.get("trainer.logger") or []
-    if "mlflow" not in ([logger] if isinstance(logger, str) else list(logger)):
+    if "mlflow" not in tracking_run.loggers(exp.verl.get("trainer.logger")):
         return {}
+    hook = MlflowHook(mlflow_conn_id)
+    if hook.tracking_uri:
+        env = {"MLFLOW_TRACKING_URI": hook.tracking_uri}
+        secret_file = hook.credentials_file(job)
+        if secret_file:
+            env[tracking_run.CREDENTIALS_FILE_ENV] = str(secret_file)
+        return env
     return {"MLFLOW_TRACKING_URI": mlflow_server.ensure_server()}  # a failed start is retryable, not bad input

@@ -91,6 +91,35 @@ def numeric(flat: dict, prefix: str) -> dict[str, float]:
     return out
 
 
+CREDENTIALS_FILE_ENV = "PIPELINE_MLFLOW_CREDENTIALS_FILE"
+CREDENTIAL_ENVS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+
+
+def load_credentials() -> list[str]:
+    """MLflow credentials from the file named by ``$PIPELINE_MLFLOW_CREDENTIALS_FILE`` into this process's
+    environment, where MLflow's client reads them (a local Ray job's environment is shown by the Ray dashboard, so
+    the train task hands them over in a file only its user can read). Variables already set win.
+
+    :returns: the names set (never the values)
+    :raises UserError: the file is named but unreadable
+    """
+    from pipeline_steps.errors import UserError
+
+    path = os.environ.get(CREDENTIALS_FILE_ENV)
+    if not path:
+        return []
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"${CREDENTIALS_FILE_ENV}={path}: unreadable ({exc.__class__.__name__})") from None
+    names = []
+    for k in CREDENTIAL_ENVS:
+        if isinstance(data, dict) and isinstance(data.get(k), str) and not os.environ.get(k):
+            os.environ[k] = data[k]
+            names.append(k)
+    return names
+
+
 def responds(uri: str, timeout: float = 2.0) -> bool:
     """True when an MLflow server answers its health check at ``uri``."""
     try:

@@ -258,6 +258,7 @@ def build_rayjob(
     mounts: MountMap,
     entrypoint: list[str] | None = None,
     job_kind: str = "train",
+    cluster: dict | None = None,
 ) -> dict:
     """The RayJob (a dict) for ``exp``, filled into ``k8s/templates/rayjob.yaml``.
 
@@ -271,11 +272,13 @@ def build_rayjob(
     :param entrypoint: argv to run instead of verl's ``main_ppo`` (for example the evaluate step);
         every element is shell-quoted
     :param job_kind: ``train`` or another kind (part of the name; a label)
+    :param cluster: the ``cluster`` section to render instead of the preset's (the preset with deployment settings,
+        such as an MLflow connection's server; the experiment's digest stays the preset's)
     :raises UserError: one line naming the bad setting
     """
     if not _DNS_SUBDOMAIN.match(namespace) or len(namespace) > 63:
         raise UserError(f"--namespace {namespace!r}: not a Kubernetes namespace name")
-    cluster = exp.spec.get("cluster") or {}
+    cluster = (exp.spec.get("cluster") if cluster is None else cluster) or {}
     if not isinstance(cluster, dict):
         raise UserError("experiment: 'cluster' must be a mapping")
     nnodes = _int(exp.verl.get("trainer.nnodes", cluster.get("nnodes", 1)), "trainer.nnodes", 1)
