@@ -12,7 +12,8 @@ before a cluster is requested. Then the operator delegates to a backend strategy
   from the checkpoint directory).
 
 XCom (both backends): ``checkpoint_uri``, ``checkpoint_step``, ``metrics_uri``, ``last_step``,
-``metrics`` (the last step's numeric metrics), ``backend``, ``job``.
+``metrics`` (the last step's numeric metrics), ``backend``, ``job``, ``mlflow`` (the run's MLflow record, or None)
+and ``tensorboard`` (``{uri, command}`` of its event files, or None).
 
 verl, torch and Ray are imported inside ``execute`` only: DAG files must parse fast.
 """
@@ -218,16 +219,38 @@ class GRPOTrainOperator(BaseOperator):
                 with user_errors("upload the run directory"):
                     self.log.info("uploaded the run directory to %s: %s", run_dir, mirror.publish(run_dir))
             result = training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
+        result.update(self._tracking(event.get("backend"), run_dir))
+        if result["mlflow"]:
+            self.log.info("MLflow run: %s", result["mlflow"].get("url") or result["mlflow"]["run_id"])
+        if result["tensorboard"]:
+            tb = result["tensorboard"]
+            self.log.info("TensorBoard logs: %s (%s)", tb["uri"], tb["command"] or "download them to view")
+        return result
+
+    def _tracking(self, backend: str | None, run_dir: str) -> dict:
+        """``mlflow``: the run's record beside the checkpoints (the CPU trainer's, or the cluster entrypoint's on the
+        bucket mount); ``tensorboard``: where the event files are and the command to view them."""
         from pipeline_steps import tracking_run
+        from pipeline_steps.store import mirror
 
         tb_uri = tracking_run.tensorboard_dir(run_dir)
-        if event.get("backend") != "kuberay":  # the CPU trainer records its MLflow run beside the checkpoints
-            result["mlflow"] = tracking_run.read(mirror.local_for(run_dir) / "checkpoints")
+        if backend != "kuberay":
             tb_local = mirror.local_for(tb_uri)
-            result["tensorboard"] = tracking_run.tensorboard_info(tb_uri, tb_local) if tb_local.is_dir() else None
-        if result.get("tensorboard"):
-            self.log.info("TensorBoard logs: %s (%s)", tb_uri, result["tensorboard"]["command"] or "download them")
-        return result
+            return {
+                "mlflow": tracking_run.read(mirror.local_for(run_dir) / "checkpoints"),
+                "tensorboard": tracking_run.tensorboard_info(tb_uri, tb_local) if tb_local.is_dir() else None,
+            }
+        from operators.progress import resolve_reader
+
+        with store_environment(self.store_conn_id, run_dir):
+            text = resolve_reader(self.metrics_reader)(f"{self.checkpoint_uri}/{tracking_run.FILE}")
+        logger = self._load("kuberay").verl.get("trainer.logger")
+        return {
+            "mlflow": tracking_run.parse(text),
+            "tensorboard": tracking_run.tensorboard_info(tb_uri)
+            if "tensorboard" in tracking_run.loggers(logger)
+            else None,
+        }
 
     def _submit_kuberay(self, context, exp):
         from operators.hooks.mlflow import MlflowHook

@@ -10,7 +10,9 @@ shown as "not produced", an unreadable one as "unreadable" with the reason; neit
   an object is skipped and counted; when a step appears twice (a resumed run) the later line wins.
 * ``eval/results.json`` and ``eval/base_results.json`` (:mod:`pipeline_steps.steps.evaluate`).
 * ``lineage.json`` (shape at the top of :mod:`pipeline_steps.evaluation.model_card`).
-* ``train_summary.json`` (:mod:`pipeline_steps.steps.train_local`).
+* ``train_summary.json`` (:mod:`pipeline_steps.steps.train_local`); without it (a cluster run) the MLflow run's
+  record ``checkpoints/mlflow_run.json`` (:mod:`pipeline_steps.training.verl_main`).
+* ``tensorboard/``: where verl's tensorboard logger wrote (the report names it and the command to view it).
 
 Output (one atomic directory, default ``<run-dir>/report/``): ``report.md``, one PNG per curve made with
 matplotlib's Agg canvas, and ``report.html`` (the same Markdown rendered by markdown-it-py with raw HTML
@@ -407,8 +409,10 @@ def training_section(run_dir: Path, state: dict, tensorboard: dict | None = None
         tb_dir = run_dir / tracking_run.TENSORBOARD_SUBDIR
         tensorboard = tracking_run.tensorboard_info(str(tb_dir), tb_dir)
     tb_row = f"| TensorBoard logs | {tensorboard_cell(tensorboard or (ts or {}).get('tensorboard'))} |"
-    if ts is None:
-        return lines + [f"`train_summary.json`: {status}.", "", "| | |", "| --- | --- |", tb_row, ""]
+    if ts is None:  # a cluster run: no train-local summary, but the entrypoint's MLflow record beside the checkpoints
+        recorded = tracking_run.read(run_dir / "checkpoints" / tracking_run.FILE)
+        rows = ["| | |", "| --- | --- |", f"| MLflow run | {mlflow_cell(recorded)} |", tb_row]
+        return lines + [f"`train_summary.json`: {status}.", "", *rows, ""]
     return lines + [
         "| | |",
         "| --- | --- |",
@@ -498,7 +502,14 @@ def validate_links(dashboard_url: str, exported_uri: str) -> None:
         )
 
 
-REMOTE_INPUTS = ("metrics.jsonl", "lineage.json", "train_summary.json", "eval/results.json", "eval/base_results.json")
+REMOTE_INPUTS = (
+    "metrics.jsonl",
+    "lineage.json",
+    "train_summary.json",
+    f"checkpoints/{tracking_run.FILE}",  # a cluster run's MLflow record (no train_summary.json there)
+    "eval/results.json",
+    "eval/base_results.json",
+)
 # verl's rollout dump is one file per step and a big run's steps are tens of MB each: the report fetches the newest
 # ones only (its table then starts there; the samples shown are the last step's anyway)
 REMOTE_ROLLOUT_STEPS = 20
