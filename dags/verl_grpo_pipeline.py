@@ -33,6 +33,7 @@ POLL_SECONDS = float(os.environ.get("VERL_PIPELINE_POLL_SECONDS", "30"))  # how 
 DATASET_ASSETS = "verl-processed-datasets"  # AssetAlias: one Asset per processed dataset version
 MODEL_ASSETS = "verl-exported-models"  # AssetAlias: one Asset per exported model version (verl_evaluate_model listens)
 STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")
+MLFLOW_CONN_ID = os.environ.get("PIPELINE_MLFLOW_CONN_ID", "mlflow_default")  # a team's MLflow server, if it exists
 
 
 def retrying(timeout: timedelta, retries: int = 2) -> dict:
@@ -328,6 +329,7 @@ def verl_grpo_pipeline():
         model_path=inputs["model_uri"],
         run_dir=inputs["run_dir"],
         store_conn_id=STORE_CONN_ID,
+        mlflow_conn_id=MLFLOW_CONN_ID,
         poll_interval=POLL_SECONDS,
         pool=GPU_POOL,
         pool_slots=GPU_SLOTS,
@@ -381,6 +383,7 @@ def verl_grpo_pipeline():
         asset_alias=MODEL_ASSETS,
         skip_unless="promoted",
         uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
+        mlflow_conn_id=MLFLOW_CONN_ID,  # export logs the evaluation and the model card to the training's run
         **on_backend,
         request=export_request(inputs, train.output, evaluate.output),
         **retrying(timedelta(hours=3)),

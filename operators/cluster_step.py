@@ -264,9 +264,15 @@ class PipelineStepJobOperator(PipelineStepOperator):
         return [*ENTRY, "--summary-file", pod_summary, "--", self.step, *self._entry["args"]]
 
     def _submit_kuberay(self, context):
+        from pipeline_steps import tracking_run
         from pipeline_steps.training.rayjob import build_rayjob, join_argv, rayjob_name
 
         exp = self._experiment()
+        cluster = exp.spec.get("cluster") or {}
+        if self.mlflow_conn_id and "mlflow" in tracking_run.loggers(exp.verl.get("trainer.logger")):
+            from operators.hooks.mlflow import MlflowHook
+
+            cluster = MlflowHook(self.mlflow_conn_id).cluster_settings(cluster)  # URI plain, credentials by reference
         dag_id = self.dag_id if self.has_dag() else "adhoc"
         ids = {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
         mounts = self._mounts(exp)
@@ -281,6 +287,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
                 mounts=mounts,
                 entrypoint=self._entrypoint(base),
                 job_kind=self.job_kind,
+                cluster=cluster,
                 **ids,
             )
         head = self.cpu_head_resources or (exp.spec.get("cluster") or {}).get("export")

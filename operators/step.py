@@ -43,6 +43,8 @@ class PipelineStepOperator(BaseOperator):
     :param store_uri: store root; when set, the store connection's environment is passed to the step.
     :param store_conn_id: Airflow connection for object storage (OSS or GCS credentials).
     :param hf_conn_id: Airflow connection holding a Hugging Face token.
+    :param mlflow_conn_id: an MLflow connection (:class:`operators.hooks.mlflow.MlflowHook`) whose server URI and
+        credentials the step gets in its environment (export: it logs to the training's MLflow run); none by default.
     :param summary_key: key under which the step summary is added to ``carry`` (default: the step name).
     :param skip_unless: summary key; when the step succeeds with that key false, the summary is still pushed and
         the task is marked skipped with the summary's ``reason`` (export: "not promoted" is not a failure).
@@ -67,6 +69,7 @@ class PipelineStepOperator(BaseOperator):
         summary_key: str | None = None,
         asset_alias: str | None = None,
         skip_unless: str | None = None,
+        mlflow_conn_id: str | None = None,
         **kwargs,
     ):
         if asset_alias:
@@ -84,12 +87,17 @@ class PipelineStepOperator(BaseOperator):
         self.store_uri = store_uri
         self.store_conn_id = store_conn_id
         self.hf_conn_id = hf_conn_id
+        self.mlflow_conn_id = mlflow_conn_id
         self.summary_key = summary_key or step.replace("-", "_")
         self._proc: subprocess.Popen | None = None
 
     def child_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(hf_env(self.hf_conn_id))
+        if self.mlflow_conn_id:  # a team's MLflow server (export logs the evaluation and the card to the run)
+            from operators.hooks.mlflow import MlflowHook
+
+            env.update(MlflowHook(self.mlflow_conn_id).env())
         if self.store_uri and not self.store_uri.startswith("file://"):
             env.update(store_env(self.store_conn_id, self.store_uri))
         return env

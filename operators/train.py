@@ -12,7 +12,8 @@ before a cluster is requested. Then the operator delegates to a backend strategy
   from the checkpoint directory).
 
 XCom (both backends): ``checkpoint_uri``, ``checkpoint_step``, ``metrics_uri``, ``last_step``,
-``metrics`` (the last step's numeric metrics), ``backend``, ``job``.
+``metrics`` (the last step's numeric metrics), ``backend``, ``job``, ``mlflow`` (the run's MLflow record, or None)
+and ``tensorboard`` (``{uri, command}`` of its event files, or None).
 
 verl, torch and Ray are imported inside ``execute`` only: DAG files must parse fast.
 """
@@ -98,6 +99,9 @@ class GRPOTrainOperator(BaseOperator):
     :param metrics_reader: ``module.function`` that reads the metrics file (default: local path or store URI).
     :param log_tail_lines: lines of the job's log to show.
     :param dashboard_url_template: Ray dashboard link for KubeRay (see :class:`operators.rayjob.RayJobOperator`).
+    :param mlflow_conn_id: a team's MLflow server (:class:`operators.hooks.mlflow.MlflowHook`), used when the
+        preset's ``trainer.logger`` has mlflow and the connection exists: the local job logs there instead of the
+        embedded server; the RayJob gets its URI and its credentials by Secret reference.
     """
 
     template_fields: Sequence[str] = (
@@ -134,9 +138,11 @@ class GRPOTrainOperator(BaseOperator):
         metrics_reader: str | None = None,
         log_tail_lines: int = 20,
         dashboard_url_template: str = "http://{dashboard_url}",
+        mlflow_conn_id: str | None = "mlflow_default",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        self.mlflow_conn_id = mlflow_conn_id
         self.experiment, self.overrides, self.backend = experiment, overrides, backend
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
         self.run_dir, self.ray_address, self.check_store = run_dir, ray_address, check_store
@@ -195,14 +201,17 @@ class GRPOTrainOperator(BaseOperator):
         with store_environment(self.store_conn_id, str(self.run_dir)), user_errors("pre-flight"):
             summary = preflight(exp, check_store=self.check_store)  # a bad config does not get better on retry
         self.log.info("pre-flight passed: %s", json.dumps(summary, default=str, sort_keys=True)[:2000])
-        self._tracking_env = local_tracking_env(exp) if backend == "local" else {}
-        trigger = self._submit_local(context) if backend == "local" else self._submit_kuberay(context, exp)
+        trigger = self._submit_local(context, exp) if backend == "local" else self._submit_kuberay(context, exp)
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict) -> dict:
         from pipeline_steps.store import mirror
 
         url = KubeRayJobs(self).dashboard_from_event(event) if event.get("backend") == "kuberay" else None
+        if event.get("backend") != "kuberay":  # the job has read its MLflow credentials (if it got any) long ago
+            from operators.hooks.mlflow import remove_credentials_file
+
+            remove_credentials_file(submission_base(**self._ids(context)))
         complete(self, context, event, url)
         run_dir = str(self.run_dir).rstrip("/")
         with store_environment(self.store_conn_id, run_dir):
@@ -210,23 +219,57 @@ class GRPOTrainOperator(BaseOperator):
                 with user_errors("upload the run directory"):
                     self.log.info("uploaded the run directory to %s: %s", run_dir, mirror.publish(run_dir))
             result = training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
-        if event.get("backend") != "kuberay":  # the CPU trainer records its MLflow run beside the checkpoints
-            from pipeline_steps import tracking_run
-
-            result["mlflow"] = tracking_run.read(mirror.local_for(run_dir) / "checkpoints")
+        result.update(self._tracking(event.get("backend"), run_dir))
+        if result["mlflow"]:
+            self.log.info("MLflow run: %s", result["mlflow"].get("url") or result["mlflow"]["run_id"])
+        if result["tensorboard"]:
+            tb = result["tensorboard"]
+            self.log.info("TensorBoard logs: %s (%s)", tb["uri"], tb["command"] or "download them to view")
         return result
 
+    def _tracking(self, backend: str | None, run_dir: str) -> dict:
+        """``mlflow``: the run's record beside the checkpoints (the CPU trainer's, or the cluster entrypoint's on the
+        bucket mount); ``tensorboard``: where the event files are and the command to view them."""
+        from pipeline_steps import tracking_run
+        from pipeline_steps.store import mirror
+
+        tb_uri = tracking_run.tensorboard_dir(run_dir)
+        if backend != "kuberay":
+            tb_local = mirror.local_for(tb_uri)
+            return {
+                "mlflow": tracking_run.read(mirror.local_for(run_dir) / "checkpoints"),
+                "tensorboard": tracking_run.tensorboard_info(tb_uri, tb_local) if tb_local.is_dir() else None,
+            }
+        from operators.progress import resolve_reader
+
+        with store_environment(self.store_conn_id, run_dir):
+            text = resolve_reader(self.metrics_reader)(f"{self.checkpoint_uri}/{tracking_run.FILE}")
+        logger = self._load("kuberay").verl.get("trainer.logger")
+        return {
+            "mlflow": tracking_run.parse(text),
+            "tensorboard": tracking_run.tensorboard_info(tb_uri)
+            if "tensorboard" in tracking_run.loggers(logger)
+            else None,
+        }
+
     def _submit_kuberay(self, context, exp):
+        from operators.hooks.mlflow import MlflowHook
+        from pipeline_steps import tracking_run
         from pipeline_steps.training.mounts import MountMap
         from pipeline_steps.training.rayjob import build_rayjob
 
+        cluster = exp.spec.get("cluster") or {}
+        if "mlflow" in tracking_run.loggers(exp.verl.get("trainer.logger")):  # a team server from the connection
+            cluster = MlflowHook(self.mlflow_conn_id).cluster_settings(cluster)
         jobs = KubeRayJobs(self)
         with user_errors("render RayJob"):
-            body = build_rayjob(exp, namespace=jobs.namespace_for(), mounts=MountMap.from_env(), **self._ids(context))
+            body = build_rayjob(
+                exp, namespace=jobs.namespace_for(), mounts=MountMap.from_env(), cluster=cluster, **self._ids(context)
+            )
         self.rayjob = body
         return jobs.submit(context, body, body)  # the entrypoint resumes by itself: a retry re-submits it
 
-    def _submit_local(self, context):
+    def _submit_local(self, context, exp):
         """The train-local step as a local Ray job, on local files: on a cloud store, the inputs' and the run
         directory's local mirror (:mod:`pipeline_steps.store.mirror`); the run directory is uploaded at the end."""
         from pipeline_steps.local import ray_cluster
@@ -249,11 +292,10 @@ class GRPOTrainOperator(BaseOperator):
         argv += ["--model-path", model, "--output-dir", str(local_run)]
         self.progress_uri = str(local_run / "metrics.jsonl")
         env = {"VERL_FILE_LOGGER_PATH": self.progress_uri, "TOKENIZERS_PARALLELISM": "false"}
-        env.update(getattr(self, "_tracking_env", {}))
+        base = submission_base(**self._ids(context))
+        env.update(local_tracking_env(exp, self.mlflow_conn_id, base))
         self._local = LocalRayJobs(self)
-        return self._local.submit(
-            context, submission_base(**self._ids(context)), ray_cluster.job_argv(None, *argv), env
-        )
+        return self._local.submit(context, base, ray_cluster.job_argv(None, *argv), env)
 
     def on_kill(self) -> None:
         if self._local is not None:
@@ -262,12 +304,25 @@ class GRPOTrainOperator(BaseOperator):
             KubeRayJobs(self).kill(self.rayjob)
 
 
-def local_tracking_env(exp) -> dict[str, str]:
-    """``MLFLOW_TRACKING_URI`` for a local job whose ``trainer.logger`` has mlflow: the configured one, else the
-    local profile's embedded server (started on demand, reused while it runs, like the local Ray cluster)."""
+def local_tracking_env(exp, mlflow_conn_id: str | None = None, job: str = "job") -> dict[str, str]:
+    """The environment of a local job whose ``trainer.logger`` has mlflow: the MLflow connection's server when the
+    connection exists (its credentials in a file only this user reads, named by ``$PIPELINE_MLFLOW_CREDENTIALS_FILE``:
+    the Ray dashboard shows a job's environment), else ``$MLFLOW_TRACKING_URI``, else the local profile's embedded
+    server (started on demand, reused while it runs, like the local Ray cluster).
+
+    :param job: the Ray submission's base name (names the credentials file)
+    """
+    from operators.hooks.mlflow import MlflowHook
+    from pipeline_steps import tracking_run
     from pipeline_steps.local import mlflow_server
 
-    logger = exp.verl.get("trainer.logger") or []
-    if "mlflow" not in ([logger] if isinstance(logger, str) else list(logger)):
+    if "mlflow" not in tracking_run.loggers(exp.verl.get("trainer.logger")):
         return {}
+    hook = MlflowHook(mlflow_conn_id)
+    if hook.tracking_uri:
+        env = {"MLFLOW_TRACKING_URI": hook.tracking_uri}
+        secret_file = hook.credentials_file(job)
+        if secret_file:
+            env[tracking_run.CREDENTIALS_FILE_ENV] = str(secret_file)
+        return env
     return {"MLFLOW_TRACKING_URI": mlflow_server.ensure_server()}  # a failed start is retryable, not bad input

@@ -83,7 +83,7 @@ def main() -> int:
     proc, url = start(home, airflow_home, port, log_path)
     print(
         f"\nAirflow UI: {url}  (no login: local use only)\n"
-        f"MLflow tracking server: {os.environ['MLFLOW_TRACKING_URI']}  (store {home / 'mlflow'})\n"
+        f"MLflow UI: {os.environ['MLFLOW_TRACKING_URI']}  (tracking server, store {home / 'mlflow'})\n"
         f"DAGs: verl_grpo_pipeline (Trigger opens the form), verl_evaluate_model\n"
         f"store: {home / 'store'}\nCtrl-C stops Airflow and the local Ray cluster.\n",
         flush=True,

@@ -155,7 +155,10 @@ def show_run(db: Path) -> None:
     for t in xcom(db, run_id, "train"):
         print("\n" + learning_summary(t))
         if (t.get("mlflow") or {}).get("url"):
-            print(f"MLflow run: {t['mlflow']['url']}")
+            print(f"MLflow run (web UI): {t['mlflow']['url']}")
+        if t.get("tensorboard"):
+            tb = t["tensorboard"]
+            print(f"TensorBoard logs: {tb['uri']}" + (f"  ({tb['command']})" if tb.get("command") else ""))
     for e in xcom(db, run_id, "evaluate"):
         results_md = Path(e["evaluate"]["output"]) / "results.md"
         text = results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1)
@@ -182,7 +185,7 @@ def main() -> int:
 
     # the local profile's MLflow tracking server (SQLite under PIPELINE_HOME/mlflow); the DAG's tasks log to it
     env["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(mlflow_server.server_dir(home / "mlflow"))
-    print(f"MLflow tracking server: {env['MLFLOW_TRACKING_URI']}  (store {home / 'mlflow'})", flush=True)
+    print(f"MLflow UI and tracking server: {env['MLFLOW_TRACKING_URI']}  (store {home / 'mlflow'})", flush=True)
     print(
         f"running verl_grpo_pipeline on the local profile (AIRFLOW_HOME={airflow_home}); Airflow's log: {log} ...",
         flush=True,

@@ -37,8 +37,9 @@ def test_demo_runs_the_dag_and_leaves_no_ray_cluster(tmp_path):
     assert m and float(m.group(2)) > float(m.group(1)), p.stdout[-3000:]
     assert "promoted: True (promoted: avg@k" in p.stdout, p.stdout[-3000:]
     # the MLflow server: started and printed, the run linked, stopped at the end
-    assert re.search(r"MLflow tracking server: http://127\.0\.0\.1:\d+", p.stdout), p.stdout[-3000:]
-    assert re.search(r"MLflow run: http://127\.0\.0\.1:\d+/#/experiments/\d+/runs/\w+", p.stdout), p.stdout[-3000:]
+    assert re.search(r"MLflow UI and tracking server: http://127\.0\.0\.1:\d+", p.stdout), p.stdout[-3000:]
+    run_link = r"MLflow run \(web UI\): http://127\.0\.0\.1:\d+/#/experiments/\d+/runs/\w+"
+    assert re.search(run_link, p.stdout), p.stdout[-3000:]
     assert "stopped the MLflow server the demo started" in p.stdout
     temp = ray_temp_dir(home)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -121,6 +121,9 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
     )
     api = StandIn(crd_file=ROOT / "k8s/crds/ray.io_rayjobs.v1.7.0.yaml", executor=runner)
     api.start()
+    from pipeline_steps.local import mlflow_server
+
+    mlflow_uri = mlflow_server.ensure_server(tmp_path / "team-mlflow")  # the team's server: connection mlflow_default
     try:
         kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
         _preset(tmp_path / "presets", reward)
@@ -136,8 +139,10 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
                 "PIPELINE_MOUNTS": json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": MOUNT}]),
                 "VERL_PIPELINE_PRESETS_DIR": str(tmp_path / "presets"),
                 "VERL_PIPELINE_POLL_SECONDS": "1",
+                "AIRFLOW_CONN_MLFLOW_DEFAULT": json.dumps({"conn_type": "http", "host": mlflow_uri}),
             }
         )
+        env.pop("MLFLOW_TRACKING_URI", None)
         conf = {
             "experiment": "tiny_cluster",
             "backend": "kuberay",
@@ -197,8 +202,29 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
         assert md.is_file() and "## Trajectories" in md.read_text()
         assert (store / "models" / "exported" / "tiny_cluster").is_dir()  # export ran in its pod and uploaded
         assert not list((store / "tmp" / "step-summaries").glob("*.json.tmp*"))
+
+        # MLflow: the pods got the connection's server (a plain value); the run recorded beside the checkpoints (both
+        # attempts in one run) is in the train XCom, got the evaluation and the model card from the export pod, and
+        # the report and the card name it
+        from mlflow.tracking import MlflowClient
+
+        assert train["env"]["MLFLOW_TRACKING_URI"] == mlflow_uri and export["env"]["MLFLOW_TRACKING_URI"] == mlflow_uri
+        run = trained["mlflow"]
+        assert run and run["tracking_uri"] == mlflow_uri, trained
+        assert json.loads((ckpt / "mlflow_run.json").read_text()) == run
+        client = MlflowClient(tracking_uri=mlflow_uri)
+        assert [r.info.run_id for r in client.search_runs([run["experiment_id"]])] == [run["run_id"]]
+        history = client.get_metric_history(run["run_id"], "critic/score/mean")
+        assert sorted({m.step for m in history}) == [1, 2, 3]
+        logged = client.get_run(run["run_id"]).data.metrics
+        assert "eval/avg_at_k" in logged and "eval_base/avg_at_k" in logged and "export/promoted" in logged, logged
+        assert {a.path for a in client.list_artifacts(run["run_id"])} >= {"README.md", "export.json"}
+        card = client.download_artifacts(run["run_id"], "README.md", str(tmp_path / "card"))
+        assert run["run_id"] in Path(card).read_text()
+        assert f"| MLflow run | `{run['run_id']}` (<{run['url']}>) |" in md.read_text()
     finally:
         api.stop()
+        mlflow_server.shutdown_server(tmp_path / "team-mlflow")
         from scripts.demo import stop_services
 
         stop_services(home)

@@ -105,3 +105,58 @@ def test_without_a_tracking_uri_mlflow_is_skipped_with_a_warning(assets, tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MLFLOW_TRACKING_URI is not set" in proc.stderr
     assert json.loads((out / "train_summary.json").read_text())["mlflow"] is None
+
+
+def test_the_local_server_serves_the_web_ui_and_the_run_pages_data(server, tmp_path):
+    """The full mlflow package's UI (mlflow-skinny had none): the index page and its script, the REST data the run
+    page reads (``ajax-api``, as the UI calls it), and, in Debian's Chromium, the run page showing the run."""
+    import re
+    import shutil
+    import urllib.request
+
+    from mlflow.tracking import MlflowClient
+
+    from pipeline_steps import tracking_run
+
+    uri, _ = server
+    client = MlflowClient(tracking_uri=uri)
+    exp_id = client.create_experiment(f"ui-{tmp_path.name}")
+    run_id = client.create_run(exp_id, run_name="ui-run-name").info.run_id
+    for step, value in ((1, 0.25), (2, 0.5)):
+        client.log_metric(run_id, "critic/score/mean", value, step=step)
+
+    with urllib.request.urlopen(uri + "/", timeout=30) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+        html = r.read().decode()
+    assert "<title>MLflow</title>" in html and 'id="root"' in html
+    script = re.search(r'src="(static-files/static/js/main\.[0-9a-f]+\.js)"', html).group(1)
+    with urllib.request.urlopen(f"{uri}/{script}", timeout=30) as r:  # the app itself is served too
+        assert r.status == 200 and "javascript" in r.headers["Content-Type"] and len(r.read()) > 100_000
+
+    def ajax(path: str) -> dict:
+        with urllib.request.urlopen(f"{uri}/ajax-api/2.0/mlflow/{path}", timeout=30) as r:
+            return json.loads(r.read())
+
+    run = ajax(f"runs/get?run_id={run_id}")["run"]
+    assert run["info"]["run_name"] == "ui-run-name" and run["info"]["experiment_id"] == exp_id
+    history = ajax(f"metrics/get-history?run_id={run_id}&metric_key=critic/score/mean")["metrics"]
+    assert [(m["step"], m["value"]) for m in history] == [(1, 0.25), (2, 0.5)]
+
+    chromium = shutil.which("chromium")
+    if not chromium:  # the HTTP checks above stand; the rendering needs Debian's chromium (.ci/run installs it)
+        pytest.skip("Debian's chromium is not installed: the run page was not rendered")
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_ui_trigger_form import CHROMIUM_ARGS
+
+    page_url = tracking_run.url(uri, run_id, exp_id)  # the link the XCom, the card and the report carry
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            page.goto(page_url, timeout=120_000)
+            page.get_by_text("ui-run-name").first.wait_for(timeout=120_000)
+            page.get_by_text(run_id).first.wait_for(timeout=30_000)  # the run's own page, not a list
+            page.screenshot(path=str(tmp_path / "run-page.png"))
+        finally:
+            browser.close()

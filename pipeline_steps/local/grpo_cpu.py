@@ -162,13 +162,18 @@ def _file_logger(path: Path, keep_through_step: int):
     return logger
 
 
-def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path):
+def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path, tensorboard_dir: Path):
     """verl's ``Tracking`` with the config's ``trainer.logger`` backends, so metric names match a cluster run's.
 
     The file backend is always ours (:func:`_file_logger`: resume keeps the checkpointed steps' lines; progress and
     the report read it). The mlflow backend needs ``$MLFLOW_TRACKING_URI``: without it verl would write to its own
     default ``/tmp/mlruns.db``, so it is left out with a warning. A resumed attempt continues the MLflow run of the
-    attempt before it (its id is kept beside the checkpoints; verl attaches to ``$MLFLOW_RUN_ID``).
+    attempt before it (its id is kept beside the checkpoints; verl attaches to ``$MLFLOW_RUN_ID``). verl's
+    tensorboard backend writes its event files to ``tensorboard_dir`` (the run directory's ``tensorboard/``, given to
+    verl as ``$TENSORBOARD_DIR``), so they travel with the run; a resumed attempt adds an event file there, and
+    TensorBoard drops the first attempt's steps after the checkpoint (its out-of-order-step purge).
+
+    :returns: (the tracking, the MLflow record or None, the tensorboard directory or None)
     """
     from omegaconf import OmegaConf
     from verl.utils.tracking import Tracking
@@ -178,9 +183,11 @@ def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path):
         log.warning("trainer.logger has mlflow but MLFLOW_TRACKING_URI is not set: not logging to MLflow")
         backends.remove("mlflow")
     previous = (tracking_run.read(run_file) or {}).get("run_id") if keep_through_step > 0 else None
-    saved = os.environ.get("MLFLOW_RUN_ID")
-    if "mlflow" in backends and previous and not saved:
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_RUN_ID", "TENSORBOARD_DIR")}
+    if "mlflow" in backends and previous and not saved["MLFLOW_RUN_ID"]:
         os.environ["MLFLOW_RUN_ID"] = previous
+    if "tensorboard" in backends:
+        os.environ["TENSORBOARD_DIR"] = str(tensorboard_dir)
     try:
         tracking = Tracking(
             project_name=cfg.trainer.get("project_name") or "verl_grpo_pipeline",
@@ -189,8 +196,11 @@ def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path):
             config=OmegaConf.to_container(cfg, resolve=True),
         )
     finally:
-        if saved is None:
-            os.environ.pop("MLFLOW_RUN_ID", None)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     tracking.logger["file"] = _file_logger(path, keep_through_step)
     run = None
     if "mlflow" in tracking.logger:
@@ -199,7 +209,10 @@ def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path):
         info = mlflow.active_run().info
         run = tracking_run.record(os.environ["MLFLOW_TRACKING_URI"], info.run_id, info.experiment_id)
         atomic.write_json(run_file, run)
-    return tracking, run
+    tb = tensorboard_dir if "tensorboard" in tracking.logger else None
+    if tb is not None:
+        log.info("TensorBoard event files in %s: tensorboard --logdir %s", tb, tb)
+    return tracking, run, tb
 
 
 def read_metrics(path) -> list[dict]:
@@ -952,7 +965,13 @@ class GRPOTrainer:
     def fit(self, on_step: Callable[[int, dict], None] | None = None) -> dict:
         """Train from the resumed step to ``total_steps``; returns the run summary."""
         start = self.resume()
-        self.logger, mlflow_run = _tracking(self.cfg, self.metrics_path, start, self.ckpt_root / MLFLOW_RUN_FILE)
+        self.logger, mlflow_run, tb_dir = _tracking(
+            self.cfg,
+            self.metrics_path,
+            start,
+            self.ckpt_root / MLFLOW_RUN_FILE,
+            self.ckpt_root.parent / tracking_run.TENSORBOARD_SUBDIR,
+        )
         save_freq = int(self.cfg.trainer.get("save_freq", -1) or -1)
         try:
             # verl's loop rules (v1 trainer_base.fit): validate first whenever val_before_train (a resume too),
@@ -1001,6 +1020,8 @@ class GRPOTrainer:
             "resumed_from_step": start,
             "metrics_path": str(self.metrics_path),
             "mlflow": mlflow_run,  # run_id, tracking_uri, experiment_id, url; None when not logging to MLflow
+            # {uri, command} of the event files; None without the tensorboard logger
+            "tensorboard": tracking_run.tensorboard_info(str(tb_dir), tb_dir) if tb_dir else None,
             "final_metrics": {
                 k: v
                 for k, v in final.items()

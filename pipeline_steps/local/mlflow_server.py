@@ -4,7 +4,8 @@
 server), else the server this module started before (its state file, while its process lives and answers), else it
 starts ``mlflow server`` on 127.0.0.1 at a free port in its own process group, with a SQLite backend store and a
 local artifact directory under ``DIR`` (``$PIPELINE_MLFLOW_DIR``, else ``$PIPELINE_HOME/mlflow``, else
-``./.demo/mlflow``). The server proxies artifacts (``--serve-artifacts``), so clients never need the directory.
+``./.demo/mlflow``). The server proxies artifacts (``--serve-artifacts``), so clients never need the directory, and
+serves MLflow's web UI at the same URI (a run's page: :func:`pipeline_steps.tracking_run.url`).
 :func:`shutdown_server` stops exactly that server.
 """
 
@@ -64,7 +65,7 @@ def ensure_server(directory=None, *, port: int | None = None, timeout: float = 1
         f"--port={port}",
         "--workers=1",  # the local machine has few cores; one process serves a few runs easily
     ]
-    # MLflow 3 would also spawn job-queue consumers (huey, not installed: mlflow-skinny); tracking needs none
+    # MLflow 3 would also spawn job-queue consumers (huey processes, for its GenAI jobs); tracking and the UI need none
     env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
     env.pop(ENV, None)
     log_path = d / "server.log"

@@ -10,7 +10,9 @@ shown as "not produced", an unreadable one as "unreadable" with the reason; neit
   an object is skipped and counted; when a step appears twice (a resumed run) the later line wins.
 * ``eval/results.json`` and ``eval/base_results.json`` (:mod:`pipeline_steps.steps.evaluate`).
 * ``lineage.json`` (shape at the top of :mod:`pipeline_steps.evaluation.model_card`).
-* ``train_summary.json`` (:mod:`pipeline_steps.steps.train_local`).
+* ``train_summary.json`` (:mod:`pipeline_steps.steps.train_local`); without it (a cluster run) the MLflow run's
+  record ``checkpoints/mlflow_run.json`` (:mod:`pipeline_steps.training.verl_main`).
+* ``tensorboard/``: where verl's tensorboard logger wrote (the report names it and the command to view it).
 
 Output (one atomic directory, default ``<run-dir>/report/``): ``report.md``, one PNG per curve made with
 matplotlib's Agg canvas, and ``report.html`` (the same Markdown rendered by markdown-it-py with raw HTML
@@ -29,7 +31,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from pipeline_steps import atomic, metrics_log, outputs
+from pipeline_steps import atomic, metrics_log, outputs, tracking_run
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation import trajectories
 from pipeline_steps.evaluation.markdown import cell, fmt
@@ -394,12 +396,23 @@ def lineage_section(run_dir: Path, state: dict) -> list[str]:
     return lines + [""]
 
 
-def training_section(run_dir: Path, state: dict) -> list[str]:
+def training_section(run_dir: Path, state: dict, tensorboard: dict | None = None) -> list[str]:
+    """The training summary's facts, and where the run is tracked (MLflow run, TensorBoard logs).
+
+    :param tensorboard: ``{uri, command}`` of the event files when the run directory is a fetched copy (a cloud
+        store's run); a local run directory is looked at directly.
+    """
     lines = ["## Training run", ""]
     ts, status = read_json(run_dir / "train_summary.json")
     state["inputs"]["train_summary.json"] = status
-    if ts is None:
-        return lines + [f"`train_summary.json`: {status}.", ""]
+    if tensorboard is None and (run_dir / tracking_run.TENSORBOARD_SUBDIR).is_dir():
+        tb_dir = run_dir / tracking_run.TENSORBOARD_SUBDIR
+        tensorboard = tracking_run.tensorboard_info(str(tb_dir), tb_dir)
+    tb_row = f"| TensorBoard logs | {tensorboard_cell(tensorboard or (ts or {}).get('tensorboard'))} |"
+    if ts is None:  # a cluster run: no train-local summary, but the entrypoint's MLflow record beside the checkpoints
+        recorded = tracking_run.read(run_dir / "checkpoints" / tracking_run.FILE)
+        rows = ["| | |", "| --- | --- |", f"| MLflow run | {mlflow_cell(recorded)} |", tb_row]
+        return lines + [f"`train_summary.json`: {status}.", "", *rows, ""]
     return lines + [
         "| | |",
         "| --- | --- |",
@@ -409,8 +422,17 @@ def training_section(run_dir: Path, state: dict) -> list[str]:
         f"| checkpoint | {code(ts.get('checkpoint_dir') or NR)} |",
         f"| metrics file | {code(ts.get('metrics_path') or NR)} |",
         f"| MLflow run | {mlflow_cell(ts.get('mlflow'))} |",
+        tb_row,
         "",
     ]
+
+
+def tensorboard_cell(tb) -> str:
+    """Where the event files are and the command that shows them (guide 003's ``trainer.logger`` tensorboard)."""
+    if not isinstance(tb, dict) or not tb.get("uri"):
+        return "not logged (add tensorboard to trainer.logger)"
+    uri = code(str(tb["uri"]))
+    return f"{uri}: {code(str(tb['command']))}" if tb.get("command") else uri
 
 
 def mlflow_cell(run) -> str:
@@ -480,7 +502,14 @@ def validate_links(dashboard_url: str, exported_uri: str) -> None:
         )
 
 
-REMOTE_INPUTS = ("metrics.jsonl", "lineage.json", "train_summary.json", "eval/results.json", "eval/base_results.json")
+REMOTE_INPUTS = (
+    "metrics.jsonl",
+    "lineage.json",
+    "train_summary.json",
+    f"checkpoints/{tracking_run.FILE}",  # a cluster run's MLflow record (no train_summary.json there)
+    "eval/results.json",
+    "eval/base_results.json",
+)
 # verl's rollout dump is one file per step and a big run's steps are tens of MB each: the report fetches the newest
 # ones only (its table then starts there; the samples shown are the last step's anyway)
 REMOTE_ROLLOUT_STEPS = 20
@@ -510,8 +539,10 @@ def _run_remote(args) -> dict:
                 (local / rel).parent.mkdir(parents=True, exist_ok=True)
                 (local / rel).write_bytes(data)
         _fetch_rollouts(store, f"{uri}/rollouts", local / "rollouts")
+        tb_uri = tracking_run.tensorboard_dir(uri)
+        tb = tracking_run.tensorboard_info(tb_uri) if store.list_names(tb_uri) else None
         out = Path(tmp) / "report"
-        summary = _run_local(args, run_dir=local, out=out, shown_dir=uri)
+        summary = _run_local(args, run_dir=local, out=out, shown_dir=uri, tensorboard=tb)
         upload = store.upload_dir(str(out), f"{uri}/report")
     report_uri = f"{uri}/report"
     summary.update(
@@ -536,7 +567,9 @@ def _fetch_rollouts(store, prefix: str, dest: Path) -> None:
             (dest / name).write_bytes(data)
 
 
-def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None) -> dict:
+def _run_local(
+    args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None, tensorboard=None
+) -> dict:
     run_dir = run_dir or local_path(args.run_dir, "--run-dir")
     if not run_dir.is_dir():
         raise UserError(
@@ -555,7 +588,7 @@ def _run_local(args, run_dir: Path | None = None, out: Path | None = None, shown
         sections += eval_section(run_dir, state)
         sections += trajectories.report_section(run_dir, state)
         sections += lineage_section(run_dir, state)
-        sections += training_section(run_dir, state)
+        sections += training_section(run_dir, state, tensorboard)
         sections += links_section(args.dashboard_url, args.exported_uri)
         sections += ["## Inputs", "", "| file | status |", "| --- | --- |"]
         sections += [f"| `{name}` | {cell(status)} |" for name, status in state["inputs"].items()] + [""]

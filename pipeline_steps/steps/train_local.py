@@ -84,8 +84,11 @@ def run(args) -> dict:
     cfg = experiment.compose(exp)
     metrics_path = os.environ.get("VERL_FILE_LOGGER_PATH") or str(out / "metrics.jsonl")
 
+    from pipeline_steps import tracking_run
     from pipeline_steps.local import grpo_cpu
 
+    if tracking_run.load_credentials():  # a team server's, from the train task's MLflow connection
+        log.info("MLflow credentials from $%s", tracking_run.CREDENTIALS_FILE_ENV)
     summary = grpo_cpu.train(cfg, metrics_path=metrics_path)
     summary.update(experiment=exp.name, experiment_digest=exp.digest())
     atomic.write_json(out / "train_summary.json", summary)

@@ -8,7 +8,8 @@ marked fields filled: a deterministic name and ``spec.jobId`` from the DAG run
 ``python3 -m pipeline_steps.training.verl_main <overrides>`` (verl's ``main_ppo`` with the metrics history
 kept across attempts) with every argument shell-quoted,
 store URIs turned into paths on the bucket mounts, checkpoints
-(``trainer.default_local_dir``) and verl's file logger on the shared mount,
+(``trainer.default_local_dir``), verl's file logger and (with the tensorboard logger) ``$TENSORBOARD_DIR`` on the
+shared mount,
 ``trainer.resume_mode=auto`` so a new attempt resumes, secrets only through
 ``secretKeyRef``, a deadline, cleanup after the job and an optional Kueue queue.
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline_steps import tracking_run
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 from pipeline_steps.errors import UserError
 from pipeline_steps.store.base import SCHEMES
@@ -93,6 +95,11 @@ def checkpoint_uri(runs_uri: str, experiment: str, run_id: str) -> str:
 def metrics_uri(ckpt_uri: str) -> str:
     """verl's file-logger output, next to the checkpoints directory."""
     return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "metrics.jsonl")
+
+
+def tensorboard_uri(ckpt_uri: str) -> str:
+    """verl's tensorboard logger's directory (``$TENSORBOARD_DIR``), next to the checkpoints directory."""
+    return tracking_run.tensorboard_dir(posixpath.dirname(ckpt_uri.rstrip("/")))
 
 
 def rollouts_uri(ckpt_uri: str) -> str:
@@ -286,6 +293,7 @@ def build_rayjob(
     mounts: MountMap,
     entrypoint: list[str] | None = None,
     job_kind: str = "train",
+    cluster: dict | None = None,
 ) -> dict:
     """The RayJob (a dict) for ``exp``, filled into ``k8s/templates/rayjob.yaml``.
 
@@ -299,11 +307,13 @@ def build_rayjob(
     :param entrypoint: argv to run instead of verl's ``main_ppo`` (for example the evaluate step);
         every element is shell-quoted
     :param job_kind: ``train`` or another kind (part of the name; a label)
+    :param cluster: the ``cluster`` section to render instead of the preset's (the preset with deployment settings,
+        such as an MLflow connection's server; the experiment's digest stays the preset's)
     :raises UserError: one line naming the bad setting
     """
     if not _DNS_SUBDOMAIN.match(namespace) or len(namespace) > 63:
         raise UserError(f"--namespace {namespace!r}: not a Kubernetes namespace name")
-    cluster = exp.spec.get("cluster") or {}
+    cluster = (exp.spec.get("cluster") if cluster is None else cluster) or {}
     if not isinstance(cluster, dict):
         raise UserError("experiment: 'cluster' must be a mapping")
     nnodes = _int(exp.verl.get("trainer.nnodes", cluster.get("nnodes", 1)), "trainer.nnodes", 1)
@@ -363,6 +373,11 @@ def build_rayjob(
             derived["trainer.rollout_data_dir"] = mounts.to_pod_path(rollouts_uri(ckpt))
         argv = entrypoint_argv(exp, mounts, derived)
         annotations["checkpoint-uri"] = ckpt
+        if "tensorboard" in tracking_run.loggers(exp.verl.get("trainer.logger")):
+            # verl's default is tensorboard_log/<project>/<experiment> under the job's working directory, which
+            # goes with the pod; on the mount the event files stay in the store with the run
+            env_vars["TENSORBOARD_DIR"] = mounts.to_pod_path(tensorboard_uri(ckpt))
+            annotations["tensorboard-uri"] = tensorboard_uri(ckpt)
     else:
         if (
             not isinstance(entrypoint, (list, tuple))
