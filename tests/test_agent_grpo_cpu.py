@@ -115,6 +115,9 @@ def test_two_multi_turn_grpo_steps_call_the_tool_and_learn(tmp_path, tiny_model,
         assert m["tool_call_counts/mean"] == 1 and m["tool/call_rate"] == 1.0
         assert m["tool/errors"] == 4 and m["tool/error_rate"] == 0.5
         assert m["critic/score/mean"] == 0.5  # 42 for half of each group: non-zero advantages
+        # verl's own agent-loop timings, under the names its AgentLoopManager gives them on the cluster
+        assert 0 < m["timing_s/agent_loop/tool_calls/mean"] <= m["timing_s/agent_loop/tool_calls/max"]
+        assert m["timing_s/agent_loop/generate_sequences/mean"] > 0
 
     rows = [json.loads(x) for x in (out / "rollouts" / "2.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {r["step"] for r in rows} == {2}

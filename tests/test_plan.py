@@ -88,6 +88,7 @@ def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus():
         argv = plan.evaluate_request(inputs, trained, run, "kuberay")["args"]
         assert argv[argv.index("--generator") + 1] == "vllm"
         assert argv[argv.index("--tensor-parallel-size") + 1] == want
+        assert argv[argv.index("--name") + 1] == "gsm8k"  # the registry's name, not the scorer's data_source
         assert "--tensor-parallel-size" not in plan.evaluate_request(inputs, trained, run, "local")["args"]
 
 

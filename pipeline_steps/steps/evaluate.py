@@ -58,6 +58,7 @@ def add_arguments(p):
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-problems", type=int, default=0, help="score only the first N problems (0: all)")
+    p.add_argument("--name", help="the evaluation set's name in results and reports (default: its data sources)")
     p.add_argument("--base-model", help="also score this base model (HF dir) and report the gain over it")
     p.add_argument(
         "--baseline-cache", help="directory caching base model results by model hash, eval set hash and sampling"
@@ -117,7 +118,7 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_eval_set(path: str, max_problems: int = 0) -> tuple[list[dict], dict]:
+def load_eval_set(path: str, max_problems: int = 0, name: str | None = None) -> tuple[list[dict], dict]:
     """Rows of a verl-schema parquet, checked: every row has a prompt, a data_source and a ground truth."""
     import pyarrow.parquet as pq
 
@@ -149,7 +150,7 @@ def load_eval_set(path: str, max_problems: int = 0) -> tuple[list[dict], dict]:
         "path": str(p.resolve()),
         "sha256": file_sha256(p),
         "rows": len(rows),
-        "name": "+".join(sources),
+        "name": name or "+".join(sources),  # the synthetic arithmetic set is scored as openai/gsm8k
         "file": p.name,
     }
     if max_problems:
@@ -357,7 +358,7 @@ def run(args) -> dict:
         },
     )
     outputs.check_reusable(out, "evaluate")
-    rows, eval_info = load_eval_set(args.data, args.max_problems)
+    rows, eval_info = load_eval_set(args.data, args.max_problems, args.name)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-work.", dir=out.parent))  # merged checkpoints, removed below
     try:
