@@ -196,6 +196,29 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
         jobs.append(job)
     (a, b) = sorted(jobs, key=lambda j: j.start_time)
     assert a.end_time and b.start_time >= a.end_time, (a.submission_id, a.start_time, a.end_time, b.start_time)
+    # the figures for the record (the closing note quotes them): in the test's directory, and on stdout with -s
+    from datetime import datetime
+
+    def at(text):
+        return datetime.fromisoformat(text).timestamp() if text else None
+
+    def wait(t):  # scheduled (its upstream done) until it ran: the pool's doing, for the second run's train
+        start, scheduled = at(t["start_date"]), at(t["scheduled_when"])
+        return None if start is None or scheduled is None else round(start - scheduled, 1)
+
+    first, second = sorted(trains, key=lambda t: at(t["start_date"]))
+    figures = {
+        "job_a_s": (a.end_time - a.start_time) / 1e3,
+        "job_b_started_after_job_a_ended_s": (b.start_time - a.end_time) / 1e3,
+        "second_train_waited_for_the_pool_s": wait(second),
+        "first_train_waited_s": wait(first),
+        "trains": {
+            t["dag_run_id"]: {k: t[k] for k in ("scheduled_when", "queued_when", "start_date", "end_date")}
+            for t in trains
+        },
+    }
+    (airflow_pg["home"] / "queue-figures.json").write_text(json.dumps(figures, indent=1))
+    print("queue figures:", json.dumps(figures))
 
     from pipeline_steps.evaluation import promotion
     from pipeline_steps.store import open_store
