@@ -202,16 +202,13 @@ def test_two_runs_at_once_queue_on_the_gpu_pool_and_promote_consistently(airflow
     def at(text):
         return datetime.fromisoformat(text).timestamp() if text else None
 
-    def wait(t):  # scheduled (its upstream done) until it ran: the pool's doing, for the second run's train
-        start, scheduled = at(t["start_date"]), at(t["scheduled_when"])
-        return None if start is None or scheduled is None else round(start - scheduled, 1)
-
     first, second = sorted(trains, key=lambda t: at(t["start_date"]))
     figures = {
         "job_a_s": (a.end_time - a.start_time) / 1e3,
         "job_b_started_after_job_a_ended_s": (b.start_time - a.end_time) / 1e3,
-        "second_train_waited_for_the_pool_s": wait(second),
-        "first_train_waited_s": wait(first),
+        # the second train starts when the first leaves `deferred` (its job ended; Airflow resets scheduled_when
+        # then, so the raw times below are the record, not a computed wait)
+        "second_train_started_after_first_s": round(at(second["start_date"]) - at(first["start_date"]), 1),
         "trains": {
             t["dag_run_id"]: {k: t[k] for k in ("scheduled_when", "queued_when", "start_date", "end_date")}
             for t in trains

@@ -1,7 +1,9 @@
 """A user's own JSONL files chosen in the trigger form, through the whole ``verl_grpo_pipeline`` DAG (``airflow dags
 test`` on the local profile, as ``make demo`` runs it): ``{"experiment": "local_tiny", "smoke": true, "train_jsonl":
-..., "validation_jsonl": ...}`` with two files in a ``file://`` store, and with the README's example, the offline Hub's
-``hf://datasets/pipeline-local/chat-jsonl/data/{train,validation}.jsonl``.
+..., "validation_jsonl": ...}`` with two files in a ``file://`` store. (The README's example, the offline Hub's
+``hf://datasets/pipeline-local/chat-jsonl/data/{train,validation}.jsonl``, passed this test too; it is a parameter
+left out of ``make test`` to keep the suite under 40 minutes: tests/test_user_jsonl.py runs Hub files, pinned and
+unpinned, through the same download and preprocess steps.)
 
 The files go through download (versioned by their content, or by the Hub commit current at the run's logical date),
 preprocess (train and validation splits, rollout_extra a struct) and upload (a dataset version in the store, emitted
@@ -41,11 +43,11 @@ def _write(path: Path, items) -> bytes:
 HUB = "hf://datasets/pipeline-local/chat-jsonl/data"
 
 
-@pytest.mark.parametrize("where", ["store", "hub"])
+@pytest.mark.parametrize("where", ["store"])  # "hub": see the module's docstring
 def test_jsonl_files_chosen_in_the_form_train_and_validate(where, tmp_path):
     import pyarrow.parquet as pq
 
-    from scripts.demo import newest_run, prepare, ray_temp_dir, task_states, xcom
+    from scripts.demo import newest_run, prepare, stop_services, task_states, xcom
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
     env = prepare(home, airflow_home)
@@ -107,6 +109,4 @@ def test_jsonl_files_chosen_in_the_form_train_and_validate(where, tmp_path):
         assert val_keys, [sorted(m["data"]) for m in metrics][:1]
         assert any("critic/score/mean" in m["data"] for m in metrics)  # and a training step ran
     finally:
-        from pipeline_steps.local import ray_cluster
-
-        ray_cluster.shutdown_cluster(ray_temp_dir(home))
+        stop_services(home)
