@@ -173,11 +173,8 @@ def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 STAGING = ".tmp-incoming."

@@ -111,11 +111,8 @@ def check_sampling(s: dict) -> None:
 
 
 def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_eval_set(path: str, max_problems: int = 0, name: str | None = None) -> tuple[list[dict], dict]:

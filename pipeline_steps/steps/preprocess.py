@@ -373,11 +373,8 @@ def process(spec: registry.DatasetSpec, root: Path, out: Path, variant: str = "d
 
 
 def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _summary(spec, out: Path, stats: dict, skipped: bool) -> dict:
