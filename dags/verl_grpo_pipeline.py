@@ -1,8 +1,8 @@
 """verl GRPO post-training, one run as retryable tasks:
 
-plan -> download -> preprocess -> upload_dataset (mapped per dataset) ─┐
+plan -> download -> preprocess -> upload_dataset (mapped per dataset) ─┬-> register_datasets
      -> stage_model ───────────────────────────────────────────────────┴-> collect_inputs -> train -> evaluate
-     -> export -> report (runs even when an earlier task failed)
+     -> export -> register_model, report (runs even when an earlier task failed)
 
 Declarative only: the work lives in ``pipeline_steps`` (plain Python, run as ``python -m pipeline_steps ...``) and
 the Airflow side in ``operators``. Nothing heavy is imported here: the scheduler re-parses this file constantly.
@@ -14,8 +14,9 @@ import os
 from datetime import timedelta
 
 import pendulum
-from airflow.sdk import AssetAlias, Param, TriggerRule, dag, task
+from airflow.sdk import Param, TriggerRule, dag, task
 
+from operators.assets import RegisterAssetsOperator
 from operators.cluster_step import PipelineStepJobOperator
 from operators.notify import notify_failure
 from operators.step import PipelineStepOperator
@@ -281,13 +282,16 @@ def verl_grpo_pipeline():
         step="upload",
         store_uri=planned["store"],
         store_conn_id=STORE_CONN_ID,
-        asset_alias=DATASET_ASSETS,
-        # declared here too: a mapped task's __init__ runs only at execution, so without this the DAG processor never
-        # registers the alias, and two mapped uploads emitting through it first both create its row (on PostgreSQL
-        # the second task then fails on idx_asset_alias_name_unique after its step succeeded)
-        outlets=[AssetAlias(DATASET_ASSETS)],
         **retrying(timedelta(hours=2)),
     ).expand(request=preprocess.output.map(planning.upload_request))
+    # Assets are registered by a task of their own that runs one at a time across runs (why: operators/assets.py)
+    RegisterAssetsOperator(
+        task_id="register_datasets",
+        asset_alias=DATASET_ASSETS,
+        results=upload_dataset.output,
+        summary_key="upload",
+        **retrying(timedelta(minutes=10)),
+    )
     stage_model = PipelineStepOperator(
         task_id="stage_model",
         step="stage-model",
@@ -348,13 +352,20 @@ def verl_grpo_pipeline():
     @task(task_id="report_request", trigger_rule=TriggerRule.ALL_DONE, **retrying(timedelta(minutes=5)))
     def report_request(ti=None) -> dict:
         """Runs whatever happened upstream: a missing result is reported as such, not fatal."""
-        from operators.links import DASHBOARD_XCOM_KEY
+        from airflow.sdk.exceptions import AirflowSkipException
 
+        from operators.links import DASHBOARD_XCOM_KEY
+        from operators.run_tasks import task_states
+
+        run = ti.xcom_pull(task_ids="plan", key="run")
+        if not run:
+            raise AirflowSkipException("plan did not finish: no run directory to report on (see the plan task's log)")
         return planning.report_request(
-            ti.xcom_pull(task_ids="plan", key="run"),
+            run,
             ti.xcom_pull(task_ids="train"),
             ti.xcom_pull(task_ids="export"),
             ti.xcom_pull(task_ids="train", key=DASHBOARD_XCOM_KEY),
+            task_states(ti),
         )
 
     # local backend: in the worker; kuberay: as a RayJob next to the checkpoint (GPU for evaluate)
@@ -380,13 +391,20 @@ def verl_grpo_pipeline():
     export = PipelineStepJobOperator(
         task_id="export",
         step="export",
-        asset_alias=MODEL_ASSETS,
         skip_unless="promoted",
         uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
         mlflow_conn_id=MLFLOW_CONN_ID,  # export logs the evaluation and the model card to the training's run
         **on_backend,
         request=export_request(inputs, train.output, evaluate.output),
         **retrying(timedelta(hours=3)),
+    )
+    RegisterAssetsOperator(  # every exported version, promoted or not (a skipped export pushed its result)
+        task_id="register_model",
+        trigger_rule=TriggerRule.NONE_FAILED,
+        asset_alias=MODEL_ASSETS,
+        results=export.output,
+        summary_key="export",
+        **retrying(timedelta(minutes=10)),
     )
     report_args = report_request()
     export >> report_args

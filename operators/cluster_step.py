@@ -139,7 +139,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
     :param log_tail_lines: lines of the job's log to show.
     :param dashboard_url_template: Ray dashboard link (see :class:`operators.rayjob.RayJobOperator`).
     :param kwargs: :class:`operators.step.PipelineStepOperator` options (``store_conn_id``, ``hf_conn_id``,
-        ``summary_key``, ``skip_unless``, ``asset_alias``) and ``BaseOperator``'s.
+        ``summary_key``, ``skip_unless``) and ``BaseOperator``'s.
     """
 
     template_fields: Sequence[str] = (

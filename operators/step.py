@@ -23,17 +23,6 @@ from operators.hooks.huggingface import hf_env
 from operators.hooks.store import store_env
 
 
-def asset_name(uri: str) -> str:
-    """A readable Asset name for a store version: ``gsm8k@00f2904 (9007d73)`` for a dataset version
-    (``datasets/<name>/<commit>/<content hash>``), ``<experiment>@<version>`` for an exported model."""
-    parts = uri.split("://", 1)[-1].strip("/").split("/")
-    if len(parts) >= 4 and parts[-4] == "datasets":
-        return f"{parts[-3]}@{parts[-2][:7]} ({parts[-1][:7]})"
-    if len(parts) >= 3 and parts[-3] == "exported":
-        return f"{parts[-2]}@{parts[-1]}"
-    return "/".join(parts[-3:])
-
-
 class PipelineStepOperator(BaseOperator):
     """Run one pipeline step as a child process and push its JSON summary as the task's XCom.
 
@@ -48,8 +37,6 @@ class PipelineStepOperator(BaseOperator):
     :param summary_key: key under which the step summary is added to ``carry`` (default: the step name).
     :param skip_unless: summary key; when the step succeeds with that key false, the summary is still pushed and
         the task is marked skipped with the summary's ``reason`` (export: "not promoted" is not a failure).
-    :param asset_alias: emit the step's output (its summary's ``uri``) as an Airflow Asset through this
-        AssetAlias (dataset versions and exported models have run-time URIs, so they are emitted dynamically).
 
     Exit code 2 (bad input) fails the task without retries: retrying the same input cannot help.
     Any other failure raises normally so the task's retries apply.
@@ -67,20 +54,11 @@ class PipelineStepOperator(BaseOperator):
         store_conn_id: str | None = "pipeline_store",
         hf_conn_id: str | None = "huggingface_default",
         summary_key: str | None = None,
-        asset_alias: str | None = None,
         skip_unless: str | None = None,
         mlflow_conn_id: str | None = None,
         **kwargs,
     ):
-        if asset_alias:
-            from airflow.sdk import AssetAlias
-
-            outlets = list(kwargs.get("outlets") or [])
-            if AssetAlias(asset_alias) not in outlets:  # a mapped task's DAG file declares it for the DAG processor
-                outlets.append(AssetAlias(asset_alias))
-            kwargs["outlets"] = outlets
         super().__init__(**kwargs)
-        self.asset_alias = asset_alias
         self.skip_unless = skip_unless
         self.step = step
         self.request = request or {}
@@ -141,15 +119,11 @@ class PipelineStepOperator(BaseOperator):
         return self.finish(context, summary)
 
     def finish(self, context, summary: dict) -> dict:
-        """A successful step's summary -> the task's result: carry merged in, asset emitted, skip when asked."""
+        """A successful step's summary -> the task's result: carry merged in, skip when asked (Assets are emitted
+        by :class:`operators.assets.RegisterAssetsOperator` downstream, one registration at a time)."""
         summary.pop("ok", None)
         summary.pop("step", None)
         carry = self.request.get("carry", {})
-        if self.asset_alias and summary.get("uri"):
-            made = {k: carry[k] for k in ("dataset", "revision") if k in carry}
-            pre = carry.get("preprocess") or {}  # a dataset version: its rows and content hash
-            made.update({k: pre[k] for k in ("rows_out", "content_hash") if k in pre})
-            self.emit_asset(context, summary["uri"], {**made, **summary})
         result = {**carry, self.summary_key: summary}
         if self.skip_unless and not summary.get(self.skip_unless):
             from airflow.sdk.exceptions import AirflowSkipException
@@ -157,15 +131,6 @@ class PipelineStepOperator(BaseOperator):
             context["ti"].xcom_push(key="return_value", value=result)
             raise AirflowSkipException(f"step {self.step}: {summary.get('reason') or self.skip_unless + ' is false'}")
         return result
-
-    def emit_asset(self, context, uri: str, summary: dict) -> None:
-        from airflow.sdk import Asset, AssetAlias
-
-        extra = {k: v for k, v in summary.items() if isinstance(v, (str, int, float, bool)) and k != "uri"}
-        extra.update({k: v for k, v in (("dag_id", self.dag_id), ("run_id", context.get("run_id"))) if v})
-        name = asset_name(uri)
-        context["outlet_events"][AssetAlias(self.asset_alias)].add(Asset(uri=uri, name=name), extra=extra)
-        self.log.info("emitted asset %s (%s) via alias %s", name, uri, self.asset_alias)
 
     def on_kill(self):
         if self._proc and self._proc.poll() is None:

@@ -143,8 +143,73 @@ def test_the_default_presets_values_show_in_the_fields_they_fill(dag):
 
 
 def test_asset_names_read_like_versions():
-    from operators.step import asset_name
+    from operators.assets import asset_name
 
     assert asset_name("file:///data/store/datasets/gsm8k/00f29045abcdef/9007d73aa11") == "gsm8k@00f2904 (9007d73)"
     assert asset_name("oss://bkt/verl/datasets/dapo_math/" + "a" * 40 + "/" + "b" * 16) == "dapo_math@aaaaaaa (bbbbbbb)"
     assert asset_name("gs://bkt/models/exported/gsm8k_qwen/step20-0f4bd6546423") == "gsm8k_qwen@step20-0f4bd6546423"
+
+
+def test_only_the_registration_tasks_emit_assets_and_they_run_one_at_a_time(dag):
+    """Airflow 3.3 creates an alias-emitted Asset inside the success call, racing a concurrent creator
+    (operators/assets.py): every AssetAlias outlet of the DAG must sit on a task that runs alone across runs."""
+    emitting = {
+        t.task_id: t.max_active_tis_per_dag
+        for t in dag.tasks
+        if any(o.__class__.__name__ == "AssetAlias" for o in t.outlets)
+    }
+    assert emitting == {"register_datasets": 1, "register_model": 1}
+    assert dag.get_task("register_datasets").upstream_task_ids == {"upload_dataset"}
+    assert dag.get_task("register_model").upstream_task_ids == {"export"}
+
+
+def test_registration_emits_each_version_with_its_lineage():
+    from airflow.sdk import AssetAlias
+    from airflow.sdk.execution_time.context import OutletEventAccessors
+
+    from operators.assets import RegisterAssetsOperator
+
+    uploads = [
+        {
+            "dataset": "gsm8k",
+            "revision": "abc",
+            "preprocess": {"rows_out": 7, "content_hash": "h1"},
+            "upload": {"uri": "file:///s/datasets/gsm8k/abc/h1", "uploaded": 0},
+        },
+        {"dataset": "aime2024", "revision": "def", "upload": {"uri": "file:///s/datasets/aime2024/def/h2"}},
+        {"dataset": "x", "upload": {}},  # no output: nothing to register
+    ]
+    op = RegisterAssetsOperator(task_id="register_datasets", asset_alias="a", results=uploads, summary_key="upload")
+    ctx = {"run_id": "r1", "outlet_events": OutletEventAccessors()}
+    assert op.execute(ctx) == ["file:///s/datasets/gsm8k/abc/h1", "file:///s/datasets/aime2024/def/h2"]
+    events = ctx["outlet_events"][AssetAlias("a")].asset_alias_events
+    assert [(e.dest_asset_key.name, e.extra["rows_out"] if "rows_out" in e.extra else None) for e in events] == [
+        ("gsm8k@abc (h1)", 7),
+        ("aime2024@def (h2)", None),
+    ]
+    assert events[0].extra["run_id"] == "r1" and events[0].extra["content_hash"] == "h1"
+
+
+def test_readme_defaults_weekly_schedule_local_tiny_and_failure_callbacks_on_every_task(dag):
+    """README: weekly by default, catchup off, one active run; scheduled runs train local_tiny on the local backend;
+    every task reports its failure (operators.notify.notify_failure); the report runs after a failed task."""
+    from airflow.sdk import TriggerRule
+
+    from operators.notify import notify_failure
+
+    assert dag.timetable.expression == "0 0 * * 0" and dag.catchup is False and dag.max_active_runs == 1  # @weekly
+    assert dag.params["experiment"] == "local_tiny" and dag.params["backend"] == "local"
+    missing = [t.task_id for t in dag.tasks if notify_failure not in (t.on_failure_callback or [])]
+    assert not missing, missing
+    for task_id in ("report_request", "report"):
+        assert dag.get_task(task_id).trigger_rule == TriggerRule.ALL_DONE
+
+
+def test_the_evaluation_dag_is_scheduled_on_what_the_pipeline_registers_for_each_export(dag):
+    import runpy
+
+    from airflow.sdk import AssetAlias
+
+    evaluation = runpy.run_path(str(ROOT / "dags" / "verl_evaluate_model.py"))["dag"]
+    (emitted,) = dag.get_task("register_model").outlets
+    assert evaluation.timetable.asset_condition == AssetAlias(emitted.name) == AssetAlias("verl-exported-models")

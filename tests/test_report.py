@@ -27,7 +27,7 @@ KEYS = ("critic/score/mean", "actor/entropy", "response_length/mean", "perf/thro
 
 
 def args(run_dir, **kw) -> argparse.Namespace:
-    base = {"run_dir": str(run_dir), "output": None, "dashboard_url": "", "exported_uri": ""}
+    base = {"run_dir": str(run_dir), "output": None, "dashboard_url": "", "exported_uri": "", "task_states": ""}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -367,6 +367,23 @@ def test_cli_writes_report_into_the_run_dir_and_fails_cleanly(full_run, tmp_path
     rc, summary, stderr = run_step("report", "--run-dir", tmp_path / "missing")
     assert rc == 2 and not summary["ok"]
     assert stderr.strip().splitlines()[-1].startswith("error: --run-dir") and "Traceback" not in stderr
+
+
+def test_a_run_that_stopped_before_training_is_reported_from_its_task_states(tmp_path):
+    """The DAG's report runs after a failed task; its planned run directory may never have been made."""
+    run_dir = tmp_path / "runs" / "local_tiny" / "r1"
+    states = {"plan": "success", "upload_dataset_0": "failed", "train": "upstream_failed", "export": None}
+    rc, summary, err = run_step("report", "--run-dir", run_dir, "--task-states", json.dumps(states), check=0)
+    md = Path(summary["report"]).read_text()
+    assert Path(summary["report"]).parent == run_dir / "report"
+    for row in ("| `upload_dataset_0` | failed |", "| `train` | upstream_failed |", "| `export` | not started |"):
+        assert row in md
+    assert "| `metrics.jsonl` | not produced |" in md
+    # without the task states (a user's own call) a missing directory is still refused in one line
+    rc, _, err = run_step("report", "--run-dir", tmp_path / "elsewhere")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith("error: --run-dir")
+    rc, _, err = run_step("report", "--run-dir", run_dir, "--task-states", "[1]")
+    assert rc == 2 and "--task-states" in err.strip().splitlines()[-1]
 
 
 def test_report_of_a_run_on_an_oss_store_reads_and_writes_the_store(oss_server, tmp_path):

@@ -86,6 +86,12 @@ def add_arguments(p):
     p.add_argument("--output", help="report directory (default: <run-dir>/report)")
     p.add_argument("--dashboard-url", default="", help="Ray dashboard URL of the training job (http or https)")
     p.add_argument("--exported-uri", default="", help="URI of the exported model (store URI or URL)")
+    p.add_argument(
+        "--task-states",
+        default="",
+        help='JSON {"task": "state", ...}: the run\'s tasks as Airflow saw them (the DAG passes it). With it, a run '
+        "directory that was never made (the run stopped before training) is reported, not refused",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +460,27 @@ def links_section(dashboard_url: str, exported_uri: str) -> list[str]:
     ]
 
 
+def parse_task_states(text: str) -> dict[str, str]:
+    if not text:
+        return {}
+    try:
+        states = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--task-states: not JSON ({exc.msg}); pass a JSON object of task id -> state") from None
+    if not isinstance(states, dict) or not all(isinstance(k, str) for k in states):
+        raise UserError("--task-states: expected a JSON object of task id -> state")
+    return {k: "not started" if v is None else str(v) for k, v in states.items()}
+
+
+def tasks_section(states: dict[str, str]) -> list[str]:
+    """What ran and what did not, as Airflow saw it when the report started."""
+    if not states:
+        return []
+    lines = ["## Tasks", "", "| task | state |", "| --- | --- |"]
+    lines += [f"| `{cell(task)}` | {cell(state or 'not started')} |" for task, state in states.items()]
+    return lines + [""]
+
+
 def render_html(markdown_text: str, out: Path, title: str) -> str | None:
     """The page as HTML (raw HTML in the Markdown is escaped, not passed through); images inlined."""
     try:
@@ -571,6 +598,9 @@ def _run_local(
     args, run_dir: Path | None = None, out: Path | None = None, shown_dir: str | None = None, tensorboard=None
 ) -> dict:
     run_dir = run_dir or local_path(args.run_dir, "--run-dir")
+    task_states = parse_task_states(args.task_states)
+    if not run_dir.exists() and task_states:  # the DAG's planned run directory; the run stopped before making it
+        run_dir.mkdir(parents=True)
     if not run_dir.is_dir():
         raise UserError(
             f"--run-dir {args.run_dir}: not a directory; pass the run directory that holds metrics.jsonl and eval/"
@@ -584,6 +614,7 @@ def _run_local(
     state: dict = {"inputs": {}, "plots": [], "metrics_steps": 0, "metrics_skipped_lines": 0}
     with atomic.atomic_dir(out, owner="report") as tmp:
         sections = [f"# {cell(title)}", "", f"Run directory {code(shown_dir or run_dir, table=False)}.", ""]
+        sections += tasks_section(task_states)
         sections += metrics_section(run_dir, tmp, state)
         sections += eval_section(run_dir, state)
         sections += trajectories.report_section(run_dir, state)

@@ -407,9 +407,18 @@ def export_request(inputs: dict, trained: dict, run: dict, evaluated: dict, line
     return {"args": args, "carry": {}}
 
 
-def report_request(run: dict, trained: dict | None, exported: dict | None, dashboard_url: str | None) -> dict:
-    """argv for the report step; upstream results may be missing (the report shows what exists)."""
+def report_request(
+    run: dict,
+    trained: dict | None,
+    exported: dict | None,
+    dashboard_url: str | None,
+    task_states: dict[str, str] | None = None,
+) -> dict:
+    """argv for the report step; upstream results may be missing (the report shows what exists), and the task
+    states say what ran and what did not (with them the report accepts a run directory that was never made)."""
     args = ["--run-dir", strip_file_scheme(run["run_dir"])]
+    if task_states:
+        args += ["--task-states", json.dumps(task_states, sort_keys=True)]
     if dashboard_url:
         args += ["--dashboard-url", str(dashboard_url)]
     if exported and exported.get("export", {}).get("uri"):
