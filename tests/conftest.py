@@ -1,15 +1,114 @@
-"""Shared fixtures: an offline Hugging Face cache built from the shipped fixtures, the tiny local model, and the
-Kubernetes API stand-in behind an Airflow connection."""
+"""Shared fixtures (an offline Hugging Face cache built from the shipped fixtures, the tiny local model, the
+Kubernetes API stand-in behind an Airflow connection) and the suite's rules:
+
+* markers: ``slow`` (real Airflow, Ray or training end to end), ``browser`` (starts Chromium), ``needs_root``
+  (skipped, with the reason in the summary, when not root), ``budget(seconds)`` (the test's time budget);
+* every test has a time budget (``budget`` marker; 120 s by default, 600 s for a ``slow`` test): a test that passes
+  but took longer fails with the measured time, and pytest-timeout stops it at three times its budget;
+* under pytest-xdist (``make test``: ``-n 4 --dist loadgroup``) a module's tests stay on one worker (they may share
+  module fixtures and order) unless the module sets ``XDIST_SPLIT = True``; the heaviest modules are handed out
+  first, so the longest test does not start last;
+* every process the tests start carries ``PIPELINE_TEST_RUN`` in its environment; one still alive when the run ends
+  fails the run (after a grace period), with its command line, and is killed.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+# inherited by xdist workers and by every process a test starts: how the end of the run finds what is left over
+TEST_RUN = os.environ.setdefault("PIPELINE_TEST_RUN", uuid.uuid4().hex)
+DEFAULT_BUDGET_S, SLOW_BUDGET_S = 120, 600
+
+
+def budget_of(item) -> float:
+    marker = item.get_closest_marker("budget")
+    if marker:
+        return float(marker.args[0])
+    return SLOW_BUDGET_S if item.get_closest_marker("slow") else DEFAULT_BUDGET_S
+
+
+def pytest_collection_modifyitems(config, items):
+    groups: dict[str, float] = {}
+    for item in items:
+        if item.get_closest_marker("needs_root") and os.geteuid() != 0:
+            reason = item.get_closest_marker("needs_root").kwargs.get("reason", "")
+            item.add_marker(pytest.mark.skip(reason=f"needs root ({reason}): run as root to include it"))
+        budget = budget_of(item)
+        if not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(budget * 3))
+        module = item.module
+        group = item.nodeid if getattr(module, "XDIST_SPLIT", False) else item.nodeid.split("::")[0]
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(group))
+        groups[group] = groups.get(group, 0.0) + budget
+    # heaviest groups first (stable within a group): the long end-to-end runs start while the short tests fill in
+    order = {id(item): (-groups[_group(item)], i) for i, item in enumerate(items)}
+    items.sort(key=lambda item: order[id(item)])
+
+
+def _group(item) -> str:
+    return item.get_closest_marker("xdist_group").args[0]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if call.when == "call" and report.passed and call.duration > budget_of(item):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} passed but took {call.duration:.1f} s, over its budget of {budget_of(item):.0f} s "
+            "(pytest.mark.budget): find what got slower, or raise the budget with the measured figure"
+        )
+
+
+def _leftovers() -> list[tuple[int, str]]:
+    """Processes (other than this one) whose environment carries this run's PIPELINE_TEST_RUN."""
+    found, token = [], f"PIPELINE_TEST_RUN={TEST_RUN}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if token in (entry / "environ").read_bytes().split(b"\0"):
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+                stat = (entry / "stat").read_text()
+                if cmd and stat.rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append((int(entry.name), cmd[:160]))
+        except OSError:
+            continue
+    return found
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once, after all workers
+        return
+    deadline = time.monotonic() + 30  # Ray and Airflow processes take a few seconds to exit after their stop
+    left = _leftovers()
+    while left and time.monotonic() < deadline:
+        time.sleep(1)
+        left = _leftovers()
+    if left:
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in left)
+        sys.stderr.write(
+            f"\n{len(left)} process(es) started by the tests were still alive at the end (killed):\n{lines}\n"
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 pytest_plugins = ["tests.storage_servers"]  # the object-store server fixtures
 

@@ -34,7 +34,7 @@ RayJob that fails them is accepted by the API server (KubeRay has no RayJob admi
 What it does NOT cover: admission webhooks, the real KubeRay controller (RayCluster
 creation, submitter Job, backoffLimit retries, TTL and deletion rules), schema
 defaulting and CEL ``x-kubernetes-validations`` rules, finalizers (DELETE removes the
-object at once), watches, patch/update, authentication and RBAC, resourceVersion
+object at once), watches, patch/update, RBAC (authentication is a bearer token: a wrong one gets 401), resourceVersion
 conflicts, and set-based label selectors (``in``, ``notin``, existence).
 """
 
@@ -232,6 +232,10 @@ class StandIn:
         self.deletion_polls = 2  # a deleted object lingers (deletionTimestamp set) for this many reads
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
+        # bearer-token authentication as a real API server does it: a request to the Kubernetes API without this
+        # server's token gets 401 Unauthorized (the Ray dashboard path it also serves has no Kubernetes auth)
+        self.token = f"stand-in-{uuid.uuid4().hex}"
+        self.unauthorized = 0
 
     # -- scripting ---------------------------------------------------------------------------------
     def script(self, name: str, steps: list[dict], metrics_file: str | Path | None = None) -> None:
@@ -273,6 +277,12 @@ class StandIn:
                         body = json.loads(self.rfile.read(length) or b"{}")
                     except json.JSONDecodeError:
                         return self._send(400, _status_body(400, "BadRequest", "request body is not JSON"))
+                if url.path.startswith(("/api/v1/", "/apis/")) and (
+                    self.headers.get("Authorization") != f"Bearer {stand_in.token}"
+                ):
+                    with stand_in.lock:
+                        stand_in.unauthorized += 1
+                    return self._send(401, _status_body(401, "Unauthorized", "Unauthorized"))
                 with stand_in.lock:
                     stand_in.requests.append((method, url.path))
                     code, out, ctype = stand_in.handle(method, url.path, query, body)
@@ -301,15 +311,16 @@ class StandIn:
             self._thread.join(timeout=5)
             self._server = None
 
-    def kube_config(self, path: str | Path, namespace: str = "default") -> Path:
-        """Write a kube config pointing at this server (token auth: the clients send a bearer header)."""
+    def kube_config(self, path: str | Path, namespace: str = "default", token: str | None = None) -> Path:
+        """Write a kube config pointing at this server (token auth: the clients send a bearer header); ``token``
+        overrides this server's token (a wrong one is refused with 401)."""
         import yaml
 
         cfg = {
             "apiVersion": "v1",
             "kind": "Config",
             "clusters": [{"name": "stand-in", "cluster": {"server": self.url}}],
-            "users": [{"name": "tester", "user": {"token": "stand-in-token-not-a-secret"}}],
+            "users": [{"name": "tester", "user": {"token": token or self.token}}],
             "contexts": [
                 {"name": "stand-in", "context": {"cluster": "stand-in", "user": "tester", "namespace": namespace}}
             ],

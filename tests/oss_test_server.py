@@ -42,6 +42,7 @@ import hmac
 import http.client
 import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -93,6 +94,7 @@ class MotoS3:
         self._app = Client(create_backend_app("s3"))
         self._backend = s3_backends[DEFAULT_ACCOUNT_ID]["aws"]
         self._lock = threading.Lock()  # moto's backend is not meant for concurrent mutation
+        self._buckets: set[str] = set()  # moto's backend is per process: forget only this server's buckets
 
     def forward(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes):
         # authenticated by the OSS layer; moto only needs to see a signed request (else it applies anonymous ACLs)
@@ -108,6 +110,7 @@ class MotoS3:
     def create_bucket(self, name: str) -> None:
         with self._lock:
             self._backend.create_bucket(name, "us-east-1")
+            self._buckets.add(name)
 
     def bucket_exists(self, bucket: str) -> bool:
         try:
@@ -133,7 +136,10 @@ class MotoS3:
                 yield chunk
 
     def reset(self) -> None:
-        self.s3.reset()
+        with self._lock:
+            for name in self._buckets:
+                self._backend.buckets.pop(name, None)
+            self._buckets.clear()
 
 
 class HttpS3:
@@ -467,11 +473,11 @@ def main() -> None:
     for b in sys.argv[4:]:
         srv.create_bucket(b)
     print(srv.endpoint, flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        srv.stop()
+    stopping = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stopped by the fixture with SIGTERM: stop() runs, exit code 0
+        signal.signal(sig, lambda *_: stopping.set())
+    stopping.wait()
+    srv.stop()
 
 
 if __name__ == "__main__":

@@ -192,6 +192,8 @@ class OssServer:
     def stop(self) -> None:
         _stop(self.proc)
         self.log.close()
+        # the server stops itself on SIGTERM (OssTestServer.stop); any other exit is a defect of the stand-in
+        assert self.proc.returncode == 0, f"OSS test server exited with {self.proc.returncode}: see {self.log.name}"
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import os
 import pytest
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox server needs root (uids, namespaces)"),
+    pytest.mark.needs_root(reason="the sandbox server needs root (uids, namespaces)"),
     pytest.mark.slow,
 ]
 

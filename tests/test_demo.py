@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.budget(750)
 def test_demo_runs_the_dag_and_leaves_no_ray_cluster(tmp_path):
     from scripts.demo import ray_temp_dir
 

@@ -3,6 +3,8 @@ running offline (HF_HUB_OFFLINE=1): no machine here reaches the Hub."""
 
 import json
 
+import pytest
+
 from pipeline_steps import cli
 from tests.conftest import run_step
 
@@ -70,3 +72,51 @@ def test_token_is_never_logged(offline_hub, tmp_path):
         "download", "--dataset", "gsm8k", "--dest", tmp_path, env={"HF_TOKEN": secret, "PIPELINE_LOG_LEVEL": "DEBUG"}
     )
     assert rc == 0 and secret not in err and secret not in json.dumps(s)
+
+
+def test_the_connections_token_is_sent_to_the_hub_and_never_logged(tmp_path, monkeypatch, capfd):
+    """The token from the ``huggingface_default`` Airflow connection reaches the Hub (a local stand-in that records
+    each request's Authorization header and answers 503, since the real Hub is unreachable here), and appears
+    neither in the task's log nor in the step's output, on the failure path where URLs and errors are printed."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from operators.step import PipelineStepOperator
+
+    secret = "hf_SECRETfromTheConnection42"
+    seen: list[str] = []
+
+    class Hub(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization") or "")
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setenv("AIRFLOW_CONN_HUGGINGFACE_DEFAULT", json.dumps({"conn_type": "generic", "password": secret}))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+    monkeypatch.setenv("PIPELINE_LOG_LEVEL", "DEBUG")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    op = PipelineStepOperator(
+        task_id="download",
+        step="download",
+        request={"args": ["--dataset", "gsm8k", "--revision", "main", "--dest", str(tmp_path / "d")]},
+    )
+    try:
+        with pytest.raises(Exception) as failed:
+            op.execute({})
+    finally:
+        server.shutdown()
+    assert f"Bearer {secret}" in seen  # sent: the test is not vacuous
+    log = "".join(capfd.readouterr())  # the task log, as the operator wrote it
+    assert "running: python -m pipeline_steps download" in log and "503 Service Unavailable" in log  # read, not empty
+    assert secret not in log and secret not in str(failed.value)

@@ -141,17 +141,23 @@ def test_preflight_and_render_rayjob_run_from_the_install(installed):
 
 
 def test_a_deployment_preset_directory_shadows_and_extends(installed, tmp_path):
-    (tmp_path / "team_preset.yaml").write_text((ROOT / "pipeline_steps/training/presets/local_tiny.yaml").read_text())
+    packaged = (ROOT / "pipeline_steps/training/presets/local_tiny.yaml").read_text()
+    assert "  actor_rollout_ref.rollout.n: 4\n" in packaged
+    (tmp_path / "team_preset.yaml").write_text(packaged)  # extends: a new name
+    # shadows: the deployment's local_tiny, with rollout n 8 instead of the packaged 4
+    (tmp_path / "local_tiny.yaml").write_text(packaged.replace("rollout.n: 4\n", "rollout.n: 8\n"))
     env = dict(installed["env"], VERL_PIPELINE_PRESETS_DIR=str(tmp_path))
-    p = subprocess.run(
-        [installed["py"], "-m", "pipeline_steps", "preflight", "--experiment", "team_preset", "--skip-store-check"],
-        cwd=installed["work"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
+    for name, rollout_n in (("team_preset", 4), ("local_tiny", 8)):
+        p = subprocess.run(
+            [installed["py"], "-m", "pipeline_steps", "preflight", "--experiment", name, "--skip-store-check"],
+            cwd=installed["work"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1])["rollout_n"] == rollout_n, name
     p = subprocess.run(
         [installed["py"], "-m", "pipeline_steps", "preflight", "--experiment", "no_such_preset"],
         cwd=installed["work"],

@@ -14,7 +14,7 @@ import pytest
 
 from pipeline_steps.sandbox.pool import live_processes
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox server needs root (uids, namespaces)")
+pytestmark = pytest.mark.needs_root(reason="the sandbox server needs root (uids, namespaces)")
 
 SECRET = "s3cr3t-token-7f0c2a"
 EXEC_TIMEOUT = 3

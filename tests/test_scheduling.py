@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 DATES = ["2026-10-04", "2026-10-11", "2026-10-18"]  # Sundays: @weekly logical dates
 
@@ -97,7 +97,7 @@ def _create_backfill_in_the_ui(url: str, shots: Path) -> None:
     """What a user does: Trigger -> Backfill, the date range in the date pickers, Smoke run on, Run Backfill."""
     import shutil
 
-    from playwright.sync_api import sync_playwright
+    from playwright.sync_api import expect, sync_playwright
 
     from tests.test_ui_trigger_form import CHROMIUM_ARGS
 
@@ -117,18 +117,19 @@ def _create_backfill_in_the_ui(url: str, shots: Path) -> None:
             page.get_by_placeholder("HH:mm").fill("00:00")
             page.keyboard.press("Tab")
             dialog.get_by_text("Date Range").click()  # closes the picker, not the dialog
-            page.wait_for_timeout(300)
+            expect(page.get_by_placeholder("YYYY/MM/DD")).to_have_count(0, timeout=15000)
         # Airflow 3.3's backfill form sends no parameters at all (dag_run_conf null: every run gets the DAG's
         # defaults) unless this box is ticked, even for dates with no run yet; the README says so too
         dialog.get_by_text("Override parameters on existing runs").click()
         dialog.get_by_role("button", name="Experiment").click()
+        smoke = dialog.get_by_role("checkbox", name="Smoke run")
         dialog.get_by_text("Smoke run").click()
-        page.wait_for_timeout(500)
+        expect(smoke).to_be_checked(timeout=15000)
         page.screenshot(path=str(shots / "backfill-form.png"), full_page=True)
         run = dialog.get_by_role("button", name="Run Backfill")
         assert run.is_enabled(), dialog.inner_text()[-2000:]
         run.click()
-        page.wait_for_timeout(2000)
+        expect(dialog).to_be_hidden(timeout=30000)  # the dialog closes once the backfill is created
         page.screenshot(path=str(shots / "backfill-created.png"), full_page=True)
         browser.close()
 
@@ -173,7 +174,7 @@ def test_a_backfill_created_in_the_ui_trains_on_the_dataset_versions_of_each_dat
         (done,) = [d for d in xcoms(airflow["db"], r["run_id"], "upload_dataset") if d["dataset"] == "gsm8k"]
         gsm8k.append(done)
         assert done["revision"] == done["download"]["commit"]
-        assert xcoms(airflow["db"], r["run_id"], "train")[0]["last_step"] >= 1
+        assert xcoms(airflow["db"], r["run_id"], "train")[0]["last_step"] == 1  # smoke: one step
     assert [d["revision"] for d in gsm8k] == [v1, v1, v2]
     # the second run of the unchanged revision reuses the processed version: no preprocessing, nothing uploaded
     assert gsm8k[0]["preprocess"]["skipped"] is False and gsm8k[1]["preprocess"]["skipped"] is True

@@ -12,7 +12,6 @@ test_agent_grpo_cpu.py scripts a call and checks the sandbox's answer reaches th
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import pytest
 from tests.test_cloud_store_dag import _dags_test
 
 pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="the local sandbox server needs root (uids, namespaces)"),
+    pytest.mark.needs_root(reason="the local sandbox server needs root (uids, namespaces)"),
     pytest.mark.slow,
 ]
 

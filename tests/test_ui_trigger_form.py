@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -92,8 +92,13 @@ def _open_form(ui):
 
 
 def _section(page, dialog, name: str) -> None:
-    dialog.get_by_role("button", name=name).click()
-    page.wait_for_timeout(400)
+    """Open a section of the form and wait until it is open (a condition, not a fixed pause)."""
+    from playwright.sync_api import expect
+
+    button = dialog.get_by_role("button", name=name)
+    if button.get_attribute("aria-expanded") != "true":
+        button.click()
+    expect(button).to_have_attribute("aria-expanded", "true", timeout=15000)
 
 
 def test_the_form_opens_with_every_section_valid_and_trigger_enabled(ui):
@@ -121,15 +126,18 @@ def test_bad_values_are_refused_with_their_message_visible(ui, section, selector
     before = _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"]
     page, dialog = _open_form(ui)
     _section(page, dialog, section)
+    from playwright.sync_api import expect
+
     field = dialog.locator(selector)
     field.fill(value)
     field.press("Tab")
-    page.wait_for_timeout(300)
-    if field.input_value() != value:  # a number field clamps to the schema's minimum as the user leaves it
-        assert param == "rollout_n" and field.input_value() == "1", field.input_value()
+    if param == "rollout_n":  # the number field refuses 0 by clamping to the schema's minimum as the user leaves it
+        expect(field).to_have_value("1", timeout=15000)
         page.screenshot(path=str(ui["shots"] / f"form-refused-{param}.png"), full_page=True)
         page.close()
+        assert _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"] == before
         return
+    expect(field).to_have_value(value)
     dialog.get_by_role("button", name="Trigger").click()
     alert = dialog.get_by_text(f"Invalid input for param {param}")
     alert.wait_for(timeout=15000)
