@@ -51,6 +51,10 @@ HINTS: dict[str, str] = {
     "export": "check the checkpoint, the store connection (pipeline_store) and the evaluation results it reads; "
     "a retry re-exports the same version",
     "report": "check that the run directory is readable; the report shows missing inputs as not produced",
+    "register_datasets": "the data is uploaded; if the task failed with no error in its log, the API server refused "
+    "the Asset registration (its log names why): clear this task to register again, nothing is re-uploaded",
+    "register_model": "the model is exported; if the task failed with no error in its log, the API server refused "
+    "the Asset registration (its log names why): clear this task to register again, nothing is re-exported",
 }
 DEFAULT_HINT = "read this task's log above the error, fix the cause, then clear the task to retry"
 

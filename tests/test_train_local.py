@@ -260,7 +260,9 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     # the merger writes bfloat16 (as it does for cluster checkpoints)
     assert merged_sd and all(torch.equal(merged_sd[k], shard[k].to(merged_sd[k].dtype)) for k in merged_sd)
 
-    # A crash mid-run (SIGKILL once checkpoint 1 is complete), then a retry with the same arguments.
+    # A crash mid-run (SIGKILL once checkpoint 1 is complete), then a retry with the same arguments. The run is
+    # single-stepped (SIGSTOP, look, SIGCONT for 20 ms) so that it cannot pass checkpoint 1 between two looks,
+    # however loaded the machine is.
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen(
         [PY, "-m", "pipeline_steps", *_train_args(assets, crashed, steps)],
@@ -268,16 +270,23 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
         env=dict(os.environ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     tracker = crashed / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and not (tracker.exists() and tracker.read_text().strip() == "1"):
-        assert proc.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, signal.SIGSTOP)
+            if tracker.exists() and tracker.read_text().strip() == "1":
+                break
+            assert proc.poll() is None, "the run ended before it could be killed"
+            os.killpg(proc.pid, signal.SIGCONT)
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
     killed_at = int(tracker.read_text())
-    assert 1 <= killed_at < steps
+    assert killed_at == 1
     res = run_cli(*_train_args(assets, crashed, steps))
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
