@@ -132,9 +132,7 @@ def test_sampling_ignores_the_models_repetition_penalty(assets, tmp_path):
         cfg = compose({**assets, "model": model}, tmp_path / f"r{len(samples)}", ["trainer.total_training_steps=1"])
         with grpo_cpu.process_group():
             trainer = grpo_cpu.GRPOTrainer(cfg, reward_fn=_half)
-            batch = trainer.generate(
-                trainer.train_prompts[:2], 2, do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, seed=7
-            )
+            batch = trainer.generate(trainer.train_prompts[:2], 2, temperature=1.0, top_p=1.0, top_k=-1, seed=7)
         samples.append(batch["responses"].tolist())
     assert samples[0] == samples[1]
 

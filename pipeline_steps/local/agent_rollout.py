@@ -109,13 +109,13 @@ class AgentRollout:
     async def _all(self, prompts, n: int, sampling_params: dict):
         return await asyncio.gather(*[self._one(p, sampling_params) for p in prompts for _ in range(n)])
 
-    def generate(self, prompts, n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int):
+    def generate(self, prompts, n: int, *, temperature: float, top_p: float, top_k: int, seed: int):
         """The trainer's batch for ``prompts`` x ``n`` (interleaved like verl's repeat), plus trajectories."""
         import numpy as np
         import torch
 
         # verl's AgentLoopWorker sampling parameters; greedy is temperature 0
-        sp = {"temperature": temperature if do_sample else 0.0, "top_p": top_p, "top_k": top_k}
+        sp = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
         sp["max_tokens"] = self.response_length  # the loop itself stops at response_length over all turns
         torch.manual_seed(seed)
         results = asyncio.run(self._all(prompts, n, sp))

@@ -54,8 +54,11 @@ log = logging.getLogger(__name__)
 TRACKER = CHECKPOINT_TRACKER
 GROUP_KEY = "reward.custom_reward_function.group_name"  # local backend only: verl 0.9.1 scores per sample
 LOCAL_REWARD_MANAGERS = ("naive",)  # verl reward managers the CPU trainer reproduces
-# Inputs an advantage estimator may ask for that this trainer provides.
-_ADV_INPUTS = {"token_level_rewards", "response_mask", "index", "config", "norm_adv_by_std_in_grpo", "epsilon", "gamma"}
+# verl settings the CPU trainer does not reproduce: refused in one line when set away from verl's default
+_NOT_REPRODUCED = {
+    "algorithm.filter_groups.enable": (False, "DAPO dynamic sampling (group filtering and refill)"),
+    "data.train_max_samples": (-1, "verl's RLHFDataset sub-sampling"),
+}
 
 MLFLOW_RUN_FILE = "mlflow_run.json"  # beside the checkpoints: a resumed attempt and the export find the run
 RewardFn = Callable[..., "float | dict"]
@@ -133,6 +136,38 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
             extra = dict(row.get("extra_info") or {})  # a JSONL row's rollout_extra is a parquet struct: a dict here
             out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], extra, messages, row.get("agent_name")))
     return out
+
+
+def _advantage_probe(algorithm_cfg, estimator: str) -> str | None:
+    """Why verl's ``compute_advantage`` fails for ``estimator`` on what this trainer has (None when it runs).
+
+    The same call as :meth:`GRPOTrainerCPU.advantages` on a 2x2 batch: an estimator that needs critic values,
+    reward baselines, actor statistics or per-component rewards fails here as it would at step 1, before any model
+    is loaded.
+    """
+    import numpy as np
+    import torch
+    from omegaconf import OmegaConf
+    from verl import DataProto
+    from verl.trainer.ppo.ray_trainer import compute_advantage
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg = OmegaConf.merge(algorithm_cfg, {"adv_estimator": estimator})
+    data = DataProto.from_dict(
+        tensors={"token_level_rewards": torch.tensor([[0.0, 1.0], [0.0, 0.0]]), "response_mask": torch.ones(2, 2)},
+        non_tensors={"uid": np.array(["a", "a"], dtype=object)},
+    )
+    try:
+        compute_advantage(
+            data,
+            adv_estimator=estimator,
+            num_repeat=2,
+            norm_adv_by_std_in_grpo=bool(cfg.get("norm_adv_by_std_in_grpo", True)),
+            config=omega_conf_to_dataclass(cfg),
+        )
+    except Exception as e:  # verl raises KeyError, TypeError or AssertionError for a missing input
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return None
 
 
 def _as_list(v) -> list[str]:
@@ -274,7 +309,6 @@ class GRPOTrainer:
         self.core = core_algos
         self.actor_cfg = omega_conf_to_dataclass(actor)
         self.algo_cfg = omega_conf_to_dataclass(cfg.algorithm)
-        self.adv_fn = core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)
         self.policy_loss_fn = core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
         manager = str((cfg.reward.get("reward_manager") or {}).get("name") or "naive")
         if manager not in LOCAL_REWARD_MANAGERS:  # dapo's overlong penalty, batch/prime managers: not here
@@ -384,6 +418,7 @@ class GRPOTrainer:
     # -- configuration ---------------------------------------------------------
 
     def _validate(self):
+        from omegaconf import OmegaConf
         from verl.trainer.ppo import core_algos
         from verl.utils.tracking import Tracking
 
@@ -393,18 +428,24 @@ class GRPOTrainer:
             raise UserError(f"trainer.logger: {unknown} not supported by verl; use {Tracking.supported_backend}")
         actor = cfg.actor_rollout_ref.actor
         est = cfg.algorithm.adv_estimator
-        try:
-            fn = core_algos.get_adv_estimator_fn(est)
-        except ValueError:
+        if est not in core_algos.ADV_ESTIMATOR_REGISTRY:
             raise UserError(
                 f"algorithm.adv_estimator={est!r} is unknown; choose one of {sorted(core_algos.ADV_ESTIMATOR_REGISTRY)}"
-            ) from None
-        if not self._adv_supported(fn):
-            ok = sorted(k for k, f in core_algos.ADV_ESTIMATOR_REGISTRY.items() if self._adv_supported(f))
-            raise UserError(
-                f"algorithm.adv_estimator={est!r} needs inputs (critic values, baselines, ...) the local CPU backend "
-                f"does not produce; use one of {ok}"
             )
+        problem = _advantage_probe(cfg.algorithm, est)
+        if problem:
+            ok = sorted(k for k in core_algos.ADV_ESTIMATOR_REGISTRY if not _advantage_probe(cfg.algorithm, k))
+            raise UserError(
+                f"algorithm.adv_estimator={est!r}: verl's compute_advantage needs more than the local CPU backend "
+                f"produces (rewards, masks, group ids): {problem}; use one of {ok}, or run it on the cluster"
+            )
+        for key, (default, what) in _NOT_REPRODUCED.items():
+            value = OmegaConf.select(cfg, key, default=default)
+            if value != default:
+                raise UserError(
+                    f"{key}={value}: {what} is not reproduced by the local CPU backend; remove the override "
+                    "or run on the cluster"
+                )
         try:
             core_algos.get_policy_loss_fn(actor.policy_loss.loss_mode)
         except ValueError:
@@ -424,16 +465,6 @@ class GRPOTrainer:
             raise UserError("trainer.default_local_dir is empty; pass --output-dir")
         if not _as_list(cfg.data.train_files):
             raise UserError("data.train_files is empty; pass --train-files")
-
-    @staticmethod
-    def _adv_supported(fn) -> bool:
-        params = inspect.signature(fn).parameters.values()
-        required = {
-            p.name
-            for p in params
-            if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-        }
-        return required <= _ADV_INPUTS
 
     def _configured_reward_fn(self) -> RewardFn:
         from verl.trainer.ppo.reward import get_custom_reward_fn
@@ -506,7 +537,7 @@ class GRPOTrainer:
         return self.agent.generate(prompts, n, **sampling)
 
     def generate(
-        self, prompts: list[Prompt], n: int, *, do_sample: bool, temperature: float, top_p: float, top_k: int, seed: int
+        self, prompts: list[Prompt], n: int, *, temperature: float, top_p: float, top_k: int, seed: int
     ) -> dict:
         """Left-padded prompts, ``n`` sampled responses each (interleaved like verl's repeat)."""
         import torch
@@ -517,7 +548,8 @@ class GRPOTrainer:
         attn = enc["attention_mask"].repeat_interleave(n, dim=0)
         torch.manual_seed(seed)
         # As verl's agent loop samples with vLLM: repetition_penalty 1.0 whatever the model's generation_config says,
-        # an immediate EOS allowed (no min_new_tokens), and temperature 0 is greedy.
+        # an immediate EOS allowed (no min_new_tokens), and temperature 0 is greedy. verl's v1 trainer passes only
+        # temperature/top_p/top_k to the rollout (``do_sample`` is not read), so neither do we.
         kwargs = dict(
             max_new_tokens=self.response_length,
             pad_token_id=self.pad_id,
@@ -526,7 +558,7 @@ class GRPOTrainer:
             no_repeat_ngram_size=0,
             min_new_tokens=0,
         )
-        if do_sample and temperature > 0:
+        if temperature > 0:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -648,18 +680,25 @@ class GRPOTrainer:
             rewards = data.batch["token_level_rewards"]
             batch["kl_metrics"] = kl_metrics
         batch["token_level_rewards"] = rewards
-        uids = np.array(batch["uids"], dtype=object)
-        offered = {
-            "token_level_rewards": rewards,
-            "response_mask": mask,
-            "index": uids,
-            "config": self.algo_cfg,
-            "norm_adv_by_std_in_grpo": bool(cfg.norm_adv_by_std_in_grpo),
-            "gamma": float(cfg.gamma),
-        }
-        params = inspect.signature(self.adv_fn).parameters
-        adv, ret = self.adv_fn(**{k: v for k, v in offered.items() if k in params})
-        batch["advantages"], batch["returns"] = adv, ret
+        # verl's own compute_advantage, called as the v1 trainer calls it (trainer_base._compute_advantage): GRPO
+        # gets norm_adv_by_std_in_grpo as an argument, every other estimator only the algorithm config
+        from verl import DataProto
+        from verl.trainer.ppo.ray_trainer import compute_advantage
+
+        data = DataProto.from_dict(
+            tensors={"token_level_rewards": rewards, "response_mask": mask},
+            non_tensors={"uid": np.array(batch["uids"], dtype=object)},
+        )
+        data = compute_advantage(
+            data,
+            adv_estimator=cfg.adv_estimator,
+            gamma=float(cfg.gamma),
+            lam=float(cfg.lam),
+            num_repeat=self.n,
+            norm_adv_by_std_in_grpo=bool(cfg.get("norm_adv_by_std_in_grpo", True)),
+            config=self.algo_cfg,
+        )
+        batch["advantages"], batch["returns"] = data.batch["advantages"], data.batch["returns"]
 
     def update(self, batch: dict) -> dict:
         """verl's actor update: mini-batches (one optimiser step each) of micro-batches (gradient accumulation)."""
@@ -673,6 +712,7 @@ class GRPOTrainer:
         mode = actor.loss_agg_mode
         entropy_coeff = float(actor.entropy_coeff or 0.0)
         mask = batch["response_mask"]
+        resp_attn = batch["attention_mask"][:, -mask.shape[1] :]  # response tokens, tool output included
         sums: dict[str, list[float]] = {}
         self.model.train()
         for epoch in range(int(actor.ppo_epochs)):
@@ -693,12 +733,16 @@ class GRPOTrainer:
                 mb: dict[str, float] = {}
                 for m0 in range(0, len(rows_mb), micro):
                     rows = rows_mb[m0 : m0 + micro]
-                    rmask = mask[rows].bool()
+                    # verl's workers pad a micro-batch to its longest response, and seq-mean-token-sum-norm divides
+                    # by that width (agg_loss's horizon): cut ours to the same width (the tail is padding only)
+                    h = max(int(resp_attn[rows].sum(-1).max()), 1)
+                    rmask = mask[rows][:, :h].bool()
                     logp, ent = self.log_probs(self.model, batch, rows, with_entropy=entropy_coeff != 0)
+                    logp, ent = logp[:, :h], (ent[:, :h] if ent is not None else None)
                     pg_loss, pg_metrics = self.policy_loss_fn(
-                        old_log_prob=batch["old_log_probs"][rows],
+                        old_log_prob=batch["old_log_probs"][rows][:, :h],
                         log_prob=logp,
-                        advantages=batch["advantages"][rows],
+                        advantages=batch["advantages"][rows][:, :h],
                         response_mask=rmask,
                         loss_agg_mode=mode,
                         config=self.actor_cfg,
@@ -714,7 +758,7 @@ class GRPOTrainer:
                         mb["actor/entropy_loss"] = mb.get("actor/entropy_loss", 0.0) + float(ent_loss.detach())
                     if actor.use_kl_loss:
                         kld = self.core.kl_penalty(
-                            logprob=logp, ref_logprob=batch["ref_log_prob"][rows], kl_penalty=actor.kl_loss_type
+                            logprob=logp, ref_logprob=batch["ref_log_prob"][rows][:, :h], kl_penalty=actor.kl_loss_type
                         )
                         kl_loss = self.core.agg_loss(
                             loss_mat=kld, loss_mask=rmask, loss_agg_mode=mode, **self.actor_cfg.global_batch_info
@@ -756,7 +800,6 @@ class GRPOTrainer:
         batch = self._rollout(
             prompts,
             self.n,
-            do_sample=bool(ro.do_sample),
             temperature=self.temperature,
             top_p=float(ro.top_p),
             top_k=int(ro.top_k),
@@ -791,9 +834,11 @@ class GRPOTrainer:
         t = time.perf_counter()
         self.advantages(batch)
         timing["adv"] = time.perf_counter() - t
-        t = time.perf_counter()
-        actor_metrics = self.update(batch)
-        timing["update_actor"] = time.perf_counter() - t
+        actor_metrics = {}
+        if int(self.cfg.trainer.get("critic_warmup", 0) or 0) <= step:  # verl updates the actor from this step on
+            t = time.perf_counter()
+            actor_metrics = self.update(batch)
+            timing["update_actor"] = time.perf_counter() - t
         t = time.perf_counter()
         self.dump_rollouts(step, batch)
         timing["dump_rollout_generations"] = time.perf_counter() - t  # verl's timer name for the same dump
@@ -885,7 +930,6 @@ class GRPOTrainer:
             batch = self._rollout(
                 chunk,
                 int(vk.n),
-                do_sample=bool(vk.do_sample),
                 temperature=float(vk.temperature),
                 top_p=float(vk.top_p),
                 top_k=int(vk.top_k),
@@ -979,7 +1023,9 @@ class GRPOTrainer:
             # validate only when test_freq > 0; saving is timed inside the step.
             if self.val_prompts and self.val_before_train:
                 self.logger.log(data=self.validate(), step=start)
-            for step in range(start + 1, self.total_steps + 1):
+            # trainer.val_only: verl returns after the first validation (only when val_before_train ran it)
+            val_only = bool(self.cfg.trainer.get("val_only", False) and self.val_prompts and self.val_before_train)
+            for step in range(start + 1, 1 if val_only else self.total_steps + 1):
                 if (step - 1) // self.steps_per_epoch >= self.total_epochs:
                     break
                 metrics = self.train_step(step)
