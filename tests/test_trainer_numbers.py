@@ -236,3 +236,42 @@ def test_critic_warmup_skips_the_actor_update_as_verl_does(assets, tmp_path):
         metrics = trainer.train_step(1)
         same = all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
     assert same and "actor/pg_loss" not in metrics
+
+
+def test_length_metrics_are_against_the_longest_in_the_batch_as_verls_v1_pads(assets, tmp_path):
+    """verl's v1 trainer pads nested responses to the batch's longest before compute_data_metrics: one response of
+    eight at the longest length gives response_length/clip_ratio 1/8 even though none reached response_length."""
+    from tensordict import TensorDict
+    from verl import DataProto
+    from verl.trainer.ppo.metric_utils import compute_data_metrics
+    from verl.utils import tensordict_utils as tu
+
+    from pipeline_steps.local import grpo_cpu
+
+    with grpo_cpu.process_group():
+        trainer = _trainer(assets, tmp_path, ["actor_rollout_ref.rollout.n=4"])
+        batch = _batch(trainer)
+        trainer.advantages(batch)
+        batch["num_turns"] = [2] * batch["responses"].shape[0]
+        got = trainer._metrics(batch, {"gen": 1.0, "step": 1.0}, 1, 0, {})
+    # verl's side: the nested batch the v1 trainer holds, padded by tensordict as its _compute_metrics pads it
+    p_w = batch["prompts"].shape[1]
+    attn = batch["attention_mask"]
+    p_len, r_len = attn[:, :p_w].sum(-1), attn[:, p_w:].sum(-1)
+    rows = range(len(r_len))
+    nested = {
+        "prompts": [batch["prompts"][i, p_w - int(p_len[i]) :] for i in rows],
+        **{
+            k: [batch[k][i, : int(r_len[i])] for i in rows]
+            for k in ("responses", "response_mask", "token_level_scores", "token_level_rewards", "advantages")
+        },
+    }
+    nested["returns"] = [batch["returns"][i, : int(r_len[i])] for i in rows]
+    data = TensorDict({k: tu.nested_tensor_from_tensor_list(v) for k, v in nested.items()}, batch_size=[len(r_len)])
+    data = data.to_padded_tensor()
+    data["prompt_length"], data["response_length"] = p_len.float(), r_len.float()
+    expected = compute_data_metrics(DataProto(batch=data), use_critic=False)
+    assert int(r_len.max()) < trainer.response_length  # no response reached the configured length
+    for key in ("response_length/clip_ratio", "prompt_length/clip_ratio", "response_length/mean", "critic/score/mean"):
+        assert got[key] == pytest.approx(expected[key]), key
+    assert got["response_length/clip_ratio"] == pytest.approx(1 / 8)

@@ -873,8 +873,21 @@ class GRPOTrainer:
         import numpy as np
 
         num_turns = np.asarray(batch["num_turns"], dtype=np.int32)
+        # verl's v1 trainer pads the batch's nested prompts and responses to the longest of each before
+        # compute_data_metrics, so its */clip_ratio compares lengths with the longest in the batch: cut ours the same
+        r_width, p_width = batch["responses"].shape[1], batch["prompts"].shape[1]
+        attn = batch["attention_mask"]
+        p_len, r_len = attn[:, :p_width].sum(-1), attn[:, p_width:].sum(-1)
+        p_cut, r_cut = max(int(p_len.max()), 1), max(int(r_len.max()), 1)
+        tensors = {k: batch[k] for k in keys if k not in ("prompts", "attention_mask")}
+        tensors = {k: v[:, :r_cut] if v.dim() == 2 and v.shape[1] == r_width else v for k, v in tensors.items()}
+        tensors.update(
+            prompts=batch["prompts"][:, p_width - p_cut :],
+            prompt_length=p_len.float(),
+            response_length=r_len.float(),
+        )
         dp = DataProto.from_dict(
-            tensors={k: batch[k] for k in keys},
+            tensors=tensors,
             # compute_data_metrics then emits num_turns/* (and tool_call_counts/* for agent rollouts) as verl's does
             non_tensors={
                 "__num_turns__": num_turns,
