@@ -19,8 +19,10 @@ API server, so the clients' own error handling runs):
 
 A scripted controller plays KubeRay: each RayJob gets a list of status steps
 (``jobDeploymentStatus`` Initializing -> Running -> Complete/Failed/ValidationFailed,
-``jobStatus`` PENDING -> RUNNING -> SUCCEEDED/FAILED, ``reason``/``message``); every GET
-of that RayJob moves it one step, so tests are deterministic and need no timing. A
+``jobStatus`` PENDING -> RUNNING -> SUCCEEDED/FAILED, ``reason``/``message``). A step applies at the first GET
+at least ``after_s`` seconds (default ``step_seconds``) after the previous change, as a controller moves with time,
+not with reads: with the default 0 every GET moves the job one step, so most tests need no timing; a test of
+polling sets a dwell and then no burst of reads can hurry the job. A
 step may also append lines to the submitter pod's log and JSON lines to a metrics
 file (what verl's file logger writes), so progress reporting is exercised. A step
 ``{"wait_for": GATE}`` holds the job in its current state until the test adds GATE to
@@ -45,6 +47,7 @@ import functools
 import json
 import re
 import threading
+import time
 import uuid
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -230,6 +233,7 @@ class StandIn:
         self._validator = _validator(str(crd_file)) if crd_file else None
         self._schema = _schema(str(crd_file)) if crd_file else None
         self.deletion_polls = 2  # a deleted object lingers (deletionTimestamp set) for this many reads
+        self.step_seconds = 0.0  # the default dwell of a scripted step (its "after_s" overrides it)
         self._server: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         # bearer-token authentication as a real API server does it: a request to the Kubernetes API without this
@@ -450,6 +454,7 @@ class StandIn:
             obj["_run"] = self.executor.start(copy.deepcopy(obj))  # the pods' work, for real
             script = []
         obj["_script"] = [dict(s) for s in script]  # private to the stand-in; stripped from responses
+        obj["_changed"] = time.monotonic()
         obj["_metrics"] = self.metrics_files.get(name) or next(
             (p for k, p in self.metrics_files.items() if name.startswith(k + "-")), None
         )
@@ -480,7 +485,10 @@ class StandIn:
             script.pop(0)
         if not script:
             return
-        step = script.pop(0)
+        if time.monotonic() - obj["_changed"] < float(script[0].get("after_s", self.step_seconds)):
+            return  # the controller has not got there yet, however often it is read
+        step = {k: v for k, v in script.pop(0).items() if k != "after_s"}
+        obj["_changed"] = time.monotonic()
         name = obj["metadata"]["name"]
         status = obj.setdefault("status", {})
         if step.get("jobDeploymentStatus") in ("Initializing", "Running") and "rayClusterName" not in status:

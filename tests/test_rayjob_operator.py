@@ -387,3 +387,22 @@ def test_kuberay_validation_failures_fail_the_task_with_kuberays_message(api, tm
     event = run_trigger(defer(op))
     with pytest.raises(AirflowFailException, match=f"reason=ValidationFailed.*{message}"):
         op.execute_complete({}, event)
+
+
+def test_the_trigger_waits_for_a_job_that_moves_with_time_not_with_reads(api, tmp_path):
+    """The stand-in's controller moves on a clock here (1 s per state, as a cluster would), and the trigger polls
+    every 0.05 s: the event comes only when the job is done (after its 4 s), after many reads of unchanged state."""
+    import time
+
+    api.step_seconds = 1.0
+    op = make_op("grpo-slow", tmp_path)
+    op.poll_interval = 0.05
+    trigger = defer(op)
+    reads_before = sum(1 for m, p in api.requests if m == "GET" and p.endswith("/grpo-slow"))
+    t0 = time.monotonic()
+    event = run_trigger(trigger)
+    elapsed = time.monotonic() - t0
+    reads = sum(1 for m, p in api.requests if m == "GET" and p.endswith("/grpo-slow")) - reads_before
+    assert event["status"] == "success", event
+    assert elapsed >= len(SUCCESS) * 1.0 - 0.5, elapsed  # not before the controller got there
+    assert reads > 2 * len(SUCCESS), reads  # read far more often than the job changed
