@@ -119,6 +119,38 @@ def test_evaluate_tiny_model_for_real_with_cached_base(tiny_model, aime, tmp_pat
     assert (tmp_path / "out2" / "generations.jsonl").read_text() == (tmp_path / "out" / "generations.jsonl").read_text()
 
 
+def test_the_base_cache_misses_when_the_model_the_set_or_the_sampling_changes(
+    tiny_model, aime, tmp_path, capsys, monkeypatch
+):
+    """The README's cache key (model content, eval set content, sampling): each change is a miss, i.e. the base model
+    is generated again and a new cache entry is written; an unchanged run is a hit."""
+    import shutil
+
+    calls = []
+    real = evaluate.GENERATORS["hf"]
+    monkeypatch.setitem(evaluate.GENERATORS, "hf", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    cache = tmp_path / "cache"
+    other_model = tmp_path / "other-model"
+    shutil.copytree(tiny_model, other_model)
+    cfg = other_model / "generation_config.json"  # other bytes, same weights: a different model content hash
+    cfg.write_text(cfg.read_text() + "\n" if cfg.is_file() else "{}\n")
+    other_set = tmp_path / "aime3.parquet"
+    pq.write_table(pa.Table.from_pylist(aime_rows(3)), other_set)
+
+    def run(name, base=tiny_model, data=aime, *extra):
+        calls.clear()
+        args = eval_args(tiny_model, data, tmp_path / name, "--base-model", base, "--baseline-cache", cache, *extra)
+        code, _, err = run_cli(args, capsys)
+        assert code == 0, err
+        return len(calls), len(list(cache.glob("*.json")))
+
+    assert run("first") == (2, 1)  # model and base generated; one entry
+    assert run("same") == (1, 1)  # hit: only the model is generated
+    assert run("model", other_model) == (2, 2)
+    assert run("set", tiny_model, other_set) == (2, 3)
+    assert run("sampling", tiny_model, aime, "--temperature", 0.7) == (2, 4)
+
+
 def test_greedy_gives_identical_samples(tiny_model, aime, tmp_path, capsys):
     code, s, err = run_cli(
         [

@@ -79,7 +79,7 @@ async def _rollout(cfg, model, tokenizer, tools, code: str):
     return out, server
 
 
-def test_tool_agent_loop_runs_code_in_sandbox_and_grpo_step_learns(e2b_env, tiny_model):
+def test_tool_agent_loop_runs_code_in_sandbox_and_its_batch_gives_verls_loss_a_gradient(e2b_env, tiny_model):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from verl.tools.tool_registry import initialize_tools_from_config
@@ -107,7 +107,8 @@ def test_tool_agent_loop_runs_code_in_sandbox_and_grpo_step_learns(e2b_env, tiny
         assert mask[0] == 1 and 0 in mask and mask[-1] == 1  # model, tool (masked), model again
         rewards.append(1.0 if "42" in tool_part else 0.0)
 
-    # One GRPO step as grpo_cpu.py takes it: verl's advantage estimator, policy loss and aggregation.
+    # verl's advantage estimator, policy loss and aggregation on the agent loop's batch give a gradient (the trainer's
+    # own update on agent batches is tested in test_agent_grpo_cpu.py and test_trainer_numbers.py)
     width = max(len(o.response_ids) for o in outs)
     prompt_ids = outs[0].prompt_ids
     assert outs[1].prompt_ids == prompt_ids

@@ -193,7 +193,7 @@ def test_update_losses_and_grad_norm_equal_verls_ppo_loss(assets, tmp_path, mode
         "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.1",
         "actor_rollout_ref.actor.entropy_coeff=0.01",
-        "actor_rollout_ref.actor.grad_clip=1e9",  # the grad norm compared is the same before and after the clip
+        "actor_rollout_ref.actor.optim.clip_grad=1e9",  # no clipping: the optimiser step leaves the figures as they are
     ]
     with grpo_cpu.process_group():
         trainer = _trainer(assets, tmp_path, overrides)
@@ -275,3 +275,35 @@ def test_length_metrics_are_against_the_longest_in_the_batch_as_verls_v1_pads(as
     for key in ("response_length/clip_ratio", "prompt_length/clip_ratio", "response_length/mean", "critic/score/mean"):
         assert got[key] == pytest.approx(expected[key]), key
     assert got["response_length/clip_ratio"] == pytest.approx(1 / 8)
+
+
+def test_gradient_is_clipped_to_grad_clip_and_a_non_finite_gradient_skips_the_step(assets, tmp_path):
+    """verl's v1 engine step: clip the total norm to ``actor.optim.clip_grad`` (the logged grad_norm is the norm
+    before the clip), and on a non-finite norm skip the optimiser step (weights unchanged)."""
+    import math
+
+    import torch
+    from torch.nn.utils.clip_grad import _get_total_norm
+
+    from pipeline_steps.local import grpo_cpu
+
+    def norm_now(model):
+        n = _get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        return float(n.full_tensor() if hasattr(n, "full_tensor") else n)
+
+    with grpo_cpu.process_group():
+        trainer = _trainer(assets, tmp_path, ["actor_rollout_ref.actor.optim.clip_grad=0.001"])
+        batch = _batch(trainer)
+        trainer.advantages(batch)
+        at_step = []
+        real_step = trainer.optimizer.step
+        trainer.optimizer.step = lambda *a, **k: at_step.append(norm_now(trainer.model)) or real_step(*a, **k)
+        got = trainer.update(batch)
+        assert got["actor/grad_norm"] > 0.01 and at_step == [pytest.approx(0.001, rel=1e-3)], (got, at_step)
+
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        batch["advantages"][0, 0] = float("nan")  # a fault: a non-finite gradient
+        at_step.clear()
+        got = trainer.update(batch)
+        unchanged = all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    assert math.isnan(got["actor/grad_norm"]) and at_step == [] and unchanged

@@ -15,7 +15,7 @@ import pytest
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import plan
 from tests.conftest import assert_refused, run_step
-from tests.storage_servers import oss_server  # noqa: F401  (fixture)
+from tests.storage_servers import gcs_server, oss_server  # noqa: F401  (fixtures)
 
 HUB = "hf://datasets/pipeline-local/chat-jsonl"
 CHAT = "pipeline-local/chat-jsonl"
@@ -101,11 +101,16 @@ def test_store_file_version_is_its_content(tmp_path):
     )  # no staging directory left behind
 
 
-def test_oss_file_is_read_through_the_store_layer(oss_server, tmp_path, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("scheme", ["oss", "gs"])
+def test_cloud_store_file_is_read_through_the_store_layer(scheme, request, tmp_path, monkeypatch):
+    """The README's `oss://` and `gs://` JSONL files, each through its real SDK against its local test server."""
     from pipeline_steps.store import open_store
 
-    env = {**oss_server.env(), "PIPELINE_CACHE_DIR": str(tmp_path / "cache"), "OSS_PATH_STYLE": "true"}
-    uri = "oss://test-bucket/user-data/chat.jsonl"
+    server = request.getfixturevalue("oss_server" if scheme == "oss" else "gcs_server")
+    env = {**server.env(), "PIPELINE_CACHE_DIR": str(tmp_path / "cache")}
+    if scheme == "oss":
+        env["OSS_PATH_STYLE"] = "true"
+    uri = f"{scheme}://test-bucket/user-data/chat.jsonl"
     data = rows_file(tmp_path / "rows.jsonl").read_bytes()
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -114,10 +119,9 @@ def test_oss_file_is_read_through_the_store_layer(oss_server, tmp_path, monkeypa
     assert (
         got["dataset"] == "chat" and (tmp_path / "snap" / "chat" / got["commit"] / "train.jsonl").read_bytes() == data
     )
-    code, _, err = run_step(
-        "download", "--train-file", "oss://test-bucket/user-data/none.jsonl", "--dest", tmp_path / "x", env=env
-    )
-    assert_refused(code, err, "--train-file oss://test-bucket/user-data/none.jsonl: no such object")
+    missing = f"{scheme}://test-bucket/user-data/none.jsonl"
+    code, _, err = run_step("download", "--train-file", missing, "--dest", tmp_path / "x", env=env)
+    assert_refused(code, err, f"--train-file {missing}: no such object")
 
 
 BAD = {
