@@ -266,7 +266,7 @@ def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_p
         "POST",
         {"dag_run_id": "pg_kill", "logical_date": None, "conf": {"smoke": True}},
     )["dag_run_id"]
-    deadline = time.time() + 300  # internal waits stay under the test's timeout (three times its budget)
+    deadline = time.time() + 600  # internal waits (600 + 600 s) stay under the test's timeout (three times its budget)
     state = None
     while time.time() < deadline:
         try:
