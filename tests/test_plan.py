@@ -105,3 +105,18 @@ def test_kuberay_refuses_a_store_the_pods_cannot_reach(offline_hub, monkeypatch)
     assert ok["store"] == "oss://verl-store/verl"
     # the local backend keeps any store
     assert plan.plan({**base, "backend": "local", "store_uri": "file:///tmp/store"}, None, "r", "d")["store"]
+
+
+@pytest.mark.parametrize("params", [{"datasets": ["geometry3k"]}, {"eval_dataset": "geometry3k"}])
+def test_image_rows_for_a_text_only_model_are_refused_before_any_download(params, offline_hub, monkeypatch, tmp_path):
+    """verl's RLHFDataset asserts "processor is needed to process multimodal data" at job start, after the GPUs
+    were granted: plan refuses it in one line naming the dataset, the model and the fix."""
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    with pytest.raises(UserError) as err:
+        plan.plan({"experiment": "gsm8k_qwen2_5_3b", **params}, None, "r", "d")
+    msg = str(err.value)
+    assert "\n" not in msg and "'geometry3k'" in msg and "Qwen/Qwen2.5-3B-Instruct" in msg and "text-only" in msg
+    assert "prepare_datasets" in msg
+    # preparing it (no training on it) stays possible
+    run = plan.plan({"experiment": "local_tiny", "prepare_datasets": ["geometry3k"]}, None, "r", "d")
+    assert {d["dataset"]: d["role"] for d in run["datasets"]}["geometry3k"] == "prepare"

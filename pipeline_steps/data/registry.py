@@ -36,6 +36,9 @@ class DatasetSpec:
     # JSONL files instead of a Hub repository (repo_id ""): store or hf://datasets/ URIs, read by the jsonl preprocessor
     train_file: str | None = None
     validation_file: str | None = None
+    modality: str = (
+        "text"  # "image": rows carry images (and <image> placeholders) that only a vision-language model reads
+    )
 
 
 BUILTIN: dict[str, DatasetSpec] = {
@@ -43,7 +46,9 @@ BUILTIN: dict[str, DatasetSpec] = {
     "dapo_math": DatasetSpec(
         "dapo_math", "BytedTsinghua-SIA/DAPO-Math-17k", "dapo_math", allow_patterns=("data/*", "README.md")
     ),
-    "geometry3k": DatasetSpec("geometry3k", "hiyouga/geometry3k", "geometry3k", allow_patterns=("data/*", "README.md")),
+    "geometry3k": DatasetSpec(
+        "geometry3k", "hiyouga/geometry3k", "geometry3k", allow_patterns=("data/*", "README.md"), modality="image"
+    ),
     "aime2024": DatasetSpec(
         "aime2024", "Maxwell-Jia/AIME_2024", "aime", allow_patterns=("*.parquet", "*.jsonl", "README.md"), role="eval"
     ),

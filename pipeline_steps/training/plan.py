@@ -103,6 +103,21 @@ def _pinned_files(ds: registry.DatasetSpec, as_of: datetime | None) -> tuple[dic
     return files, revision, resolved
 
 
+def _check_modalities(spec: dict, preset: str, params: dict, known: dict, used: list[str]) -> None:
+    """Image rows through a text-only model would stop verl at job start (its dataset asserts a processor), after
+    the GPUs were granted: refused here, before any download. ``model.modalities`` in a preset (default text)."""
+    modalities = set((spec.get("model") or {}).get("modalities") or ["text"])
+    for name in used:
+        ds = known.get(name)
+        if ds is not None and ds.modality not in modalities:
+            model = params.get("model") or (spec.get("model") or {}).get("source") or "its model"
+            raise UserError(
+                f"dataset {name!r} has {ds.modality} rows but preset {preset!r} trains {model}, a "
+                f"{'/'.join(sorted(modalities))}-only model; choose a preset whose model.modalities include "
+                f"{ds.modality}, or list {name!r} under prepare_datasets to prepare it without training on it"
+            )
+
+
 def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) -> dict:
     from pipeline_steps.data import revisions
 
@@ -113,7 +128,6 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     spec = exp.spec
     store = (params.get("store_uri") or default_store()).rstrip("/")
     parse_uri(store)  # file:// needs an absolute path, buckets a valid name: one line naming the URI otherwise
-    _check_store_reaches_the_pods(params, spec, store)
     work = str(Path(os.environ.get("PIPELINE_WORK_DIR") or home() / "work"))
     smoke = bool(params.get("smoke"))
     known = registry.load()
@@ -131,6 +145,8 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     variant = params.get("variant") or "default"
     if variant == "default":
         variant = (spec.get("datasets") or {}).get("variant") or "default"
+    _check_modalities(spec, exp.name, params, known, train_sets + ([eval_set] if eval_set else []))
+    _check_store_reaches_the_pods(params, spec, store)
     items = []
     extra_sets = list(params.get("prepare_datasets") or [])
     selected = list(dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets))
