@@ -360,11 +360,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         from pipeline_steps.training.mounts import MountMap
 
         with user_errors(f"step {self.step}"):
-            mounts = MountMap.from_env()
-            if not len(mounts):
-                exp = exp or self._experiment()
-                mounts = MountMap.from_config((exp.spec.get("cluster") or {}).get("mounts"), source="cluster.mounts")
-            return mounts
+            return MountMap.for_experiment((exp or self._experiment()).spec)
 
     def on_kill(self) -> None:
         if self.rayjob:

@@ -264,7 +264,11 @@ class GRPOTrainOperator(BaseOperator):
         jobs = KubeRayJobs(self)
         with user_errors("render RayJob"):
             body = build_rayjob(
-                exp, namespace=jobs.namespace_for(), mounts=MountMap.from_env(), cluster=cluster, **self._ids(context)
+                exp,
+                namespace=jobs.namespace_for(),
+                mounts=MountMap.for_experiment(exp.spec),
+                cluster=cluster,
+                **self._ids(context),
             )
         self.rayjob = body
         return jobs.submit(context, body, body)  # the entrypoint resumes by itself: a retry re-submits it

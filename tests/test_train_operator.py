@@ -290,3 +290,43 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
     assert out["backend"] == "kuberay" and out["last_step"] == 2 and out["metrics"]["critic/score/mean"] == 0.4
     assert out["checkpoint_uri"] == f"{run_dir}/checkpoints"
     assert "progress step 2: critic/score/mean=0.4" in capsys.readouterr().out
+
+
+def test_kuberay_train_honours_the_presets_cluster_mounts_as_plan_does(k8s_api, tmp_path, monkeypatch):
+    """A preset's ``cluster.mounts`` (no $PIPELINE_MOUNTS in the deployment): plan accepts the store, so train must
+    render the RayJob with those mounts instead of failing on a store "outside every mounted bucket"."""
+    import yaml
+
+    from pipeline_steps.training import experiment
+
+    preset = yaml.safe_load(experiment.resolve_path("gsm8k_qwen2_5_3b").read_text())
+    preset["name"] = "team_gsm8k"
+    preset.setdefault("cluster", {})["mounts"] = [
+        {"uri": "gs://team-bucket", "claim": "team-store", "path": "/mnt/team"}
+    ]
+    presets = tmp_path / "presets"
+    presets.mkdir()
+    (presets / "team_gsm8k.yaml").write_text(yaml.safe_dump(preset))
+    monkeypatch.setenv(experiment.PRESETS_ENV, str(presets))
+    monkeypatch.delenv("PIPELINE_MOUNTS", raising=False)
+    monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
+    with DAG("t_mounts", schedule=None):
+        op = GRPOTrainOperator(
+            task_id="train",
+            experiment="team_gsm8k",
+            backend="kuberay",
+            namespace="training",
+            train_files=["gs://team-bucket/datasets/gsm8k/train.parquet"],
+            val_files=["gs://team-bucket/datasets/gsm8k/test.parquet"],
+            model_path="gs://team-bucket/models/Qwen/Qwen2.5-3B-Instruct/main",
+            run_dir="gs://team-bucket/runs/gsm8k/run1",
+            check_store=False,
+            kubernetes_conn_id="k8s_standin",
+            poll_interval=0.01,
+        )
+    deferred(op, {"run_id": RUN_ID})
+    (body,) = k8s_api.creates
+    claims = json.dumps(body["spec"]["rayClusterSpec"])
+    assert (
+        '"claimName": "team-store"' in claims and "/mnt/team/datasets/gsm8k/train.parquet" in body["spec"]["entrypoint"]
+    )

@@ -28,10 +28,7 @@ def _mounts_arg(value: str | None, exp: Experiment) -> MountMap:
             return MountMap.from_config(json.loads(text), source="--mounts")
         except json.JSONDecodeError as exc:
             raise UserError(f"--mounts: not valid JSON ({exc.msg}); pass JSON or @file.json") from None
-    env = MountMap.from_env()
-    if len(env):
-        return env
-    return MountMap.from_config((exp.spec.get("cluster") or {}).get("mounts"), source="cluster.mounts")
+    return MountMap.for_experiment(exp.spec)
 
 
 def add_arguments(p):

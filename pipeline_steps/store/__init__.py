@@ -3,7 +3,7 @@
 ``open_store(uri)`` returns the backend for ``file:///abs/path`` (local disk, the
 embedded default), ``oss://bucket/prefix`` (Alibaba Cloud OSS) or ``gs://bucket/prefix``
 (Google Cloud Storage). Credentials come from the environment (the Airflow operator
-fills it from a connection, see ``operators/storage.py``)::
+fills it from a connection, see ``operators/hooks/store.py``)::
 
     store = open_store(uri)
     store.upload_dir(src_dir, dest_uri)     # -> {"uri","uploaded","skipped","bytes_uploaded","files","manifest_sha256"}

@@ -119,9 +119,19 @@ class MountMap:
             config = json.loads(raw)
         except json.JSONDecodeError as exc:
             raise UserError(
-                f"${ENV_VAR}: not valid JSON ({exc.msg} at char {exc.pos}); see pipeline_steps/mounts.py for the format"
+                f"${ENV_VAR}: not valid JSON ({exc.msg} at char {exc.pos}); "
+                "expected a list of {uri, claim, path} entries, as in the README's Kubernetes section"
             ) from None
         return cls.from_config(config, source=f"${ENV_VAR}")
+
+    @classmethod
+    def for_experiment(cls, spec: dict) -> "MountMap":
+        """The pods' bucket mounts for a run: the deployment's ``$PIPELINE_MOUNTS`` when set, else the preset's
+        ``cluster.mounts``. Every reader of mounts (plan, train, the cluster steps, render-rayjob) asks here."""
+        env = cls.from_env()
+        if len(env):
+            return env
+        return cls.from_config((spec.get("cluster") or {}).get("mounts"), source="cluster.mounts")
 
     def find(self, uri: str) -> tuple[Mount, str] | None:
         """The mount holding ``uri`` and the path below it, or None."""

@@ -52,9 +52,7 @@ def _check_store_reaches_the_pods(params: dict, spec: dict, store: str) -> None:
         raise UserError(str(exc)) from None
     if backend != "kuberay":
         return
-    mounts = MountMap.from_env()
-    if not len(mounts):
-        mounts = MountMap.from_config((spec.get("cluster") or {}).get("mounts"), source="cluster.mounts")
+    mounts = MountMap.for_experiment(spec)
     if not mounts.find(store):
         where = ", ".join(m.uri for m in mounts.mounts) or "none configured"
         raise UserError(
