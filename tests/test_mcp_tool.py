@@ -93,17 +93,32 @@ def test_timeout_and_unreachable_server_come_back_as_text(mcp_server, tmp_path):
     assert resp.text.startswith("Error: MCP tool run_code_once unavailable") and metrics["mcp_error"] == 1
 
 
-def test_rate_limit(mcp_server):
+def test_rate_limit(mcp_server, monkeypatch):
+    import time
+
+    from pipeline_steps.tools import mcp_tool
+
     tool = _tool(mcp_server["servers_file"], rate_limit=2)
+    sent = []  # when each call left the limiter for the server (the real session call follows at once)
+    real = mcp_tool._session_call
+
+    async def recording(server, timeout, fn):
+        if "call_tool" in fn.__code__.co_names:  # the tool call itself, not the schema lookup
+            sent.append(time.monotonic())
+        return await real(server, timeout, fn)
+
+    monkeypatch.setattr(mcp_tool, "_session_call", recording)
 
     async def main():
-        return await asyncio.gather(*[_call(tool, "import time; print(time.time())") for _ in range(5)])
+        return await asyncio.gather(*[_call(tool, "print(1)") for _ in range(5)])
 
-    starts = sorted(float(r[0].text) for r in asyncio.run(main()))  # when each call's code ran
-    # 2 per second, the first two from a full bucket: calls 3, 4, 5 wait 0.5, 1.0, 1.5 s. A rate of 1 per second
-    # (or a bucket of one) would need 3 s or more; no limit would need none.
-    assert 1.4 <= starts[-1] - starts[0] < 2.8, starts
-    assert all(b - a >= 0.4 for a, b in zip(starts[1:], starts[2:])), starts
+    results = asyncio.run(main())
+    assert [r[0].text.strip() for r in results] == ["1"] * 5
+    sent.sort()
+    # 2 per second, the first two from a full bucket: calls 3, 4, 5 leave 0.5, 1.0, 1.5 s after the first. A rate
+    # of 1 per second (or a bucket of one) would need 3 s or more; no limit would need none.
+    assert len(sent) == 5 and 1.4 <= sent[-1] - sent[0] < 2.2, sent
+    assert all(0.4 <= b - a < 0.8 for a, b in zip(sent[2:], sent[3:])), sent  # 3, 4, 5: one token each
 
 
 def test_bad_servers_file_is_one_line(tmp_path):

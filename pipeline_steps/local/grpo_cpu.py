@@ -436,8 +436,9 @@ class GRPOTrainer:
         if problem:
             ok = sorted(k for k in core_algos.ADV_ESTIMATOR_REGISTRY if not _advantage_probe(cfg.algorithm, k))
             raise UserError(
-                f"algorithm.adv_estimator={est!r}: verl's compute_advantage needs more than the local CPU backend "
-                f"produces (rewards, masks, group ids): {problem}; use one of {ok}, or run it on the cluster"
+                f"algorithm.adv_estimator={est!r} needs inputs the local CPU backend does not produce (it has "
+                f"rewards, masks and group ids; no critic values, reward baselines or actor statistics): verl's "
+                f"compute_advantage says {problem}; use one of {ok}, or run it on the cluster"
             )
         for key, (default, what) in _NOT_REPRODUCED.items():
             value = OmegaConf.select(cfg, key, default=default)
