@@ -49,7 +49,7 @@ EXAMPLES = [
     ("gsm8k_tool_agent_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k"),
     ("dapo_retool_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
     ("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k"),
-    ("gspo", GKE, "gs://verl-store", "gsm8k"),
+    ("gspo", ACK, "oss://verl-store", "gsm8k"),
 ]
 
 
