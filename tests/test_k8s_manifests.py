@@ -24,7 +24,11 @@ CRD = ROOT / "k8s" / "crds" / "ray.io_rayjobs.v1.7.0.yaml"
 KUBE_VERSION = "1.33.0"  # pinned: a version both ACK and GKE offer
 OVERLAYS = ["ack", "gke"]
 KUSTOMIZE_FILES = {"kustomization.yaml"}
-NOT_MANIFESTS = {K8S / "airflow" / "values.yaml"}  # Helm values, not Kubernetes objects
+NOT_MANIFESTS = {
+    K8S / "airflow" / "values.yaml",  # Helm values, not Kubernetes objects
+    K8S / "overlays" / "ack" / "node-pools.yaml",  # node shapes the presets are sized for (test_presets_fit_cluster)
+    K8S / "overlays" / "gke" / "node-pools.yaml",
+}
 
 # Shapes of real credentials (and of assignments that carry one); a hit anywhere under k8s/ fails.
 SECRET_PATTERNS = [
