@@ -54,6 +54,12 @@ from urllib.parse import parse_qs, urlparse
 RAYJOBS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayjobs(?:/([^/]+))?$")
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
 RAY_JOB_LOGS = re.compile(r"^/api/jobs/([^/]+)/logs$")  # the Ray dashboard's Jobs REST API
+# what `doctor` reads (served from the cluster state the test sets: crds, namespaces, pvcs, secrets, access)
+CRDS = re.compile(r"^/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/([^/]+)$")
+NAMESPACE = re.compile(r"^/api/v1/namespaces/([^/]+)$")
+PVC = re.compile(r"^/api/v1/namespaces/([^/]+)/persistentvolumeclaims/([^/]+)$")
+SECRET = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets/([^/]+)$")
+SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 
 # KubeRay-like scripts: each dict is one observed status (plus optional side effects).
 SUCCESS = [
@@ -236,6 +242,13 @@ class StandIn:
         # server's token gets 401 Unauthorized (the Ray dashboard path it also serves has no Kubernetes auth)
         self.token = f"stand-in-{uuid.uuid4().hex}"
         self.unauthorized = 0
+        # cluster state for `doctor`: CRD name -> served versions; namespaces; (ns, claim) -> phase; (ns, secret) ->
+        # {key: base64 value}; the caller's allowed (group, resource, subresource, verb, ns), None = everything
+        self.crds: dict[str, list[str]] = {"rayjobs.ray.io": ["v1"]}
+        self.namespaces: set[str] = {"default", "verl-pipeline"}
+        self.pvcs: dict[tuple[str, str], str] = {}
+        self.secrets: dict[tuple[str, str], dict[str, str]] = {}
+        self.access: set[tuple[str, str, str, str, str]] | None = None
 
     # -- scripting ---------------------------------------------------------------------------------
     def script(self, name: str, steps: list[dict], metrics_file: str | Path | None = None) -> None:
@@ -361,6 +374,9 @@ class StandIn:
                 items = [self._pod(ns, p) for p in self._pods(ns)]
                 items = [i for i in items if _match(i["metadata"]["labels"], selector)]
                 return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}, "application/json"
+        found = self._cluster_state(method, path, body)
+        if found is not None:
+            return found
         m = RAY_JOB_LOGS.match(path)
         if m and method == "GET":  # HTTPMode: the job's log comes from the head's dashboard
             for (ns, name), obj in self.objects.items():
@@ -372,6 +388,75 @@ class StandIn:
             _status_body(404, "NotFound", f"the server could not find the requested resource ({path})"),
             "application/json",
         )
+
+    def allowed(self, group: str, resource: str, sub: str, verb: str, ns: str) -> bool:
+        return self.access is None or (group, resource, sub, verb, ns) in self.access
+
+    def _cluster_state(self, method: str, path: str, body):
+        """CRDs, namespaces, PVCs, Secrets and SelfSubjectAccessReviews, as the API server answers them."""
+        j = "application/json"
+
+        def missing(kind, name):
+            return 404, _status_body(404, "NotFound", f'{kind} "{name}" not found', name), j
+
+        if method == "POST" and path == SSAR:
+            attrs = (body.get("spec") or {}).get("resourceAttributes") or {}
+            ok = self.allowed(
+                attrs.get("group") or "",
+                attrs.get("resource") or "",
+                attrs.get("subresource") or "",
+                attrs.get("verb") or "",
+                attrs.get("namespace") or "",
+            )
+            return 201, {**body, "status": {"allowed": ok}}, j
+        if method != "GET":
+            return None
+        if m := CRDS.match(path):
+            if m.group(1) not in self.crds:
+                return missing("customresourcedefinitions.apiextensions.k8s.io", m.group(1))
+            versions = [{"name": v, "served": True, "storage": i == 0} for i, v in enumerate(self.crds[m.group(1)])]
+            plural, _, group = m.group(1).partition(".")
+            crd = {
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": m.group(1)},
+                "spec": {
+                    "group": group,
+                    "names": {"plural": plural, "kind": "RayJob"},
+                    "scope": "Namespaced",
+                    "versions": versions,
+                },
+            }
+            return 200, crd, j
+        if m := NAMESPACE.match(path):
+            if m.group(1) not in self.namespaces:
+                return missing("namespaces", m.group(1))
+            return 200, {"kind": "Namespace", "metadata": {"name": m.group(1)}, "status": {"phase": "Active"}}, j
+        if m := PVC.match(path):
+            if tuple(m.groups()) not in self.pvcs:
+                return missing("persistentvolumeclaims", m.group(2))
+            return (
+                200,
+                {
+                    "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": m.group(2), "namespace": m.group(1)},
+                    "spec": {},
+                    "status": {"phase": self.pvcs[tuple(m.groups())]},
+                },
+                j,
+            )
+        if m := SECRET.match(path):
+            ns, name = m.groups()
+            if not self.allowed("", "secrets", "", "get", ns):
+                msg = f'secrets "{name}" is forbidden: cannot get resource "secrets" in namespace "{ns}"'
+                return 403, _status_body(403, "Forbidden", msg, name), j
+            if (ns, name) not in self.secrets:
+                return missing("secrets", name)
+            return (
+                200,
+                {"kind": "Secret", "metadata": {"name": name, "namespace": ns}, "data": dict(self.secrets[(ns, name)])},
+                j,
+            )
+        return None
 
     def _pods(self, ns: str) -> list[str]:
         """KubeRay's submitter pods: only K8sJobMode RayJobs have one (HTTPMode submits over HTTP)."""
