@@ -349,6 +349,12 @@ class StandIn:
     # -- API -----------------------------------------------------------------------------------------
     def handle(self, method: str, path: str, query: dict, body):
         m = RAYJOBS.match(path)
+        if m and "rayjobs.ray.io" not in self.crds:  # no CRD, no ray.io/v1 API
+            return (
+                404,
+                _status_body(404, "NotFound", "the server could not find the requested resource"),
+                "application/json",
+            )
         if m:
             ns, name = m.groups()
             if method == "POST" and not name:
@@ -412,6 +418,9 @@ class StandIn:
         if method != "GET":
             return None
         if m := CRDS.match(path):
+            if not self.allowed("apiextensions.k8s.io", "customresourcedefinitions", "", "get", ""):
+                msg = "customresourcedefinitions.apiextensions.k8s.io is forbidden"
+                return 403, _status_body(403, "Forbidden", msg, m.group(1)), j
             if m.group(1) not in self.crds:
                 return missing("customresourcedefinitions.apiextensions.k8s.io", m.group(1))
             versions = [{"name": v, "served": True, "storage": i == 0} for i, v in enumerate(self.crds[m.group(1)])]

@@ -34,6 +34,7 @@ def cluster(tmp_path):
     api.pvcs[(NS, "verl-store")] = "Bound"
     api.secrets[(NS, "oss-credentials")] = {"akId": b64(SECRET_VALUE), "akSecret": b64(SECRET_VALUE)}
     api.access = {(g, r, sub, v, NS) for g, r, sub, v in VERBS} | {("", "secrets", "", "get", NS)}
+    api.access.add(("apiextensions.k8s.io", "customresourcedefinitions", "", "get", ""))
     config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
     try:
         yield api, config
@@ -75,6 +76,16 @@ def _fails(config, expect: str) -> str:
 
 def test_missing_crd(cluster):
     api, config = cluster
+    api.crds.clear()
+    assert "install the KubeRay operator" in _fails(config, "KubeRay RayJob CRD")
+
+
+def test_missing_crd_seen_by_an_identity_that_may_not_read_crds(cluster):
+    """Airflow's accounts may not read cluster-scoped CRDs: doctor lists RayJobs instead (404 without the CRD)."""
+    api, config = cluster
+    api.access.discard(("apiextensions.k8s.io", "customresourcedefinitions", "", "get", ""))
+    rc, summary, err = doctor(config)
+    assert rc == 0, err  # CRD installed: the list answers
     api.crds.clear()
     assert "install the KubeRay operator" in _fails(config, "KubeRay RayJob CRD")
 

@@ -59,21 +59,30 @@ def _clients(args):
             api = client.ApiClient()
     except Exception as exc:  # noqa: BLE001 - no kube config is the user's to fix
         raise UserError(f"no Kubernetes credentials: {str(exc).splitlines()[0]}") from None
-    return client.CoreV1Api(api), client.ApiextensionsV1Api(api), client.AuthorizationV1Api(api), client
+    return client.CoreV1Api(api), client.ApiextensionsV1Api(api), client.AuthorizationV1Api(api), client, api
 
 
 def _status(exc) -> int | None:
     return getattr(exc, "status", None)
 
 
-def check_crd(ext) -> Check:
+def check_crd(ext, custom, ns: str) -> Check:
     from kubernetes.client.exceptions import ApiException
 
     fix = "install the KubeRay operator 1.7 (helm install kuberay-operator kuberay/kuberay-operator --version 1.7.0)"
     try:
         crd = ext.read_custom_resource_definition(CRD)
     except ApiException as exc:
-        return Check("KubeRay RayJob CRD", False, f"HTTP {_status(exc)} reading {CRD}", fix)
+        if _status(exc) != 403:
+            return Check("KubeRay RayJob CRD", False, f"HTTP {_status(exc)} reading {CRD}", fix)
+        # Airflow's accounts may not read CRDs (cluster-scoped): listing RayJobs answers 404 when ray.io/v1 is absent
+        try:
+            custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs", limit=1)
+        except ApiException as exc2:
+            if _status(exc2) == 404:
+                return Check("KubeRay RayJob CRD", False, "ray.io/v1 rayjobs not served", fix)
+            return Check("KubeRay RayJob CRD", True, f"not checked: HTTP {_status(exc2)} listing rayjobs")
+        return Check("KubeRay RayJob CRD", True, "ray.io/v1 rayjobs served")
     served = [v.name for v in crd.spec.versions if v.served]
     if "v1" not in served:
         return Check("KubeRay RayJob CRD", False, f"{CRD} serves {served}, not v1", fix)
@@ -86,6 +95,8 @@ def check_namespace(core, ns: str) -> Check:
     try:
         core.read_namespace(ns)
     except ApiException as exc:
+        if _status(exc) == 403:  # namespaces are cluster-scoped; the RBAC checks below fail if it is missing
+            return Check(f"namespace {ns}", True, "not checked: this identity may not read namespaces")
         fix = "kubectl apply -k k8s/overlays/<ack|gke> (creates the namespace, RBAC, PVC and the Ray service account)"
         return Check(f"namespace {ns}", False, f"HTTP {_status(exc)}", fix)
     return Check(f"namespace {ns}", True)
@@ -158,8 +169,9 @@ def check_secrets(core, ns: str, experiment: str | None) -> list[Check]:
 
 
 def run(args):
-    core, ext, authz, client = _clients(args)
-    checks = [check_crd(ext), check_namespace(core, args.namespace)]
+    core, ext, authz, client, api = _clients(args)
+    custom = client.CustomObjectsApi(api)
+    checks = [check_crd(ext, custom, args.namespace), check_namespace(core, args.namespace)]
     checks += check_access(authz, client, args.namespace)
     checks += check_pvcs(core, args.namespace)
     checks += check_secrets(core, args.namespace, args.experiment)
