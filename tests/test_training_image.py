@@ -237,6 +237,20 @@ def test_image_has_what_each_cluster_preset_imports(name, spec):
     assert not missing, f"{name}: the training image lacks\n" + "\n".join(missing)
 
 
+@pytest.mark.parametrize("config", ["code_sandbox.yaml", "mcp_tool.yaml"])
+def test_image_has_every_shipped_tools_sdk(config):
+    """The tool configs a preset may switch to (the MCP route of guide 000 is set in the form) are covered too."""
+    from importlib.resources import files
+
+    installed, _ = dockerfile_installs(DOCKER / "Dockerfile.train")
+    available = closure(base_packages() | installed)
+    cfg = yaml.safe_load((files("pipeline_steps.tools") / config).read_text())
+    for tool in cfg["tools"]:
+        modules = project_imports(tool["class_name"].rsplit(".", 1)[0])
+        missing = sorted(m for m in modules if distribution_of(m) and distribution_of(m) not in available)
+        assert not missing, f"{config}: the training image lacks {missing}"
+
+
 def test_image_requirements_are_pinned_to_the_lock_and_keep_the_base_builds():
     lock = {
         canonicalize_name(n): v
