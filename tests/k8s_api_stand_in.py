@@ -138,6 +138,24 @@ def kuberay_validation_error(obj: dict) -> str | None:
     return None
 
 
+def _forbidden(method: str, path: str, grant: set) -> str | None:
+    """The authorizer's message when ``grant`` lacks the verb a RayJob or pod request needs, else None."""
+    if m := RAYJOBS.match(path):
+        ns, name = m.groups()
+        group, resource, sub = "ray.io", "rayjobs", ""
+        verb = {"POST": "create", "DELETE": "delete"}.get(method) or ("get" if name else "list")
+    elif m := PODS.match(path):
+        ns, name, log = m.groups()
+        group, resource, sub = "", "pods", "log" if log else ""
+        verb = "get" if name else "list"
+    else:
+        return None
+    if (group, resource, sub, verb, ns) in grant:
+        return None
+    what = f"{resource}{'/' + sub if sub else ''}{'.' + group if group else ''}"
+    return f'{what} is forbidden: cannot {verb} resource "{what}" in namespace "{ns}"'
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -249,6 +267,9 @@ class StandIn:
         self.pvcs: dict[tuple[str, str], str] = {}
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
         self.access: set[tuple[str, str, str, str, str]] | None = None
+        # extra bearer tokens, each with what its identity may do (RBAC, decided here instead of from Role objects):
+        # RayJob and pod requests outside the grant get 403 Forbidden, as the API server's authorizer answers
+        self.identities: dict[str, set[tuple[str, str, str, str, str]]] = {}
 
     # -- scripting ---------------------------------------------------------------------------------
     def script(self, name: str, steps: list[dict], metrics_file: str | Path | None = None) -> None:
@@ -290,12 +311,17 @@ class StandIn:
                         body = json.loads(self.rfile.read(length) or b"{}")
                     except json.JSONDecodeError:
                         return self._send(400, _status_body(400, "BadRequest", "request body is not JSON"))
-                if url.path.startswith(("/api/v1/", "/apis/")) and (
-                    self.headers.get("Authorization") != f"Bearer {stand_in.token}"
-                ):
+                auth = self.headers.get("Authorization") or ""
+                grant = stand_in.identities.get(auth.removeprefix("Bearer "))
+                if url.path.startswith(("/api/v1/", "/apis/")) and auth != f"Bearer {stand_in.token}" and grant is None:
                     with stand_in.lock:
                         stand_in.unauthorized += 1
                     return self._send(401, _status_body(401, "Unauthorized", "Unauthorized"))
+                denied = None if grant is None else _forbidden(method, url.path, grant)
+                if denied:
+                    with stand_in.lock:
+                        stand_in.requests.append((method, url.path))
+                    return self._send(403, _status_body(403, "Forbidden", denied))
                 with stand_in.lock:
                     stand_in.requests.append((method, url.path))
                     code, out, ctype = stand_in.handle(method, url.path, query, body)

@@ -107,3 +107,74 @@ def test_every_airflow_account_reading_the_bucket_on_gke_is_granted():
     assert m, "the GKE overlay gives the command that grants Airflow's accounts the bucket"
     assert m.group(2) == namespace
     assert {service_account("worker"), service_account("triggerer")} <= set(m.group(1).split())
+
+
+# -- the operator and the trigger with those accounts' permissions only ---------------------------------------------
+
+
+def grants(rbac_docs: list[dict], account: str, namespace: str, as_namespace: str) -> set[tuple]:
+    """What ``account`` (in ``namespace``) may do, from Role/RoleBinding documents, as the stand-in's grant set in
+    ``as_namespace`` (the test's namespace stands for verl-pipeline)."""
+    roles = {d["metadata"]["name"]: d for d in rbac_docs if d and d["kind"] == "Role"}
+    out = set()
+    for b in (d for d in rbac_docs if d and d["kind"] == "RoleBinding"):
+        if not any(
+            s["kind"] == "ServiceAccount" and (s["namespace"], s["name"]) == (namespace, account) for s in b["subjects"]
+        ):
+            continue
+        for rule in roles[b["roleRef"]["name"]]["rules"]:
+            for group in rule["apiGroups"]:
+                for res in rule["resources"]:
+                    resource, _, sub = res.partition("/")
+                    out |= {(group, resource, sub, verb, as_namespace) for verb in rule["verbs"]}
+    return out
+
+
+def _run_as_components(api, tmp_path, monkeypatch, rbac_docs) -> dict:
+    """execute() with the worker's grant, then the trigger with the triggerer's: the trigger's event."""
+    import json as _json
+
+    from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE
+    from tests.deferral import deferred, run_trigger
+    from tests.test_rayjob_operator import make_op
+
+    _, airflow_ns = release()
+    configs = {}
+    for component in ("worker", "triggerer"):
+        token = f"{component}-{id(rbac_docs)}"
+        api.identities[token] = grants(rbac_docs, service_account(component), airflow_ns, K8S_NAMESPACE)
+        configs[component] = api.kube_config(tmp_path / f"kube-{component}", namespace=K8S_NAMESPACE, token=token)
+
+    def use(component):  # the same connection id, the pod's own credentials (in-cluster in production)
+        extra = {"kube_config_path": str(configs[component]), "namespace": K8S_NAMESPACE}
+        monkeypatch.setenv(
+            f"AIRFLOW_CONN_{K8S_CONN_ID.upper()}", _json.dumps({"conn_type": "kubernetes", "extra": extra})
+        )
+
+    use("worker")
+    trigger = deferred(make_op("grpo-rbac", tmp_path), {})
+    use("triggerer")
+    return run_trigger(trigger)
+
+
+def test_operator_and_trigger_work_with_the_bound_accounts_only(k8s_api, tmp_path, monkeypatch):
+    docs = list(yaml.safe_load_all((K8S / "base" / "rbac.yaml").read_text()))
+    event = _run_as_components(k8s_api, tmp_path, monkeypatch, docs)
+    assert event["status"] == "success", event
+
+
+def test_a_missing_subject_or_verb_fails_the_deferred_task(k8s_api, tmp_path, monkeypatch):
+    """The old binding (worker only), and a Role without ``get`` on rayjobs: the trigger's polls get 403."""
+    docs = list(yaml.safe_load_all((K8S / "base" / "rbac.yaml").read_text()))
+    worker_only = [dict(d) for d in docs]
+    for d in worker_only:
+        if d["kind"] == "RoleBinding":
+            d["subjects"] = [s for s in d["subjects"] if s["name"] == service_account("worker")]
+    event = _run_as_components(k8s_api, tmp_path, monkeypatch, worker_only)
+    assert event["status"] == "error" and "403" in event["message"], event
+    no_get = [dict(d) for d in docs]
+    for d in no_get:
+        if d["kind"] == "Role":
+            d["rules"] = [dict(r, verbs=[v for v in r["verbs"] if v != "get"]) for r in d["rules"]]
+    event = _run_as_components(k8s_api, tmp_path, monkeypatch, no_get)
+    assert event["status"] == "error" and "403" in event["message"], event
