@@ -14,6 +14,8 @@ API server, so the clients' own error handling runs):
 - ``/apis/ray.io/v1/namespaces/{ns}/rayjobs/{name}``: GET, DELETE (404 ``NotFound``).
 - ``/api/v1/namespaces/{ns}/pods?labelSelector=`` and ``.../pods/{name}/log?tailLines=``:
   the KubeRay submitter pod (``K8sJobMode``), whose log is the Ray job's log.
+- for ``doctor``: the RayJob CRD, namespaces, PVCs, Secrets (from ``crds``, ``namespaces``, ``pvcs``, ``secrets``)
+  and ``SelfSubjectAccessReview`` (from ``access``).
 - ``/api/jobs/{job_id}/logs``: the Ray dashboard's Jobs REST API (``HTTPMode`` has no submitter
   pod); ``status.dashboardURL`` points at this server.
 
@@ -34,7 +36,8 @@ RayJob that fails them is accepted by the API server (KubeRay has no RayJob admi
 What it does NOT cover: admission webhooks, the real KubeRay controller (RayCluster
 creation, submitter Job, backoffLimit retries, TTL and deletion rules), schema
 defaulting and CEL ``x-kubernetes-validations`` rules, finalizers (DELETE removes the
-object at once), watches, patch/update, RBAC (authentication is a bearer token: a wrong one gets 401), resourceVersion
+object at once), watches, patch/update, RBAC objects (authentication is a bearer token: a wrong one gets 401; extra
+tokens in ``identities`` carry a grant set, decided by the test from the Role, and get 403 outside it), resourceVersion
 conflicts, and set-based label selectors (``in``, ``notin``, existence).
 """
 
