@@ -34,6 +34,7 @@ STEPS: dict[str, tuple[str, str]] = {
     "export": ("pipeline_steps.steps.export", "merge a checkpoint into a Hugging Face model, card, upload, promote"),
     "report": ("pipeline_steps.steps.report", "write the run report"),
     "sandbox-server": ("pipeline_steps.steps.sandbox_server", "serve local E2B-compatible code sandboxes"),
+    "doctor": ("pipeline_steps.steps.doctor", "check a cluster for what the pipeline needs before a GPU is requested"),
 }
 
 log = logging.getLogger("pipeline_steps")

@@ -14,6 +14,8 @@ API server, so the clients' own error handling runs):
 - ``/apis/ray.io/v1/namespaces/{ns}/rayjobs/{name}``: GET, DELETE (404 ``NotFound``).
 - ``/api/v1/namespaces/{ns}/pods?labelSelector=`` and ``.../pods/{name}/log?tailLines=``:
   the KubeRay submitter pod (``K8sJobMode``), whose log is the Ray job's log.
+- for ``doctor``: the RayJob CRD, namespaces, PVCs, Secrets (from ``crds``, ``namespaces``, ``pvcs``, ``secrets``)
+  and ``SelfSubjectAccessReview`` (from ``access``).
 - ``/api/jobs/{job_id}/logs``: the Ray dashboard's Jobs REST API (``HTTPMode`` has no submitter
   pod); ``status.dashboardURL`` points at this server.
 
@@ -36,7 +38,8 @@ RayJob that fails them is accepted by the API server (KubeRay has no RayJob admi
 What it does NOT cover: admission webhooks, the real KubeRay controller (RayCluster
 creation, submitter Job, backoffLimit retries, TTL and deletion rules), schema
 defaulting and CEL ``x-kubernetes-validations`` rules, finalizers (DELETE removes the
-object at once), watches, patch/update, RBAC (authentication is a bearer token: a wrong one gets 401), resourceVersion
+object at once), watches, patch/update, RBAC objects (authentication is a bearer token: a wrong one gets 401; extra
+tokens in ``identities`` carry a grant set, decided by the test from the Role, and get 403 outside it), resourceVersion
 conflicts, and set-based label selectors (``in``, ``notin``, existence).
 """
 
@@ -57,6 +60,12 @@ from urllib.parse import parse_qs, urlparse
 RAYJOBS = re.compile(r"^/apis/ray\.io/v1/namespaces/([^/]+)/rayjobs(?:/([^/]+))?$")
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+)(/log)?)?$")
 RAY_JOB_LOGS = re.compile(r"^/api/jobs/([^/]+)/logs$")  # the Ray dashboard's Jobs REST API
+# what `doctor` reads (served from the cluster state the test sets: crds, namespaces, pvcs, secrets, access)
+CRDS = re.compile(r"^/apis/apiextensions\.k8s\.io/v1/customresourcedefinitions/([^/]+)$")
+NAMESPACE = re.compile(r"^/api/v1/namespaces/([^/]+)$")
+PVC = re.compile(r"^/api/v1/namespaces/([^/]+)/persistentvolumeclaims/([^/]+)$")
+SECRET = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets/([^/]+)$")
+SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 
 # KubeRay-like scripts: each dict is one observed status (plus optional side effects).
 SUCCESS = [
@@ -133,6 +142,24 @@ def kuberay_validation_error(obj: dict) -> str | None:
     if spec.get("backoffLimit") is not None and spec["backoffLimit"] < 0:
         return "The RayJob spec is invalid: backoffLimit must be a positive integer"
     return None
+
+
+def _forbidden(method: str, path: str, grant: set) -> str | None:
+    """The authorizer's message when ``grant`` lacks the verb a RayJob or pod request needs, else None."""
+    if m := RAYJOBS.match(path):
+        ns, name = m.groups()
+        group, resource, sub = "ray.io", "rayjobs", ""
+        verb = {"POST": "create", "DELETE": "delete"}.get(method) or ("get" if name else "list")
+    elif m := PODS.match(path):
+        ns, name, log = m.groups()
+        group, resource, sub = "", "pods", "log" if log else ""
+        verb = "get" if name else "list"
+    else:
+        return None
+    if (group, resource, sub, verb, ns) in grant:
+        return None
+    what = f"{resource}{'/' + sub if sub else ''}{'.' + group if group else ''}"
+    return f'{what} is forbidden: cannot {verb} resource "{what}" in namespace "{ns}"'
 
 
 def _now() -> str:
@@ -240,6 +267,16 @@ class StandIn:
         # server's token gets 401 Unauthorized (the Ray dashboard path it also serves has no Kubernetes auth)
         self.token = f"stand-in-{uuid.uuid4().hex}"
         self.unauthorized = 0
+        # cluster state for `doctor`: CRD name -> served versions; namespaces; (ns, claim) -> phase; (ns, secret) ->
+        # {key: base64 value}; the caller's allowed (group, resource, subresource, verb, ns), None = everything
+        self.crds: dict[str, list[str]] = {"rayjobs.ray.io": ["v1"]}
+        self.namespaces: set[str] = {"default", "verl-pipeline"}
+        self.pvcs: dict[tuple[str, str], str] = {}
+        self.secrets: dict[tuple[str, str], dict[str, str]] = {}
+        self.access: set[tuple[str, str, str, str, str]] | None = None
+        # extra bearer tokens, each with what its identity may do (RBAC, decided here instead of from Role objects):
+        # RayJob and pod requests outside the grant get 403 Forbidden, as the API server's authorizer answers
+        self.identities: dict[str, set[tuple[str, str, str, str, str]]] = {}
 
     # -- scripting ---------------------------------------------------------------------------------
     def script(self, name: str, steps: list[dict], metrics_file: str | Path | None = None) -> None:
@@ -281,12 +318,17 @@ class StandIn:
                         body = json.loads(self.rfile.read(length) or b"{}")
                     except json.JSONDecodeError:
                         return self._send(400, _status_body(400, "BadRequest", "request body is not JSON"))
-                if url.path.startswith(("/api/v1/", "/apis/")) and (
-                    self.headers.get("Authorization") != f"Bearer {stand_in.token}"
-                ):
+                auth = self.headers.get("Authorization") or ""
+                grant = stand_in.identities.get(auth.removeprefix("Bearer "))
+                if url.path.startswith(("/api/v1/", "/apis/")) and auth != f"Bearer {stand_in.token}" and grant is None:
                     with stand_in.lock:
                         stand_in.unauthorized += 1
                     return self._send(401, _status_body(401, "Unauthorized", "Unauthorized"))
+                denied = None if grant is None else _forbidden(method, url.path, grant)
+                if denied:
+                    with stand_in.lock:
+                        stand_in.requests.append((method, url.path))
+                    return self._send(403, _status_body(403, "Forbidden", denied))
                 with stand_in.lock:
                     stand_in.requests.append((method, url.path))
                     code, out, ctype = stand_in.handle(method, url.path, query, body)
@@ -340,6 +382,12 @@ class StandIn:
     # -- API -----------------------------------------------------------------------------------------
     def handle(self, method: str, path: str, query: dict, body):
         m = RAYJOBS.match(path)
+        if m and "rayjobs.ray.io" not in self.crds:  # no CRD, no ray.io/v1 API
+            return (
+                404,
+                _status_body(404, "NotFound", "the server could not find the requested resource"),
+                "application/json",
+            )
         if m:
             ns, name = m.groups()
             if method == "POST" and not name:
@@ -365,6 +413,9 @@ class StandIn:
                 items = [self._pod(ns, p) for p in self._pods(ns)]
                 items = [i for i in items if _match(i["metadata"]["labels"], selector)]
                 return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}, "application/json"
+        found = self._cluster_state(method, path, body)
+        if found is not None:
+            return found
         m = RAY_JOB_LOGS.match(path)
         if m and method == "GET":  # HTTPMode: the job's log comes from the head's dashboard
             for (ns, name), obj in self.objects.items():
@@ -376,6 +427,78 @@ class StandIn:
             _status_body(404, "NotFound", f"the server could not find the requested resource ({path})"),
             "application/json",
         )
+
+    def allowed(self, group: str, resource: str, sub: str, verb: str, ns: str) -> bool:
+        return self.access is None or (group, resource, sub, verb, ns) in self.access
+
+    def _cluster_state(self, method: str, path: str, body):
+        """CRDs, namespaces, PVCs, Secrets and SelfSubjectAccessReviews, as the API server answers them."""
+        j = "application/json"
+
+        def missing(kind, name):
+            return 404, _status_body(404, "NotFound", f'{kind} "{name}" not found', name), j
+
+        if method == "POST" and path == SSAR:
+            attrs = (body.get("spec") or {}).get("resourceAttributes") or {}
+            ok = self.allowed(
+                attrs.get("group") or "",
+                attrs.get("resource") or "",
+                attrs.get("subresource") or "",
+                attrs.get("verb") or "",
+                attrs.get("namespace") or "",
+            )
+            return 201, {**body, "status": {"allowed": ok}}, j
+        if method != "GET":
+            return None
+        if m := CRDS.match(path):
+            if not self.allowed("apiextensions.k8s.io", "customresourcedefinitions", "", "get", ""):
+                msg = "customresourcedefinitions.apiextensions.k8s.io is forbidden"
+                return 403, _status_body(403, "Forbidden", msg, m.group(1)), j
+            if m.group(1) not in self.crds:
+                return missing("customresourcedefinitions.apiextensions.k8s.io", m.group(1))
+            versions = [{"name": v, "served": True, "storage": i == 0} for i, v in enumerate(self.crds[m.group(1)])]
+            plural, _, group = m.group(1).partition(".")
+            crd = {
+                "kind": "CustomResourceDefinition",
+                "metadata": {"name": m.group(1)},
+                "spec": {
+                    "group": group,
+                    "names": {"plural": plural, "kind": "RayJob"},
+                    "scope": "Namespaced",
+                    "versions": versions,
+                },
+            }
+            return 200, crd, j
+        if m := NAMESPACE.match(path):
+            if m.group(1) not in self.namespaces:
+                return missing("namespaces", m.group(1))
+            return 200, {"kind": "Namespace", "metadata": {"name": m.group(1)}, "status": {"phase": "Active"}}, j
+        if m := PVC.match(path):
+            if tuple(m.groups()) not in self.pvcs:
+                return missing("persistentvolumeclaims", m.group(2))
+            return (
+                200,
+                {
+                    "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": m.group(2), "namespace": m.group(1)},
+                    "spec": {},
+                    "status": {"phase": self.pvcs[tuple(m.groups())]},
+                },
+                j,
+            )
+        if m := SECRET.match(path):
+            ns, name = m.groups()
+            if not self.allowed("", "secrets", "", "get", ns):
+                msg = f'secrets "{name}" is forbidden: cannot get resource "secrets" in namespace "{ns}"'
+                return 403, _status_body(403, "Forbidden", msg, name), j
+            if (ns, name) not in self.secrets:
+                return missing("secrets", name)
+            return (
+                200,
+                {"kind": "Secret", "metadata": {"name": name, "namespace": ns}, "data": dict(self.secrets[(ns, name)])},
+                j,
+            )
+        return None
 
     def _pods(self, ns: str) -> list[str]:
         """KubeRay's submitter pods: only K8sJobMode RayJobs have one (HTTPMode submits over HTTP)."""

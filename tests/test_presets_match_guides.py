@@ -49,7 +49,7 @@ ACK_000 = {
     "trainer.experiment_name": "qwen2.5-3b_function_rm-gsm8k-vllm-tool-agent-verify-n16",
     "trainer.n_gpus_per_node": 8,
     "trainer.nnodes": 1,
-    "trainer.save_freq": 1,
+    # trainer.save_freq 1 goes with the guide's one-step run: a listed deviation (50; tests/test_presets_fit_cluster.py)
     "trainer.test_freq": 20,
     "actor_rollout_ref.actor.checkpoint.save_contents": ["hf_model", "model"],
     "trainer.total_epochs": 1,
@@ -201,8 +201,9 @@ def test_the_guides_cluster_shapes():
     }
     assert '"network":"rdma-7"' in gke["worker_annotations"]["networking.gke.io/interfaces"]
     tione = experiment.load("dapo_qwen3_4b").spec
-    assert (tione["cluster"]["head"]["cpu"], tione["cluster"]["head"]["memory"]) == ("128", "1000Gi")
-    assert (tione["cluster"]["worker"]["cpu"], tione["cluster"]["worker"]["memory"]) == ("128", "1000Gi")
+    # the guide's 128C1000G head and worker fit no Kubernetes node pool here: listed deviations, sized to the pools
+    # (tests/test_presets_fit_cluster.py)
+    assert {"cluster.head", "cluster.worker"} <= {d["key"] for d in tione["deviations"]}
     assert tione["datasets"] == {"train": ["dapo_math"], "val": ["aime2024"]}  # DAPO-Math-17k, AIME 2024
 
 

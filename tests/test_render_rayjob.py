@@ -49,7 +49,7 @@ EXAMPLES = [
     ("gsm8k_tool_agent_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k"),
     ("dapo_retool_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
     ("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k"),
-    ("gspo", GKE, "gs://verl-store", "gsm8k"),
+    ("gspo", ACK, "oss://verl-store", "gsm8k"),
 ]
 
 
@@ -568,8 +568,9 @@ def test_an_exact_tag_on_a_registry_with_a_port_is_taken(monkeypatch):
 
 
 def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
-    """The code tool's sandbox service comes from the deployment ($PIPELINE_E2B_DOMAIN, Helm values), which wins over
-    a preset's; a run whose pods would have no endpoint or no API key Secret is refused in one line at render."""
+    """The code tool's sandbox service comes from the preset when it names one, else from the deployment
+    ($PIPELINE_E2B_DOMAIN, Helm values); a run whose pods would have no endpoint or no API key Secret is refused in
+    one line at render."""
     domain = render_rayjob.SANDBOX_DOMAIN_ENV
     ack = "gsm8k_tool_agent_qwen2_5_3b"
     with pytest.raises(UserError, match=r"needs its sandbox service: set \$PIPELINE_E2B_DOMAIN"):
@@ -584,11 +585,12 @@ def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
     with pytest.raises(UserError, match="not a domain name"):
         render(ack)
     monkeypatch.setenv(domain, "sandbox.team.internal")
-    for preset in (ack, "dapo_retool_qwen3_4b"):  # the deployment's domain wins over the guide's AGS region
+    # the deployment's domain for the preset naming none; the guide's AGS region stays the AGS preset's
+    for preset, want in ((ack, "sandbox.team.internal"), ("dapo_retool_qwen3_4b", "ap-shanghai.tencentags.com")):
         _, job = render(preset, dataset="dapo_math" if "dapo" in preset else "gsm8k")
         head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-        assert {"name": "E2B_DOMAIN", "value": "sandbox.team.internal"} in head["env"]
-        assert "E2B_DOMAIN: sandbox.team.internal" in job["spec"]["runtimeEnvYAML"]
+        assert {"name": "E2B_DOMAIN", "value": want} in head["env"]
+        assert f"E2B_DOMAIN: {want}" in job["spec"]["runtimeEnvYAML"]
     exp = experiment.load(ack, derived=derived("oss://verl-store", ack, "gsm8k"))
     exp.spec["cluster"]["secrets"] = [s for s in exp.spec["cluster"]["secrets"] if s["env"] != "E2B_API_KEY"]
     with pytest.raises(UserError, match="needs E2B_API_KEY"):

@@ -167,6 +167,41 @@ def _secret_env(cluster: dict) -> list[dict]:
     return out
 
 
+def _ray_env(cluster: dict) -> dict:
+    """``cluster.ray_env``: variables for Ray's runtime env only (the job's driver and workers), not the containers.
+
+    Ray expands ``${VAR}`` in them from the process's environment (``ray._private.utils.update_envs``), so a value
+    can extend the image's own, e.g. ``LD_LIBRARY_PATH: /usr/local/cuda/compat:${LD_LIBRARY_PATH}``; a container env
+    value cannot (Kubernetes expands only ``$(VAR)`` of variables set in the same container spec).
+    """
+    env = cluster.get("ray_env") or {}
+    if not isinstance(env, dict):
+        raise UserError("cluster.ray_env: expected a mapping of NAME: value (non-secret settings only)")
+    out = {}
+    for k, v in env.items():
+        if not _ENV_RE.match(str(k)) or _SECRETISH.search(str(k)):
+            raise UserError(f"cluster.ray_env: {k!r} is not a non-secret environment variable name")
+        out[str(k)] = str(v)
+    return out
+
+
+_RAY_START_KEYS = {"num-cpus", "num-gpus", "memory", "object-store-memory"}
+
+
+def _ray_start_params(cluster: dict) -> dict:
+    """``cluster.worker_ray_start_params``: Ray start parameters of the GPU worker group (e.g. guide 004's num-cpus).
+
+    KubeRay 1.7 refuses these resource parameters only together with the group-level ``resources`` field
+    (``ValidateRayClusterSpec`` in ray-operator/controllers/ray/utils/validation.go), which the renderer never sets.
+    """
+    params = cluster.get("worker_ray_start_params") or {}
+    if not isinstance(params, dict) or set(params) - _RAY_START_KEYS:
+        raise UserError(
+            f"cluster.worker_ray_start_params: expected a mapping with keys among {sorted(_RAY_START_KEYS)}"
+        )
+    return {str(k): str(v) for k, v in params.items()}
+
+
 def _plain_env(cluster: dict) -> dict:
     env = cluster.get("env") or {}
     if not isinstance(env, dict):
@@ -190,8 +225,9 @@ _HOST = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{
 def _sandbox_endpoint(exp: Experiment, env: dict, cluster: dict) -> dict:
     """``env`` with the code sandbox tool's service, when the run's tool agent uses that tool.
 
-    The sandbox service is the deployment's (sandbox-manager's domain on ACK, the AGS region's domain on TI-ONE), so
-    ``$PIPELINE_E2B_DOMAIN`` (Helm values) wins over a preset's ``cluster.env.E2B_DOMAIN``, as the image does. A run
+    A preset that names its sandbox service (``cluster.env.E2B_DOMAIN`` or ``E2B_API_URL``, e.g. guide 003's Tencent
+    AGS region) keeps it; ``$PIPELINE_E2B_DOMAIN`` (Helm values) is the deployment's default for presets that name
+    none (guide 000's sandbox-manager domain), so presets for different sandbox services run from one Airflow. A run
     whose pods would have no endpoint or no API key Secret fails here in one line, not in the first rollout.
     """
     from pipeline_steps.tools import uses_code_sandbox
@@ -201,7 +237,7 @@ def _sandbox_endpoint(exp: Experiment, env: dict, cluster: dict) -> dict:
     if not enabled or not uses_code_sandbox(exp.verl.get(mt + "tool_config_path") or ""):
         return env
     domain = os.environ.get(SANDBOX_DOMAIN_ENV)
-    if domain:
+    if domain and not (env.get("E2B_DOMAIN") or env.get("E2B_API_URL")):
         if not _HOST.match(domain):
             raise UserError(f"${SANDBOX_DOMAIN_ENV}={domain!r}: not a domain name (e.g. sandbox.example.com)")
         env = dict(env, E2B_DOMAIN=domain)
@@ -357,7 +393,8 @@ def build_rayjob(
         raise UserError(f"cluster.kueue_queue={queue!r}: not a Kueue LocalQueue name")
 
     plain_env = _sandbox_endpoint(exp, _plain_env(cluster), cluster)
-    env_vars = {"PYTHONUNBUFFERED": "1", **plain_env}
+    env_vars = {"PYTHONUNBUFFERED": "1", **plain_env, **_ray_env(cluster)}
+    ray_start = _ray_start_params(cluster)
     annotations = {}
     if entrypoint is None:
         ckpt = exp.verl.get("trainer.default_local_dir")
@@ -442,6 +479,7 @@ def build_rayjob(
 
     group = spec["rayClusterSpec"]["workerGroupSpecs"][0]
     group["replicas"] = group["minReplicas"] = group["maxReplicas"] = nnodes
+    group["rayStartParams"] = {**group.get("rayStartParams", {}), **ray_start}
     group["template"]["metadata"]["annotations"] = {
         **dict(pod_annotations),
         **{k: str(v) for k, v in worker_annotations.items()},  # e.g. GKE's RDMA network interfaces
