@@ -21,6 +21,7 @@ pytestmark = pytest.mark.needs_root(reason="the sandbox server needs root (uids,
 SECRET = "s3cr3t-token-7f0c2a"
 EXEC_TIMEOUT = 3
 OUTPUT_CAP = 64 * 1024
+DISK_MB = 128
 
 
 def _plant(d: Path) -> Path:
@@ -52,6 +53,7 @@ def server(dirs):
     from pipeline_steps.sandbox.local import LocalSandboxServer
 
     args = ["--exec-timeout", str(EXEC_TIMEOUT), "--memory-mb", "512", "--max-processes", "32"]
+    args += ["--disk-mb", str(DISK_MB)]
     args += ["--max-output-bytes", str(OUTPUT_CAP), "--warm", "2"]
     # No --hide: what a sandbox sees is an allow-list, the store is out of reach without being named.
     srv = LocalSandboxServer(dirs["state"], args=args, extra_env={"SECRET_TOKEN": SECRET})
@@ -355,10 +357,40 @@ def test_children_share_the_sandbox_memory(dirs):
     args = ["--warm", "0", "--memory-mb", "512", "--exec-timeout", "60"]
     with LocalSandboxServer(dirs["root"] / "state-mem", args=args) as srv:
         sb = Sandbox.create(**srv.sdk_options())
+        assert sb.get_info().memory_mb == 512  # what the API reports is what is enforced
         out = sb.run_code(CHILDREN.format(), timeout=90)
         held = int(_value(out))
         assert 1 <= held and held * 100 <= 512, held  # some ran (the limit is not zero), not all ten
         assert _value(sb.run_code("'the interpreter survived'")) == "'the interpreter survived'"
+
+
+FILL = """
+import os
+written, err = 0, None
+try:
+    for i in range(20):
+        with open(f'/home/user/fill-{i}', 'wb') as f:
+            for _ in range(16):
+                f.write(b'x' * (1 << 20))
+                f.flush()
+                written += 1
+except OSError as e:
+    err = e.errno
+for i in range(20):
+    if os.path.exists(f'/home/user/fill-{i}'):
+        os.remove(f'/home/user/fill-{i}')
+written, err"""
+
+
+def test_disk_is_the_size_reported(server, sandbox):
+    """20 files of 16 MiB (each below the per-file limit) cannot fill more than the sandbox's disk."""
+    import errno
+
+    info = httpx.get(f"{server.url}/sandboxes/{sandbox.sandbox_id}", headers={"X-API-KEY": server.api_key}).json()
+    assert info["diskSizeMB"] == DISK_MB
+    written, err = eval(_value(sandbox.run_code(FILL)))  # a tuple of two ints
+    assert err == errno.ENOSPC and DISK_MB - 8 <= written <= DISK_MB, (written, err)
+    assert _value(sandbox.run_code("open('/home/user/after', 'w').write('room again')")) == "10"
 
 
 def test_background_process_does_not_outlive_the_call(sandbox):

@@ -61,7 +61,8 @@ CLEAN_ENV = {
 class Limits:
     cpu_seconds: int = 300  # per interpreter lifetime (RLIMIT_CPU is cumulative); wall-clock limit is exec_timeout
     memory_mb: int = 1024  # the sandbox's processes together (cgroup), and each one's address space
-    cpus: float = 1.0  # CPU time per wall-clock second, all processes together (cgroup)
+    cpus: int = 1  # CPU time per wall-clock second, all processes together (cgroup)
+    disk_mb: int = 256  # the sandbox's directory: a tmpfs of this size (its pages count as the sandbox's memory)
     max_processes: int = 64
     max_open_files: int = 128
     max_file_mb: int = 64
@@ -81,6 +82,19 @@ def live_processes(uid: int) -> list[int]:
             except (OSError, IndexError):
                 pass
     return pids
+
+
+def mount_home(workdir: Path, uid: int, disk_mb: int):
+    """The sandbox's directory as a tmpfs of ``disk_mb``: what it may write is bounded, whatever the file count."""
+    opts = f"size={disk_mb}m,mode=0700,uid={uid},gid={uid},nosuid,nodev"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(workdir)], check=True, capture_output=True)
+
+
+def remove_home(workdir: Path):
+    if os.path.ismount(workdir):
+        if subprocess.run(["umount", str(workdir)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(workdir)], capture_output=True)  # busy: detached, freed when unused
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _under(path: str, parent: str) -> bool:
@@ -200,7 +214,7 @@ class Pool:
         and processes of uids that no running server holds."""
         for d in self.state_dir.iterdir():
             if d.name.startswith("slot-") or d.name == "stage":
-                shutil.rmtree(d, ignore_errors=True)
+                remove_home(d)
         for uid in self.cgroups.leftovers():
             fd = self._try_uid_lock(uid)
             if fd is None:
@@ -260,12 +274,12 @@ class Pool:
         workdir = self.state_dir / f"slot-{slot}"
         sb = Sandbox(slot=slot, uid=uid, uid_lock=lock_fd, workdir=workdir, cgroup=self.cgroups.sandbox(uid))
         try:
-            shutil.rmtree(workdir, ignore_errors=True)
+            lim = self.limits
+            await asyncio.to_thread(remove_home, workdir)
             workdir.mkdir(mode=0o700)
-            os.chown(workdir, uid, uid)
+            await asyncio.to_thread(mount_home, workdir, uid, lim.disk_mb)
             if not await asyncio.to_thread(sb.cgroup.remove):  # a leftover of this uid, if any
                 raise RuntimeError(f"a leftover cgroup of uid {uid} would not go")
-            lim = self.limits
             sb.cgroup.create(lim.memory_mb, lim.max_processes, lim.cpus)
             sb.kernel = await self.spawn_kernel(sb)
             return sb
@@ -376,8 +390,8 @@ class Pool:
         await self.kill_processes(sb)
         async with sb.lock:  # a call in flight ends (its interpreter is gone) before the slot is given back
             await self.kill_processes(sb)
+        await asyncio.to_thread(remove_home, sb.workdir)  # before the cgroup: its pages are charged there
         gone = await asyncio.to_thread(sb.cgroup.remove)
-        shutil.rmtree(sb.workdir, ignore_errors=True)
         gone = gone and not live_processes(sb.uid) and not sb.workdir.exists()
         sb.state = ENDED
         if not gone:  # never hand out a uid or slot something of the old sandbox still holds

@@ -140,7 +140,7 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
                 "envdVersion": ENVD_VERSION,
                 "cpuCount": lim.cpus,
                 "memoryMB": lim.memory_mb,
-                "diskSizeMB": lim.max_file_mb,
+                "diskSizeMB": lim.disk_mb,
                 "state": "running",
                 "metadata": sb.metadata,
             }
