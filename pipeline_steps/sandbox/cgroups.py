@@ -42,8 +42,8 @@ def _write(path: Path, value: str):
 class Cgroups:
     """The server's cgroup setup: where sandbox cgroups go and which version the machine runs."""
 
-    def __init__(self, root: Path = ROOT):
-        own = _own_paths()
+    def __init__(self, root: Path = ROOT, own: dict[str, str] | None = None):
+        own = own if own is not None else _own_paths()
         self.version = 2 if (root / "cgroup.controllers").exists() else 1
         try:
             if self.version == 2:
