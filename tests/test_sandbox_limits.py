@@ -509,3 +509,14 @@ def test_leftovers_of_a_sigkilled_server_are_reaped(dirs):
         from pipeline_steps.sandbox.cgroups import Cgroups
 
         assert uid not in Cgroups().leftovers()  # and its cgroup
+
+
+def test_server_refuses_to_start_without_bubblewrap(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SANDBOX_SERVER_API_KEY": "k", "PATH": str(tmp_path)}  # no bwrap on this PATH
+    cmd = [sys.executable, "-m", "pipeline_steps", "sandbox-server", "--state-dir", str(tmp_path / "s")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == "error: sandbox-server needs bubblewrap: apt-get install bubblewrap"
