@@ -414,6 +414,26 @@ bg.pid"""
     assert len(live_processes(uid)) == 1  # only the interpreter is left
 
 
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_thread_left_running_uses_no_cpu_after_the_call(sandbox):
+    """A thread the code leaves spinning in the interpreter stops with the call (the sandbox is frozen between
+    calls) and goes on in the next one."""
+    import time
+
+    uid = int(_value(sandbox.run_code("import os; os.getuid()")))
+    spin = "import threading\nn = [0]\ndef spin():\n    while True:\n        n[0] += 1\n"
+    _value(sandbox.run_code(spin + "threading.Thread(target=spin, daemon=True).start()"))
+    [kernel] = live_processes(uid)
+    before = _cpu_seconds(kernel)
+    time.sleep(1.5)
+    assert _cpu_seconds(kernel) - before < 0.1  # spinning unfrozen, it would take a core (or what the load leaves)
+    assert int(_value(sandbox.run_code("import time; a = n[0]; time.sleep(0.3); n[0] - a"))) > 0  # runs in a call
+
+
 def test_output_cap_cannot_be_lifted_by_the_code(sandbox):
     # The interpreter's own cap lives in the process that runs the code: lifted here, the server's still holds.
     code = "import sys\nsys.stdout.events.max_output = 10**12\nfor i in range(4000):\n    print('y' * 1000)\n'end'"

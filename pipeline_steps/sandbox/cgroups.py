@@ -131,7 +131,8 @@ class SandboxCgroup:
         except FileNotFoundError:
             return set()
 
-    def _freeze(self, on: bool) -> bool:
+    def freeze(self, on: bool) -> bool:
+        """Stop (or resume) every process and thread of the sandbox; False where no freezer is mounted."""
         if self.v2:
             path, value = self.main / "cgroup.freeze", "1" if on else "0"
         elif "freezer" in self.dirs:
@@ -156,14 +157,14 @@ class SandboxCgroup:
                 return True
             if time.monotonic() > deadline:
                 return False
-            frozen = self._freeze(True)
+            frozen = self.freeze(True)
             for pid in self.pids() - keep:
                 try:
                     os.kill(pid, 9)
                 except ProcessLookupError:
                     pass
             if frozen:
-                self._freeze(False)  # SIGKILLed frozen tasks die when thawed
+                self.freeze(False)  # SIGKILLed frozen tasks die when thawed
             time.sleep(0.005)
 
     def remove(self) -> bool:

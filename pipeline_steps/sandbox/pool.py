@@ -282,6 +282,7 @@ class Pool:
                 raise RuntimeError(f"a leftover cgroup of uid {uid} would not go")
             sb.cgroup.create(lim.memory_mb, lim.max_processes, lim.cpus)
             sb.kernel = await self.spawn_kernel(sb)
+            sb.cgroup.freeze(True)  # a warm sandbox uses no CPU until its first call
             return sb
         except BaseException:
             sb.state = ENDING
@@ -381,9 +382,11 @@ class Pool:
             sb.kernel = None
 
     async def end_of_call(self, sb: Sandbox):
-        """What a call started does not outlive it: every process but the interpreter's jail is killed."""
+        """What a call started does not outlive it: every process but the interpreter's jail is killed, and the
+        jail is frozen until the next call (threads the code left running in the interpreter stop too)."""
         if sb.kernel is not None and sb.cgroup.pids() - sb.kernel.keep:
             await asyncio.to_thread(sb.cgroup.kill, sb.kernel.keep)
+        sb.cgroup.freeze(True)
 
     async def _destroy(self, sb: Sandbox):
         sb.state = ENDING

@@ -194,6 +194,7 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
             finished = False
             cap = _OutputCap(pool.limits.max_output_bytes)
             try:
+                sb.cgroup.freeze(False)  # frozen between calls
                 if sb.kernel is None or sb.kernel.proc.returncode is not None:
                     sb.kernel = await pool.spawn_kernel(sb)
                 async with asyncio.timeout(limit):
