@@ -185,7 +185,7 @@ class Pool:
         self.free_slots = list(range(max_sandboxes))
         self.warm: list[Sandbox] = []
         self.running: dict[str, Sandbox] = {}
-        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> "killed" / "expired"
+        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> "killed" / "timed out"
         self.cgroups: Cgroups | None = None
         self._state_lock: int | None = None
         self._refill_task: asyncio.Task | None = None
@@ -260,7 +260,7 @@ class Pool:
             now = time.time()
             for sb in [s for s in self.running.values() if s.end_at <= now]:
                 log.info("sandbox %s timed out", sb.sandbox_id)
-                await self.kill(sb.sandbox_id, "expired")
+                await self.kill(sb.sandbox_id, "timed out")
 
     # ------------------------------------------------------------------ sandboxes
 

@@ -90,7 +90,7 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
         sb = pool.running.get(sandbox_id)
         if sb is None:
             if sandbox_id in pool.ended:
-                return None, _error(410, f"sandbox {sandbox_id} was {pool.ended[sandbox_id]}")
+                return None, _error(410, f"sandbox {sandbox_id} has ended ({pool.ended[sandbox_id]})")
             return None, _error(502, "sandbox not found or not running")
         token = request.headers.get("x-access-token", "")
         if not hmac.compare_digest(token.encode(), sb.access_token.encode()):
@@ -181,7 +181,7 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
             return _error(400, "body must hold the code to run as a string")
         env = {**sb.env_vars, **(body.get("env_vars") or {})}
         if sb.state != RUNNING:  # ended while this request's body was on its way
-            return _error(410, f"sandbox {sb.sandbox_id} was {pool.ended.get(sb.sandbox_id, sb.state)}")
+            return _error(410, f"sandbox {sb.sandbox_id} has ended ({pool.ended.get(sb.sandbox_id, 'killed')})")
         return StreamingResponse(_execution(sb, code, env), media_type="application/x-ndjson")
 
     async def _execution(sb, code: str, env: dict):
