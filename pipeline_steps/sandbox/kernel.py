@@ -1,20 +1,20 @@
-"""One sandbox's persistent Python interpreter (standard library only; run by the sandbox server as root).
+"""One sandbox's persistent Python interpreter (standard library only).
 
-Before any untrusted code runs it confines itself, in this order, because each step needs the privilege the
-next one drops:
+The server starts it inside bubblewrap (``pool.jail_command``): a root of its own that holds only the Python
+installation (read-only), the sandbox's directory as ``/home/user``, a private ``/tmp`` and ``/dev``, new network,
+pid, IPC and UTS namespaces, in the sandbox's cgroup. It still runs as root there, so before any untrusted code it:
 
-1. new network namespace (no interface up: no network at all, not even the host's loopback) and new mount
-   namespace in which an empty tmpfs replaces the server's state directory, ``/root``, ``/home`` and every
-   ``--hide`` path, the world-writable ``/tmp``, ``/var/tmp``, ``/dev/shm`` and ``/run/lock`` are private, the
-   sandbox's own directory is its home
-   (``/home/user``), the Python installation is bound back read-only, and ``/proc`` shows its own processes only;
-2. resource limits (CPU seconds, address space, processes, open files, file size, no core files);
-3. ``no_new_privs``, then the sandbox's own uid/gid with no supplementary groups.
+1. remounts ``/proc`` with ``hidepid=2`` (bubblewrap's init, pid 1, runs as root: not even listed);
+2. sets resource limits per process (CPU seconds, address space, processes, open files, file size, no core files;
+   the cgroup bounds the sandbox as a whole);
+3. sets ``no_new_privs``, then takes the sandbox's own uid/gid with no supplementary groups (which drops every
+   capability).
 
 Protocol: requests are JSON lines, events JSON lines (the server passes them as this process's stdin and stdout,
 which are moved to higher fds at start); fds 0-2 are ``/dev/null``, so only Python-level ``sys.stdout`` /
 ``sys.stderr`` output is captured (output of child processes is dropped). Events use the E2B code interpreter's
-NDJSON shapes (``stdout``, ``stderr``, ``result``, ``error``, ``number_of_executions``) plus ``done``.
+NDJSON shapes (``stdout``, ``stderr``, ``result``, ``error``, ``number_of_executions``) plus ``done``. The output cap
+here only saves work: the server enforces it on what it reads.
 """
 
 import ast
@@ -27,9 +27,7 @@ import sys
 import time
 import traceback
 
-CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = 4096, 8192, 16384, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 PR_SET_NO_NEW_PRIVS = 38
 HOME = "/home/user"
 
@@ -43,38 +41,8 @@ def _check(rc, what):
 def confine(cfg):
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-
-    def mount(src, target, fstype, flags, data):
-        enc = [None if v is None else v.encode() for v in (src, target, fstype)]
-        _check(libc.mount(enc[0], enc[1], enc[2], flags, None if data is None else data.encode()), f"mount {target}")
-
-    _check(libc.unshare(CLONE_NEWNET | CLONE_NEWNS), "unshare(net, mount)")
-    mount(None, "/", None, MS_REC | MS_PRIVATE, None)  # nothing mounted here propagates back to the host
-    # What stays visible is bound into a staging tmpfs first, then moved into place once the hiding is done:
-    # the workdir and the interpreter may live under hidden directories (a pyenv Python under /root, say).
-    stage = cfg["stage"]
-    mount("tmpfs", stage, "tmpfs", 0, "size=64k,mode=0700")
-    keep = [(cfg["workdir"], HOME, False)] + [(p, p, True) for p in cfg["expose"] if os.path.isdir(p)]
-    for i, (src, _, _) in enumerate(keep):
-        os.mkdir(f"{stage}/{i}")
-        mount(src, f"{stage}/{i}", None, MS_BIND | MS_REC, None)
-    mount("tmpfs", "/home", "tmpfs", 0, "size=64k,mode=0755")
-    for path in cfg["hide"]:  # an empty directory in place of each
-        if os.path.isdir(path) and path != cfg["state_dir"]:
-            mount("tmpfs", path, "tmpfs", 0, "size=64k,mode=0755")
-    for i, (_, dest, read_only) in enumerate(keep):
-        os.makedirs(dest, exist_ok=True)
-        mount(f"{stage}/{i}", dest, None, MS_MOVE, None)
-        if read_only:
-            mount(None, dest, None, MS_BIND | MS_REMOUNT | MS_RDONLY, None)
-    mount("tmpfs", cfg["state_dir"], "tmpfs", 0, "size=64k,mode=0755")  # last: the stage lives in it
-    # The host's world-writable directories would let sandboxes pass files to each other: private ones instead.
-    mount("tmpfs", "/tmp", "tmpfs", 0, f"size={cfg['tmp_mb']}m,mode=1777")
-    for path in ("/var/tmp", "/dev/shm", "/run/lock"):
-        if os.path.isdir(path):
-            mount("tmpfs", path, "tmpfs", 0, "size=1m,mode=1777")
-    # A procfs of its own that shows only the sandbox's own processes: no other command line or status is visible.
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=2")
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    _check(libc.mount(b"proc", b"/proc", b"proc", flags, b"hidepid=2"), "mount /proc")
 
     mb = 1024 * 1024
     limits = {

@@ -1,37 +1,53 @@
-"""Sandboxes of the local E2B-compatible server: one persistent confined interpreter each, and a warm pool.
+"""Sandboxes of the local E2B-compatible server: one persistent interpreter each, jailed by bubblewrap in a cgroup
+of its own, and a warm pool.
 
-Each sandbox gets a uid of its own (from ``uid_base`` up, claimed with a lock file in ``UID_LOCK_DIR`` so that two
-servers on one machine never share one), so its processes can all be killed at once (``kill -1``
-run as that uid also reaches processes that left the process group with ``setsid``), its process limit is its
-own, and its directory (mode 0700) is unreadable by any other sandbox.
+Isolation is an allow-list (``jail_command``): a sandbox's root holds the Python installation read-only, its own
+directory as ``/home/user``, a private ``/tmp``, ``/dev`` and ``/proc``, and nothing else, so a directory created on
+the host at any time is not in it. Limits for the sandbox as a whole (memory of all its processes, process count,
+CPU) are its cgroup's (``cgroups.py``), set from outside. Each sandbox also has a uid of its own (from ``uid_base``
+up, claimed with a lock file in ``UID_LOCK_DIR`` so that two servers on one machine never share one): its 0700
+directory is unreadable by any other sandbox.
+
+Lifecycle: ``warm`` (started, in the pool) -> ``running`` (handed out) -> ``ending`` (killed or expired: refused
+from here on, even to a request that was accepted before) -> ``ended``. A uid and a slot go back to the pool only
+once nothing of the sandbox is left (no process, no cgroup, no directory). At start the server removes what a
+killed predecessor left: slot directories in its state directory, cgroups (and processes) of uids no server holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import fcntl
 import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from pipeline_steps.sandbox.cgroups import Cgroups, SandboxCgroup
+
 log = logging.getLogger(__name__)
 
 KERNEL = Path(__file__).with_name("kernel.py")
 UID_LOCK_DIR = Path("/run/lock/pipeline-sandbox-uids")
 UID_RANGE = 100_000  # uids tried from uid_base
+ENDED_REMEMBERED = 10_000  # ids of ended sandboxes kept to answer late requests
+WARM, RUNNING, ENDING, ENDED = "warm", "running", "ending", "ended"
+HOME = "/home/user"
+KERNEL_IN_JAIL = "/opt/sandbox/kernel.py"
 DEBUG_SANDBOX_ID = "debug_sandbox_id"  # the id the E2B SDK uses in debug mode
 EVENT_LINE_LIMIT = 4 * 1024 * 1024  # an event line longer than this is a protocol violation: the kernel is killed
 # The only variables the interpreter sees: nothing of the server's environment (keys, tokens) crosses over.
 CLEAN_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
-    "HOME": "/home/user",
+    "HOME": HOME,
     "LANG": "C.UTF-8",
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONUNBUFFERED": "1",
@@ -44,7 +60,9 @@ CLEAN_ENV = {
 @dataclasses.dataclass
 class Limits:
     cpu_seconds: int = 300  # per interpreter lifetime (RLIMIT_CPU is cumulative); wall-clock limit is exec_timeout
-    memory_mb: int = 1024
+    memory_mb: int = 1024  # the sandbox's processes together (cgroup), and each one's address space
+    cpus: int = 1  # CPU time per wall-clock second, all processes together (cgroup)
+    disk_mb: int = 256  # the sandbox's directory: a tmpfs of this size (its pages count as the sandbox's memory)
     max_processes: int = 64
     max_open_files: int = 128
     max_file_mb: int = 64
@@ -66,11 +84,61 @@ def live_processes(uid: int) -> list[int]:
     return pids
 
 
-class Kernel:
-    """The interpreter process of one sandbox."""
+def mount_home(workdir: Path, uid: int, disk_mb: int):
+    """The sandbox's directory as a tmpfs of ``disk_mb``: what it may write is bounded, whatever the file count."""
+    opts = f"size={disk_mb}m,mode=0700,uid={uid},gid={uid},nosuid,nodev"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(workdir)], check=True, capture_output=True)
 
-    def __init__(self, proc: asyncio.subprocess.Process):
+
+def remove_home(workdir: Path):
+    if os.path.ismount(workdir):
+        if subprocess.run(["umount", str(workdir)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(workdir)], capture_output=True)  # busy: detached, freed when unused
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def jail_command(sb: "Sandbox", cfg: dict, expose: list[str], hide: list[str], tmp_mb: int) -> list[str]:
+    """bubblewrap's command line for one sandbox: what is not named here does not exist in it."""
+    cmd = ["bwrap", "--die-with-parent", "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+    cmd += ["--unshare-cgroup-try", "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # merged-/usr symlinks, or the real dirs
+        if os.path.islink(top):
+            cmd += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            cmd += ["--ro-bind", top, top]
+    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/alternatives", "/etc/localtime"):
+        cmd += ["--ro-bind-try", f, f]
+    binds = [p for p in expose if not _under(p, "/usr")]  # the interpreter and its libraries (a venv, a pyenv...)
+    made = set()
+    for dest in [*binds, HOME, KERNEL_IN_JAIL]:  # parents world-searchable (bwrap would copy the host's modes)
+        for parent in list(Path(dest).parents)[::-1][1:]:
+            if str(parent) not in made:
+                made.add(str(parent))
+                cmd += ["--perms", "0755", "--dir", str(parent)]
+    for path in binds:
+        cmd += ["--ro-bind", path, path]
+    for path in hide:  # only what an exposed directory would otherwise show
+        if any(_under(path, e) for e in expose) and os.path.isdir(path):
+            cmd += ["--tmpfs", path]
+    cmd += ["--ro-bind", str(KERNEL), KERNEL_IN_JAIL, "--bind", str(sb.workdir), HOME]
+    cmd += ["--dev", "/dev", "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp"]
+    cmd += ["--perms", "1777", "--size", str(1 << 20), "--tmpfs", "/dev/shm", "--proc", "/proc", "--chdir", "/"]
+    cmd += [sys.executable, "-I", KERNEL_IN_JAIL, json.dumps(cfg)]  # -I: no user site, PYTHON* or script dir
+    # A shell puts itself (the process that becomes bwrap) into the sandbox's cgroup before anything else runs.
+    join = " && ".join(f"echo $$ > {shlex.quote(f)}" for f in sb.cgroup.procs_files())
+    return ["/bin/sh", "-c", f'{join} && exec "$@"', "sh", *cmd]
+
+
+class Kernel:
+    """The interpreter process of one sandbox (bubblewrap's process, whose child's child is the interpreter)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, keep: set[int]):
         self.proc = proc
+        self.keep = keep  # the jail's processes (bwrap, its init, the interpreter): the rest end with each call
 
     async def run(self, code: str, env: dict | None = None):
         """Yield the events of one execution up to (not including) ``done``; raise EOFError if the process died."""
@@ -92,6 +160,8 @@ class Sandbox:
     uid: int
     uid_lock: int  # fd holding the uid's lock file
     workdir: Path
+    cgroup: SandboxCgroup
+    state: str = WARM
     kernel: Kernel | None = None
     sandbox_id: str = ""
     template: str = ""
@@ -106,7 +176,7 @@ class Sandbox:
 class Pool:
     def __init__(self, state_dir: Path, hide: list[str], limits: Limits, warm: int, max_sandboxes: int, uid_base: int):
         self.state_dir = Path(state_dir)
-        self.hide = [str(self.state_dir), "/root", *hide]
+        self.hide = [str(self.state_dir), *[str(h) for h in hide]]
         self.expose = sorted({sys.base_prefix, sys.prefix})  # the interpreter the kernels run on
         self.limits = limits
         self.warm_target = warm
@@ -115,6 +185,9 @@ class Pool:
         self.free_slots = list(range(max_sandboxes))
         self.warm: list[Sandbox] = []
         self.running: dict[str, Sandbox] = {}
+        self.ended: collections.OrderedDict[str, str] = collections.OrderedDict()  # id -> "killed" / "timed out"
+        self.cgroups: Cgroups | None = None
+        self._state_lock: int | None = None
         self._refill_task: asyncio.Task | None = None
         self._reaper_task: asyncio.Task | None = None
         self._spawning = 0
@@ -122,11 +195,37 @@ class Pool:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self):
+        if shutil.which("bwrap") is None:
+            raise RuntimeError("bubblewrap (bwrap) is not installed: apt-get install bubblewrap")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o700)
-        (self.state_dir / "stage").mkdir(exist_ok=True)  # kernels mount their staging tmpfs here
+        self._state_lock = os.open(self.state_dir / ".server.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._state_lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(f"another sandbox server uses {self.state_dir}") from None
+        self.cgroups = Cgroups()
+        await asyncio.to_thread(self._reap_leftovers)
         self._refill_task = asyncio.create_task(self._refill())
         self._reaper_task = asyncio.create_task(self._reap())
+
+    def _reap_leftovers(self):
+        """Remove what a server killed before it could clean up left: its slot directories here, and the cgroups
+        and processes of uids that no running server holds."""
+        for d in self.state_dir.iterdir():
+            if d.name.startswith("slot-") or d.name == "stage":
+                remove_home(d)
+        for uid in self.cgroups.leftovers():
+            fd = self._try_uid_lock(uid)
+            if fd is None:
+                continue  # a live server's sandbox
+            try:
+                if not self.cgroups.sandbox(uid).remove():
+                    log.error("could not remove the leftover cgroup of uid %d", uid)
+                else:
+                    log.info("removed the leftovers of uid %d (a server that was killed)", uid)
+            finally:
+                os.close(fd)
 
     async def close(self):
         for task in (self._refill_task, self._reaper_task):
@@ -136,6 +235,8 @@ class Pool:
             await self._destroy(sb)
         self.warm.clear()
         self.running.clear()
+        if self._state_lock is not None:
+            os.close(self._state_lock)
 
     def kick(self):
         if self._refill_task is not None and not self._refill_task.done():
@@ -159,67 +260,78 @@ class Pool:
             now = time.time()
             for sb in [s for s in self.running.values() if s.end_at <= now]:
                 log.info("sandbox %s timed out", sb.sandbox_id)
-                await self.kill(sb.sandbox_id)
+                await self.kill(sb.sandbox_id, "timed out")
 
     # ------------------------------------------------------------------ sandboxes
 
     async def _new_sandbox(self) -> Sandbox:
         slot = self.free_slots.pop(0)
-        uid, lock_fd = self._claim_uid()
-        workdir = self.state_dir / f"slot-{slot}"
-        sb = Sandbox(slot=slot, uid=uid, uid_lock=lock_fd, workdir=workdir)
         try:
-            shutil.rmtree(workdir, ignore_errors=True)
+            uid, lock_fd = self._claim_uid()
+        except BaseException:
+            self.free_slots.append(slot)
+            raise
+        workdir = self.state_dir / f"slot-{slot}"
+        sb = Sandbox(slot=slot, uid=uid, uid_lock=lock_fd, workdir=workdir, cgroup=self.cgroups.sandbox(uid))
+        try:
+            lim = self.limits
+            await asyncio.to_thread(remove_home, workdir)
             workdir.mkdir(mode=0o700)
-            os.chown(workdir, uid, uid)
+            await asyncio.to_thread(mount_home, workdir, uid, lim.disk_mb)
+            if not await asyncio.to_thread(sb.cgroup.remove):  # a leftover of this uid, if any
+                raise RuntimeError(f"a leftover cgroup of uid {uid} would not go")
+            sb.cgroup.create(lim.memory_mb, lim.max_processes, lim.cpus)
             sb.kernel = await self.spawn_kernel(sb)
+            sb.cgroup.freeze(True)  # a warm sandbox uses no CPU until its first call
             return sb
         except BaseException:
-            self._release_slot(sb)
+            sb.state = ENDING
+            await self._destroy(sb)
             raise
+
+    def _try_uid_lock(self, uid: int) -> int | None:
+        UID_LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        fd = os.open(UID_LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
 
     def _claim_uid(self) -> tuple[int, int]:
         """A uid no other sandbox on this machine holds (a held lock), with no process left running as it."""
-        UID_LOCK_DIR.mkdir(parents=True, exist_ok=True)
         for uid in range(self.uid_base, self.uid_base + UID_RANGE):
-            fd = os.open(UID_LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            fd = self._try_uid_lock(uid)
+            if fd is None:
                 continue
-            if not live_processes(uid):  # e.g. left by a server that was SIGKILLed
+            if not live_processes(uid):  # e.g. left by an older server that was SIGKILLed
                 return uid, fd
             os.close(fd)
         raise RuntimeError(f"no free sandbox uid in {self.uid_base}..{self.uid_base + UID_RANGE - 1}")
 
-    def _release_slot(self, sb: Sandbox):
-        os.close(sb.uid_lock)  # releases the uid's lock
-        self.free_slots.append(sb.slot)
-
     async def spawn_kernel(self, sb: Sandbox) -> Kernel:
-        cfg = {"uid": sb.uid, "workdir": str(sb.workdir), "hide": self.hide, "expose": self.expose}
-        cfg.update(state_dir=str(self.state_dir), stage=str(self.state_dir / "stage"))
-        cfg.update(dataclasses.asdict(self.limits))
+        if sb.state not in (WARM, RUNNING):  # a late request must never bring an ended sandbox back
+            raise RuntimeError(f"sandbox {sb.sandbox_id or sb.slot} has {sb.state}")
+        cfg = {"uid": sb.uid, **dataclasses.asdict(self.limits)}
+        cmd = jail_command(sb, cfg, self.expose, self.hide, self.limits.tmp_mb)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",  # no user site, no PYTHON* variables, no script directory on the path
-            str(KERNEL),
-            json.dumps(cfg),
+            *cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             env=CLEAN_ENV,
             cwd="/",
-            start_new_session=True,  # its own process group: killed whole on timeout
+            start_new_session=True,
             limit=EVENT_LINE_LIMIT,
         )
         line = await proc.stdout.readline()
         event = json.loads(line) if line else {"message": f"exited with {await proc.wait()}"}
         if event.get("type") != "ready":
+            await asyncio.to_thread(sb.cgroup.kill)
             await proc.wait()
             raise RuntimeError(f"sandbox interpreter failed to start: {event.get('message')}")
-        return Kernel(proc)
+        return Kernel(proc, keep=sb.cgroup.pids())
 
     async def acquire(self, template: str, timeout: float, metadata: dict, env_vars: dict) -> Sandbox:
         if self.warm:
@@ -231,6 +343,7 @@ class Pool:
         sb.sandbox_id = "i" + secrets.token_hex(10)
         sb.access_token = secrets.token_hex(16)
         sb.template, sb.metadata, sb.env_vars = template, metadata, env_vars
+        sb.state = RUNNING
         self._start_clock(sb, timeout)
         return sb
 
@@ -249,40 +362,43 @@ class Pool:
         self.running[sb.sandbox_id] = sb
         self.kick()
 
-    async def kill(self, sandbox_id: str) -> bool:
+    async def kill(self, sandbox_id: str, reason: str = "killed") -> bool:
         sb = self.running.pop(sandbox_id, None)
         if sb is None:
             return False
+        self.ended[sandbox_id] = reason
+        while len(self.ended) > ENDED_REMEMBERED:
+            self.ended.popitem(last=False)
+        sb.state = ENDING  # refused from now on, also by requests already past the id check
         await self._destroy(sb)
         self.kick()
         return True
 
     async def kill_processes(self, sb: Sandbox):
-        """Stop, then kill, every process of the sandbox's uid (also those that escaped its process group)."""
-        if sb.kernel is not None:
-            try:
-                os.killpg(sb.kernel.proc.pid, 9)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while live_processes(sb.uid) and time.monotonic() < deadline:  # SIGKILL is delivered asynchronously
-            for sig in ("STOP", "KILL"):  # stopped processes cannot fork while the kill goes round
-                await asyncio.to_thread(
-                    subprocess.run,
-                    ["kill", f"-{sig}", "--", "-1"],
-                    user=sb.uid,
-                    group=sb.uid,
-                    extra_groups=[],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                    check=False,
-                )
-            await asyncio.sleep(0.05)
+        """Kill every process of the sandbox (its cgroup: also those that left its process group or session)."""
+        await asyncio.to_thread(sb.cgroup.kill)
         if sb.kernel is not None:
             await sb.kernel.proc.wait()
             sb.kernel = None
 
+    async def end_of_call(self, sb: Sandbox):
+        """What a call started does not outlive it: every process but the interpreter's jail is killed, and the
+        jail is frozen until the next call (threads the code left running in the interpreter stop too)."""
+        if sb.kernel is not None and sb.cgroup.pids() - sb.kernel.keep:
+            await asyncio.to_thread(sb.cgroup.kill, sb.kernel.keep)
+        sb.cgroup.freeze(True)
+
     async def _destroy(self, sb: Sandbox):
+        sb.state = ENDING
         await self.kill_processes(sb)
-        shutil.rmtree(sb.workdir, ignore_errors=True)
-        self._release_slot(sb)
+        async with sb.lock:  # a call in flight ends (its interpreter is gone) before the slot is given back
+            await self.kill_processes(sb)
+        await asyncio.to_thread(remove_home, sb.workdir)  # before the cgroup: its pages are charged there
+        gone = await asyncio.to_thread(sb.cgroup.remove)
+        gone = gone and not live_processes(sb.uid) and not sb.workdir.exists()
+        sb.state = ENDED
+        if not gone:  # never hand out a uid or slot something of the old sandbox still holds
+            log.error("sandbox %s: leftovers remain; uid %d and slot %d are retired", sb.sandbox_id, sb.uid, sb.slot)
+            return
+        os.close(sb.uid_lock)  # releases the uid's lock
+        self.free_slots.append(sb.slot)

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline_steps.sandbox.pool import Pool
+from pipeline_steps.sandbox.pool import RUNNING, Pool
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,55 @@ def _iso(t: float) -> str:
     return dt.datetime.fromtimestamp(t, dt.timezone.utc).isoformat()
 
 
+class _OutputCap:
+    """The output cap, enforced on what the server reads from the interpreter (code in the sandbox can change
+    anything in its own process, the interpreter's own cap included): stdout and stderr are cut to the cap; other
+    events (results, errors) have a budget of the same size, and one that does not fit is dropped."""
+
+    def __init__(self, max_bytes: int):
+        self.text_room = self.other_room = max_bytes
+        self.dropped = 0
+        self.counted = False  # the execution count gets through once whatever the budget
+
+    def admit(self, event: dict) -> dict | None:
+        if not isinstance(event, dict) or event.get("type") == "ready":
+            return None
+        if event.get("type") in ("stdout", "stderr") and isinstance(event.get("text"), str):
+            text = event["text"]
+            if len(text) > self.text_room:
+                self.dropped += len(text) - self.text_room
+                text = text[: self.text_room]
+                if not text:
+                    return None
+            self.text_room -= len(text)
+            return {**event, "text": text}
+        size = len(json.dumps(event))
+        if event.get("type") == "number_of_executions" and not self.counted:
+            self.counted = True
+        elif size > self.other_room:
+            self.dropped += size
+            return None
+        else:
+            self.other_room -= size
+        return event
+
+    def notice(self) -> dict:
+        text = f"\n[output truncated by the server: {self.dropped} more characters dropped]\n"
+        return {"type": "stderr", "text": text, "timestamp": int(time.time() * 1e9)}
+
+
 def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool = False) -> Starlette:
     def authorised(request: Request) -> bool:
         return hmac.compare_digest(request.headers.get("x-api-key", "").encode(), api_key.encode())
 
     def sandbox_of(request: Request):
-        """The running sandbox a sandbox-plane request names, or an error response (502 = gone, as E2B does)."""
-        sb = pool.running.get(request.headers.get("e2b-sandbox-id", ""))
+        """The running sandbox a sandbox-plane request names, or an error response (502 = unknown, as E2B's proxy
+        answers; 410 = killed or expired here)."""
+        sandbox_id = request.headers.get("e2b-sandbox-id", "")
+        sb = pool.running.get(sandbox_id)
         if sb is None:
+            if sandbox_id in pool.ended:
+                return None, _error(410, f"sandbox {sandbox_id} has ended ({pool.ended[sandbox_id]})")
             return None, _error(502, "sandbox not found or not running")
         token = request.headers.get("x-access-token", "")
         if not hmac.compare_digest(token.encode(), sb.access_token.encode()):
@@ -97,9 +138,9 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
                 "startedAt": _iso(sb.started_at),
                 "endAt": _iso(sb.end_at),
                 "envdVersion": ENVD_VERSION,
-                "cpuCount": 1,
+                "cpuCount": lim.cpus,
                 "memoryMB": lim.memory_mb,
-                "diskSizeMB": lim.max_file_mb,
+                "diskSizeMB": lim.disk_mb,
                 "state": "running",
                 "metadata": sb.metadata,
             }
@@ -126,6 +167,8 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
         if "e2b-sandbox-id" not in request.headers:  # the server's own readiness probe
             return JSONResponse({"ok": True, "running": len(pool.running), "warm": len(pool.warm)})
         _, err = sandbox_of(request)
+        if err is not None and err.status_code == 410:  # the SDK's is_running() reads 502 as "not running"
+            return _error(502, "sandbox not running")
         return err or Response(status_code=204)
 
     async def execute(request: Request):
@@ -137,19 +180,28 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
         if not isinstance(code, str):
             return _error(400, "body must hold the code to run as a string")
         env = {**sb.env_vars, **(body.get("env_vars") or {})}
+        if sb.state != RUNNING:  # ended while this request's body was on its way
+            return _error(410, f"sandbox {sb.sandbox_id} has ended ({pool.ended.get(sb.sandbox_id, 'killed')})")
         return StreamingResponse(_execution(sb, code, env), media_type="application/x-ndjson")
 
     async def _execution(sb, code: str, env: dict):
         """Stream one execution; on timeout, disconnect or a dead interpreter, kill it all and start afresh."""
         limit = pool.limits.exec_timeout
         async with sb.lock:  # one execution at a time, as in a Jupyter kernel
+            if sb.state != RUNNING:  # killed or expired while this request waited for the previous one
+                yield _event_error("SandboxError", f"sandbox {sb.sandbox_id} has {sb.state}", lost=False)
+                return
             finished = False
+            cap = _OutputCap(pool.limits.max_output_bytes)
             try:
+                sb.cgroup.freeze(False)  # frozen between calls
                 if sb.kernel is None or sb.kernel.proc.returncode is not None:
                     sb.kernel = await pool.spawn_kernel(sb)
                 async with asyncio.timeout(limit):
                     async for event in sb.kernel.run(code, env):
-                        yield json.dumps(event) + "\n"
+                        event = cap.admit(event)
+                        if event is not None:
+                            yield json.dumps(event) + "\n"
                 finished = True
             except TimeoutError:
                 yield _event_error("TimeoutError", f"execution exceeded {limit:g} s")
@@ -157,12 +209,18 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
                 # died (CPU limit, crash), wrote a malformed or oversized line, or could not be (re)started
                 yield _event_error("SandboxError", f"the interpreter stopped: {exc}")
             finally:
-                if not finished:  # also on client disconnect: shielded, or the cancellation would cut the kill short
-                    with anyio.CancelScope(shield=True):
+                # shielded: on a client disconnect the cancellation would otherwise cut the kill short
+                with anyio.CancelScope(shield=True):
+                    if finished:
+                        await pool.end_of_call(sb)  # processes the call started do not outlive it
+                    else:
                         await pool.kill_processes(sb)
+            if cap.dropped:
+                yield json.dumps(cap.notice()) + "\n"
 
-    def _event_error(name: str, value: str) -> str:
-        value += "; all its processes were killed and its variables are lost (files in its directory remain)"
+    def _event_error(name: str, value: str, lost: bool = True) -> str:
+        if lost:
+            value += "; all its processes were killed and its variables are lost (files in its directory remain)"
         return json.dumps({"type": "error", "name": name, "value": value, "traceback": ""}) + "\n"
 
     routes = [

@@ -29,7 +29,13 @@ def add_arguments(p):
     )
     p.add_argument("--exec-timeout", type=float, default=30.0, help="wall-clock seconds per run_code")
     p.add_argument("--cpu-seconds", type=int, default=300, help="CPU seconds per interpreter lifetime")
-    p.add_argument("--memory-mb", type=int, default=1024, help="address space per process")
+    p.add_argument(
+        "--memory-mb", type=int, default=1024, help="memory of a sandbox's processes together (and per process)"
+    )
+    p.add_argument("--cpus", type=int, default=1, help="CPUs a sandbox's processes get together")
+    p.add_argument(
+        "--disk-mb", type=int, default=256, help="size of a sandbox's directory (a tmpfs: counted as its memory)"
+    )
     p.add_argument("--max-processes", type=int, default=64)
     p.add_argument("--max-open-files", type=int, default=128)
     p.add_argument("--max-file-mb", type=int, default=64)
@@ -46,19 +52,31 @@ def run(args) -> dict:
     if not key:
         raise UserError(f"set ${KEY_ENV} to the API key clients must send")
     if os.geteuid() != 0:
-        raise UserError(
-            "sandbox-server must run as root: it gives each sandbox its own uid, network and mount namespace"
-        )
+        raise UserError("sandbox-server must run as root: it gives each sandbox its own uid, namespaces and cgroup")
+    import shutil
+
+    if shutil.which("bwrap") is None:
+        raise UserError("sandbox-server needs bubblewrap: apt-get install bubblewrap")
+    if args.cpus < 1 or args.memory_mb < 16 or args.max_processes < 4 or args.disk_mb < 1:
+        raise UserError("--cpus and --disk-mb must be at least 1, --memory-mb at least 16, --max-processes at least 4")
     if args.warm < 0 or args.max_sandboxes < 1 or args.warm > args.max_sandboxes:
         raise UserError("--warm must be between 0 and --max-sandboxes (at least 1)")
     import uvicorn
 
+    from pipeline_steps.sandbox.cgroups import CgroupError, Cgroups
     from pipeline_steps.sandbox.pool import Limits, Pool
     from pipeline_steps.sandbox.server import build_app
+
+    try:
+        Cgroups()  # fails here, in one line, rather than at the first sandbox
+    except CgroupError as exc:
+        raise UserError(str(exc)) from None
 
     limits = Limits(
         cpu_seconds=args.cpu_seconds,
         memory_mb=args.memory_mb,
+        cpus=args.cpus,
+        disk_mb=args.disk_mb,
         max_processes=args.max_processes,
         max_open_files=args.max_open_files,
         max_file_mb=args.max_file_mb,
