@@ -136,7 +136,7 @@ def test_two_multi_turn_grpo_steps_call_the_tool_and_learn(tmp_path, tiny_model,
         assert "code_interpreter" in r["input"]  # the system prompt naming the tool
 
     class Args:
-        run_dir, output, dashboard_url, exported_uri = str(out), None, "", ""
+        run_dir, output, dashboard_url, exported_uri, task_states = str(out), None, "", "", ""
 
     page = (out / "report" / "report.md").read_text() if report.run(Args()) else ""
     assert "## Trajectories" in page and "| 2 | 8 | 1 | 8 | 4 |" in page
