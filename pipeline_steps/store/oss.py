@@ -25,8 +25,8 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pipeline_steps.errors import UserError
-from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id
+from pipeline_steps.errors import TransientError, UserError, disk_full
+from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id, transient_status
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +125,24 @@ class OssStore(Store):
                         f"store connection {cid!r}: bucket {self.bucket!r} does not exist at {self.endpoint} "
                         "(NoSuchBucket); create it or fix the URI/region"
                     ) from None
+                if transient_status(err.status_code, code):
+                    raise TransientError(
+                        f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code}) after "
+                        "the client's retries; the store is failing or throttling, Airflow retries the task"
+                    ) from None
                 raise UserError(
                     f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code})"
                 ) from None
             if isinstance(err, oss.exceptions.InconsistentError):
-                raise UserError(
-                    f"OSS {op} {where}: CRC64 mismatch between client and server; the transfer was corrupted, re-run"
+                raise TransientError(
+                    f"OSS {op} {where}: CRC64 mismatch between client and server; the transfer was corrupted, retried"
                 ) from None
-            if isinstance(err, (oss.exceptions.RequestError, ConnectionError)):
-                raise UserError(
-                    f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} ({err.__class__.__name__}); "
-                    "check the connection's endpoint/region and the network"
+            if disk_full(exc):
+                raise disk_full(exc) from None  # the CLI reports a full disk as transient
+            if isinstance(err, (oss.exceptions.RequestError, ConnectionError, TimeoutError)):
+                raise TransientError(
+                    f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} for {op} {where} "
+                    f"({err.__class__.__name__}); check the endpoint/region and the network (retried)"
                 ) from None
             raise
 
