@@ -238,3 +238,20 @@ def test_checksum_cache_on_a_full_disk_degrades_to_no_cache(tmp_path, tiny_tmpfs
     warnings = [line for line in r.stderr.splitlines() if "checksum cache" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0], r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["files"] == 3000
+
+
+@pytest.mark.parametrize("backend", ["oss", "file"])
+def test_unusable_cache_dir_degrades_to_no_cache(backend, request, src, tmp_path):
+    """PIPELINE_CACHE_DIR names a file (cannot be a directory, even for root): uploads still commit, one warning."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    if backend == "oss":
+        server, proxy = request.getfixturevalue("oss_server"), request.getfixturevalue("oss_proxy")
+        env, dest = _oss_env(server, proxy, tmp_path), "oss://test-bucket/nocache/v1"
+    else:
+        env, dest = _env({}, tmp_path), f"file://{tmp_path / 'store' / 'v1'}"
+    env["PIPELINE_CACHE_DIR"] = str(blocker / "cache")
+    r = run_step(["upload", "--src", str(src), "--dest", dest], env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    warnings = [line for line in r.stderr.splitlines() if "checksum cache" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0], r.stderr[-2000:]

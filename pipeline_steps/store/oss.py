@@ -42,9 +42,14 @@ def _tuning(default_part_mb: float) -> tuple[int, int]:
     return max(part, 100 << 10), max(par, 1)
 
 
-def checkpoint_dir() -> str:
+def checkpoint_dir() -> str | None:
+    """Where the SDK keeps resume checkpoints of uploads; None (no resume, still correct) when it cannot be made."""
     root = Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline_steps") / "oss-checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.debug("OSS upload checkpoints off (%s): %s", root, exc)  # the checksum cache warns once for the dir
+        return None
     return str(root) + os.sep  # the SDK takes dirname() of this value
 
 
@@ -183,11 +188,12 @@ class OssStore(Store):
         uploader = self.client.uploader(part_size=self.part_size, parallel_num=self.parallel)
         with self._errors("upload", key):
             try:
+                checkpoints = checkpoint_dir()
                 result = uploader.upload_file(
                     oss.PutObjectRequest(bucket=self.bucket, key=key),
                     str(path),
-                    enable_checkpoint=True,
-                    checkpoint_dir=checkpoint_dir(),
+                    enable_checkpoint=checkpoints is not None,
+                    checkpoint_dir=checkpoints,
                 )
             except oss.uploader.UploadError as exc:
                 # With checkpoints the SDK keeps parts for a resume; after an error (not a kill) we abort
