@@ -196,3 +196,50 @@ def test_make_airflow_listens_on_loopback_and_stops_everything_on_sigterm(tmp_pa
 
         mlflow_server.shutdown_server(home / "mlflow")
         make.wait(timeout=30)
+
+
+def test_make_demo_stops_everything_on_sighup(tmp_path):
+    """A closed terminal (SIGHUP) in the middle of `make demo`'s DAG run: nothing it started stays alive."""
+    from pipeline_steps.local import mlflow_server
+
+    home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow-home"
+    env = dict(os.environ, PIPELINE_HOME=str(home), AIRFLOW_HOME=str(airflow_home))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = tmp_path / "make-demo.out"
+    with open(out, "w") as f:
+        make = subprocess.Popen(
+            ["make", "-s", "--no-print-directory", "demo"],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        _wait_for(make, out, "running verl_grpo_pipeline", 300)
+        deadline = time.monotonic() + 120  # until `airflow dags test` has children of its own (tasks running)
+        while time.monotonic() < deadline and len(listening.descendants(make.pid)) < 6:
+            time.sleep(1)
+        started = listening.descendants(make.pid)
+        assert len(started) >= 5, started  # make, the demo, MLflow, `airflow dags test` and what it runs
+        # GNU make passes SIGTERM on to its children but not SIGHUP: a closed terminal sends SIGHUP to the whole
+        # foreground process group, so send it to the group
+        os.killpg(make.pid, signal.SIGHUP)
+        make.wait(timeout=120)
+        deadline = time.monotonic() + 60
+        while listening.alive(started) and time.monotonic() < deadline:
+            time.sleep(1)
+        left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in listening.alive(started)}
+        assert not left, f"alive after SIGHUP to make demo: {left}"
+        assert "SIGHUP: stopping" in out.read_text()
+    finally:
+        try:
+            os.killpg(make.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        from pipeline_steps.local import ray_cluster
+        from scripts.demo import ray_temp_dir
+
+        ray_cluster.shutdown_cluster(ray_temp_dir(home))
+        mlflow_server.shutdown_server(home / "mlflow")
+        make.wait(timeout=30)
