@@ -15,6 +15,7 @@ import pendulum
 from airflow.sdk import AssetAlias, Param, dag, task
 
 from operators.cluster_step import PipelineStepJobOperator
+from pipeline_steps import settings
 from pipeline_steps.training import plan as planning
 from pipeline_steps.uris import strip_file_scheme
 
@@ -89,7 +90,7 @@ def verl_evaluate_model():
                     "run verl_grpo_pipeline with it first or pass eval_data_uri"
                 )
             data = json.loads(pointer)["uri"].rstrip("/") + "/test.parquet"
-        out = f"{planning.home() / 'work' / 'evaluations' / planning.run_key(run_id)}"
+        out = f"{settings.home() / 'work' / 'evaluations' / planning.run_key(run_id)}"
         args = [
             "--model",
             strip_file_scheme(model),

@@ -3,9 +3,9 @@
 :func:`ensure_server` returns the tracking URI to log to: ``$MLFLOW_TRACKING_URI`` when configured (a team's
 server), else the server this module started before (its state file, while its process lives and answers), else it
 starts ``mlflow server`` on 127.0.0.1 at a free port in its own process group, with a SQLite backend store and a
-local artifact directory under ``DIR`` (``$PIPELINE_MLFLOW_DIR``, else ``$PIPELINE_HOME/mlflow``, else
-``./.demo/mlflow``). The server proxies artifacts (``--serve-artifacts``), so clients never need the directory, and
-serves MLflow's web UI at the same URI (a run's page: :func:`pipeline_steps.tracking_run.url`).
+local artifact directory under ``DIR`` (``$PIPELINE_MLFLOW_DIR``, else ``mlflow`` under the pipeline's home,
+:func:`pipeline_steps.settings.home`). The server proxies artifacts (``--serve-artifacts``), so clients never need the
+directory, and serves MLflow's web UI at the same URI (a run's page: :func:`pipeline_steps.tracking_run.url`).
 :func:`shutdown_server` stops exactly that server.
 """
 
@@ -33,7 +33,9 @@ def server_dir(directory=None) -> Path:
         return Path(directory)
     if os.environ.get("PIPELINE_MLFLOW_DIR"):
         return Path(os.environ["PIPELINE_MLFLOW_DIR"])
-    return Path(os.environ.get("PIPELINE_HOME") or ".demo") / "mlflow"
+    from pipeline_steps import settings
+
+    return settings.home() / "mlflow"
 
 
 def _read_state(d: Path) -> dict | None:

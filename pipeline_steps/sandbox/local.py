@@ -94,7 +94,9 @@ def main() -> int:
     """The local profile's sandbox server until Ctrl-C: state under ``$PIPELINE_HOME/sandboxes``; prints the
     ``E2B_*`` settings that reach it. Sandboxes see an allow-list, so the store and Airflow's home are out of reach
     anyway; they stay on the hide list for the case they lie inside the Python installation."""
-    home = Path(os.environ.get("PIPELINE_HOME") or ".demo").resolve()
+    from pipeline_steps import settings
+
+    home = settings.home().resolve()
     hide = [home / "store", *([os.environ["AIRFLOW_HOME"]] if os.environ.get("AIRFLOW_HOME") else [])]
     server = LocalSandboxServer(home / "sandboxes", hide=hide)
     home.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pipeline_steps import atomic, outputs
+from pipeline_steps import atomic, outputs, settings
 from pipeline_steps.errors import TransientError, UserError
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class _ChecksumCache:
     for the rest of the run, with one warning."""
 
     def __init__(self):
-        root = Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline_steps")
+        root = settings.cache_dir()
         self.db = None
         try:
             root.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,9 @@ def is_remote(uri: str) -> bool:
 
 
 def root() -> Path:
-    home = os.environ.get("PIPELINE_HOME") or Path.home() / ".verl-grpo-pipeline"
+    from pipeline_steps import settings
+
+    home = settings.home()
     return Path(os.environ.get("PIPELINE_MIRROR_DIR") or Path(home) / "work" / "mirror")
 
 

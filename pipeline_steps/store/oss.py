@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pipeline_steps import settings
 from pipeline_steps.errors import TransientError, UserError, disk_full
 from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id, transient_status
 
@@ -44,7 +45,7 @@ def _tuning(default_part_mb: float) -> tuple[int, int]:
 
 def checkpoint_dir() -> str | None:
     """Where the SDK keeps resume checkpoints of uploads; None (no resume, still correct) when it cannot be made."""
-    root = Path(os.environ.get("PIPELINE_CACHE_DIR") or Path.home() / ".cache" / "pipeline_steps") / "oss-checkpoints"
+    root = settings.cache_dir() / "oss-checkpoints"
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:

@@ -16,6 +16,7 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+from pipeline_steps import settings
 from pipeline_steps.data import registry
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import parse_uri
@@ -27,12 +28,8 @@ SMOKE_ROWS = 8
 MODEL_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
-def home() -> Path:
-    return Path(os.environ.get("PIPELINE_HOME") or Path.home() / ".verl-grpo-pipeline")  # the Makefile sets ./.demo
-
-
 def default_store() -> str:
-    return os.environ.get("PIPELINE_STORE_URI") or f"file://{home() / 'store'}"
+    return os.environ.get("PIPELINE_STORE_URI") or f"file://{settings.home() / 'store'}"
 
 
 def run_key(run_id: str) -> str:
@@ -126,7 +123,7 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     spec = exp.spec
     store = (params.get("store_uri") or default_store()).rstrip("/")
     parse_uri(store)  # file:// needs an absolute path, buckets a valid name: one line naming the URI otherwise
-    work = str(Path(os.environ.get("PIPELINE_WORK_DIR") or home() / "work"))
+    work = str(Path(os.environ.get("PIPELINE_WORK_DIR") or settings.home() / "work"))
     smoke = bool(params.get("smoke"))
     known = registry.load()
     # a JSONL file chosen in the form (store or Hub URI) is a dataset of its own, trained on instead of the preset's
