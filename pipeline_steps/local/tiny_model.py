@@ -27,6 +27,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FORMAT_WARMUP_STEPS = 100
+WARMUP_RIGHT_SHARE = 0.0
 CARD = """---
 license: mit
 library_name: transformers
@@ -62,6 +63,7 @@ def build(
     seed=0,
     owner: str | None = None,
     format_warmup_steps: int = FORMAT_WARMUP_STEPS,
+    right_share: float | None = None,
 ) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -105,7 +107,13 @@ def build(
         model.generation_config.eos_token_id = fast.eos_token_id
         model.generation_config.pad_token_id = fast.pad_token_id
         if format_warmup_steps:
-            format_warmup(model, fast, format_warmup_steps, seed)
+            format_warmup(
+                model,
+                fast,
+                format_warmup_steps,
+                seed,
+                right_share=WARMUP_RIGHT_SHARE if right_share is None else right_share,
+            )
         model.save_pretrained(tmp)
         fast.save_pretrained(tmp)
         from pipeline_steps.local import synthetic
@@ -127,7 +135,9 @@ def build(
     return output
 
 
-def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3) -> None:
+def format_warmup(
+    model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3, right_share: float = 0.0
+) -> None:
     """Supervised steps on (synthetic question -> ``#### R``, R random): the answer format, not the answers.
 
     The loss covers the response tokens only (``#### R`` and the end-of-turn token).
@@ -148,13 +158,14 @@ def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 16,
 
     template = [{"role": "user", "content": "{question} " + INSTRUCTION}]
     prompt = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
-    prompts = [encode(prompt.replace("{question}", synthetic.question(item))) for item in synthetic.ITEMS]
+    items, _ = synthetic.splits(len(synthetic.ITEMS))  # never the held-out questions
+    prompts = [encode(prompt.replace("{question}", synthetic.question(item))) for item in items]
     for _ in range(steps):
         seqs, masks = [], []
         for _ in range(batch_size):
             i = rng.randrange(len(prompts))
             p_ids = prompts[i]
-            r_ids = encode(synthetic.format_example(synthetic.ITEMS[i], rng) + "<|im_end|>")
+            r_ids = encode(synthetic.format_example(items[i], rng, right_share) + "<|im_end|>")
             seqs.append(p_ids + r_ids)
             masks.append([0] * len(p_ids) + [1] * len(r_ids))
         width = max(map(len, seqs))
