@@ -1,11 +1,13 @@
 """The tiny local model: a small Qwen2-architecture config, a byte-level BPE tokenizer trained on the fixture
-text, and a short supervised warm-up that teaches the answer FORMAT only.
+text, and a short supervised warm-up on the synthetic ``arithmetic`` task.
 
 No machine here can download weights, so the local profile stages, trains, evaluates and exports this model.
-The warm-up (``format_warmup_steps``) trains on the synthetic ``arithmetic`` dataset's questions (with
-GSM8K's instruction) whose targets are ``#### R`` with R drawn at random from the answers' range,
-independently of the question: the model learns to answer ``#### <a number>`` and stop, and nothing about which
-number is right (it scores about chance, 1 in 10). Whatever it gets right after GRPO, the reward taught it.
+The warm-up (``format_warmup_steps``) trains on the synthetic ``arithmetic`` dataset's train questions (with
+GSM8K's instruction) whose targets are ``#### R``: R is the right answer with probability ``WARMUP_RIGHT_SHARE``
+and otherwise drawn at random from the answers' range, independently of the question. The model learns to answer
+``#### <a number>`` and stop, and a weak start on the skill, so that GRPO's rollouts are sometimes right and the
+reward has something to work with (from a model at chance, 1 in 10, a hundred CPU steps of GRPO did not learn to
+copy the digit). What it gains over this base after GRPO, the reward taught it; every evaluation reports the base.
 The model card (``README.md``) says so. Deterministic: the same corpus and seed give the same files.
 """
 
@@ -27,7 +29,7 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 FORMAT_WARMUP_STEPS = 100
-WARMUP_RIGHT_SHARE = 0.0
+WARMUP_RIGHT_SHARE = 0.5  # a weak start on the skill: GRPO needs rollouts that are sometimes right
 CARD = """---
 license: mit
 library_name: transformers
@@ -39,11 +41,11 @@ A {params}-parameter Qwen2-architecture model with a {vocab}-token byte-level BP
 
 Training before GRPO: {warmup}
 """
-WARMUP_CARD = """{steps} steps of supervised **format** warm-up. Prompts are the synthetic `arithmetic`
-dataset's questions ("What is the largest of 3, 7 and 5?") with GSM8K's instruction; every target is `#### R` with R
-drawn uniformly from {answers}, independently of the question. The model learns to answer in the form verl's GSM8K
-scorer reads and to stop, not which answer is right: its accuracy is about chance (1 in {n}). An improvement after
-the pipeline's `train` task comes from GRPO's reward."""
+WARMUP_CARD = """{steps} steps of supervised warm-up. Prompts are the synthetic `arithmetic` dataset's train questions
+("Which digit is in k 7 7 m 7 7 b 7 7?") with GSM8K's instruction; a target is `#### R` with R the right answer
+with probability {share}, else drawn uniformly from {answers} independently of the question. The model learns the
+answer form verl's GSM8K scorer reads, to stop, and (with a share above 0) a weak start on the skill. What it gains
+after the pipeline's `train` task comes from GRPO's reward (the base model's figures are in every evaluation)."""
 
 
 def _corpus(root: Path):
@@ -124,8 +126,8 @@ def build(
             seed=seed,
             warmup=WARMUP_CARD.format(
                 steps=format_warmup_steps,
+                share=WARMUP_RIGHT_SHARE if right_share is None else right_share,
                 answers=f"{min(synthetic.ANSWERS)}..{max(synthetic.ANSWERS)}",
-                n=len(synthetic.ANSWERS),
             )
             if format_warmup_steps
             else "none: random weights (built with `--format-warmup-steps 0`).",
