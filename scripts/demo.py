@@ -185,8 +185,8 @@ def main() -> int:
     home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     env = prepare(home, airflow_home)
-    # local_arithmetic: the tiny model learns the synthetic arithmetic dataset (its reward rises and it beats the base
-    # model on the held-out split); the other datasets are prepared to show their preprocessors
+    # local_arithmetic: the tiny model learns the synthetic task (its reward rises; on the held-out split it beats the
+    # base model and the best constant answer); the other datasets are prepared to show their preprocessors
     conf = {"experiment": "local_arithmetic", "backend": "local", "prepare_datasets": ["gsm8k", "dapo_math"]}
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     airflow = str(Path(sys.executable).with_name("airflow"))
