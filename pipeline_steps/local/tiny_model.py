@@ -28,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-FORMAT_WARMUP_STEPS = 100
+FORMAT_WARMUP_STEPS = 500  # the copy skill appears after about 400 steps at lr 1e-2 (measured: greedy 58% at 400)
 WARMUP_RIGHT_SHARE = 0.5  # a weak start on the skill: GRPO needs rollouts that are sometimes right
 CARD = """---
 license: mit
@@ -138,7 +138,7 @@ def build(
 
 
 def format_warmup(
-    model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3, right_share: float = 0.0
+    model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 1e-2, right_share: float = 0.0
 ) -> None:
     """Supervised steps on (synthetic question -> ``#### R``, R random): the answer format, not the answers.
 
