@@ -28,7 +28,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-FORMAT_WARMUP_STEPS = 500  # the copy skill appears after about 400 steps at lr 1e-2 (measured: greedy 58% at 400)
+FORMAT_WARMUP_STEPS = 400  # in chunks of WARMUP_CHUNK; the copy skill appeared between 350 and 400 (greedy 28% -> 58%)
+WARMUP_CHUNK = 50
 WARMUP_RIGHT_SHARE = 0.5  # a weak start on the skill: GRPO needs rollouts that are sometimes right
 CARD = """---
 license: mit
@@ -108,13 +109,10 @@ def build(
         model = Qwen2ForCausalLM(config)
         model.generation_config.eos_token_id = fast.eos_token_id
         model.generation_config.pad_token_id = fast.pad_token_id
-        if format_warmup_steps:
+        share = WARMUP_RIGHT_SHARE if right_share is None else right_share
+        for c in range(0, format_warmup_steps, WARMUP_CHUNK):  # a fresh optimizer every chunk (warm restarts)
             format_warmup(
-                model,
-                fast,
-                format_warmup_steps,
-                seed,
-                right_share=WARMUP_RIGHT_SHARE if right_share is None else right_share,
+                model, fast, min(WARMUP_CHUNK, format_warmup_steps - c), seed + c // WARMUP_CHUNK, right_share=share
             )
         model.save_pretrained(tmp)
         fast.save_pretrained(tmp)
