@@ -5,9 +5,10 @@ No machine here can download weights, so the local profile stages, trains, evalu
 The warm-up (``format_warmup_steps``) trains on the synthetic ``arithmetic`` dataset's train questions (with
 GSM8K's instruction) whose targets are ``#### R``: R is the right answer with probability ``WARMUP_RIGHT_SHARE``
 and otherwise drawn at random from the answers' range, independently of the question. The model learns to answer
-``#### <a number>`` and stop, and a weak start on the skill, so that GRPO's rollouts are sometimes right and the
-reward has something to work with (from a model at chance, 1 in 10, a hundred CPU steps of GRPO did not learn to
-copy the digit). What it gains over this base after GRPO, the reward taught it; every evaluation reports the base.
+``#### <a number>`` and stop, and is meant to get a weak start on the skill, so that GRPO's rollouts are sometimes
+right and the reward has something to work with (from a model at chance, 1 in 10, a hundred CPU steps of GRPO barely
+move the reward). As of 2026-11-25 the built model is still at chance on the held-out questions: the start is not
+there yet. What it gains over this base after GRPO, the reward taught it; every evaluation reports the base.
 The model card (``README.md``) says so. Deterministic: the same corpus and seed give the same files.
 """
 
