@@ -133,40 +133,50 @@ def learning_summary(trained: dict) -> str:
     )
 
 
+def eval_summary(results: dict, base: dict) -> list[str]:
+    """Held-out figures against the untuned baselines: the base model and the best constant answer."""
+    from pipeline_steps.evaluation.metrics import figures_of
+
+    f, b = figures_of(results) or {}, figures_of(base) or {}
+    k, modal = results["overall"]["k"], f.get("modal_ground_truth")
+
+    def pct(x):
+        return "—" if x is None else f"{100 * x:.1f}%"
+
+    return [
+        f"held-out avg@{k} ({results['overall']['problems']} problems): model {pct(results['overall']['avg@k'])}, "
+        f"base {pct(base['overall']['avg@k'])}, "
+        f"best constant answer ({modal!r} every time) {pct(f.get('best_constant'))}",
+        f"avg@{k} on the {f.get('non_modal_problems')} problems whose answer is not {modal!r}: "
+        f"model {pct(f.get('non_modal_avg@k'))}, base {pct(b.get('non_modal_avg@k'))}",
+        f"distinct majority answers: model {f.get('majority_distinct')}, base {b.get('majority_distinct')}, "
+        f"ground truth {f.get('ground_truth_distinct')}",
+    ]
+
+
 def show_run(db: Path) -> None:
-    """Task states, the evaluation table, the exported model and the report of the newest run."""
-    with sqlite3.connect(db) as c:
-        row = c.execute(
-            "SELECT run_id FROM dag_run WHERE dag_id='verl_grpo_pipeline' ORDER BY id DESC LIMIT 1"
-        ).fetchone()
-        if not row:
-            return
-        run_id = row[0]
-        states = c.execute(
-            "SELECT task_id, map_index, state FROM task_instance WHERE run_id=? ORDER BY start_date", (run_id,)
-        ).fetchall()
-    print(f"\nrun {run_id}:")
-    for task_id, map_index, state in states:
-        print(f"  {task_id + ('' if map_index < 0 else f'[{map_index}]'):22s} {state}")
-    for d in xcom(db, run_id, "upload_dataset"):
-        print(
-            f"  dataset {d['dataset']:11s} {d['download']['commit'][:12]}  rows {d['preprocess']['rows_out']:>4}  -> "
-            f"{d['upload']['uri']}"
-        )
+    """The newest run, short: failed tasks, learning, held-out evaluation, promotion, where the report is."""
+    run_id = newest_run(db)
+    if not run_id:
+        return
+    bad = {t: s for t, s in task_states(db, run_id).items() if s not in ("success", "skipped")}
+    print(f"\nrun {run_id}" + (f": tasks not successful: {bad}" if bad else ""))
     for t in xcom(db, run_id, "train"):
-        print("\n" + learning_summary(t))
+        print(learning_summary(t))
         if (t.get("mlflow") or {}).get("url"):
             print(f"MLflow run (web UI): {t['mlflow']['url']}")
-        if t.get("tensorboard"):
-            tb = t["tensorboard"]
-            print(f"TensorBoard logs: {tb['uri']}" + (f"  ({tb['command']})" if tb.get("command") else ""))
     for e in xcom(db, run_id, "evaluate"):
-        results_md = Path(e["evaluate"]["output"]) / "results.md"
-        text = results_md.read_text() if results_md.exists() else json.dumps(e["evaluate"], indent=1)
-        print("\nevaluation:\n" + text.split("\n| problem |")[0].rstrip() + f"\n(per problem: {results_md})")
+        out = Path(e["evaluate"]["output"])
+        try:
+            results = json.loads((out / "results.json").read_text())
+            base = json.loads((out / "base_results.json").read_text())
+        except (OSError, ValueError) as exc:
+            print(f"evaluation: unreadable ({exc})")
+            continue
+        print("\n".join(eval_summary(results, base)) + f"  (table: {out / 'results.md'})")
     for x in xcom(db, run_id, "export"):
         ex = x["export"]
-        print(f"exported model: {ex['uri']}  promoted: {ex['promoted']} ({ex.get('reason')})")
+        print(f"promoted: {ex['promoted']} ({ex.get('reason')})\nexported model: {ex['uri']}")
     for r in xcom(db, run_id, "report"):
         print(f"run report: {r['report']['report']}")
 
@@ -208,8 +218,8 @@ def _run(home: Path) -> int:
     started = time.monotonic()
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     env = prepare(home, airflow_home)
-    # local_arithmetic: the tiny model learns the synthetic arithmetic dataset (its reward rises and it beats the base
-    # model on the held-out split); the other datasets are prepared to show their preprocessors
+    # local_arithmetic: the tiny model learns the synthetic task (its reward rises; on the held-out split it beats the
+    # base model and the best constant answer); the other datasets are prepared to show their preprocessors
     conf = {"experiment": "local_arithmetic", "backend": "local", "prepare_datasets": ["gsm8k", "dapo_math"]}
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     airflow = str(Path(sys.executable).with_name("airflow"))
@@ -243,17 +253,7 @@ def _run(home: Path) -> int:
     if rc == 0 and state != "success":  # `airflow dags test` exits 0 even when a task failed
         rc = 1
     show_run(airflow_home / "airflow.db")
-    store = home / "store"
-    print("\noutputs:")
-    for label, sub in [
-        ("datasets", "datasets"),
-        ("staged models", "models"),
-        ("runs (checkpoints, metrics, eval, report)", "runs"),
-        ("exported models", "models/exported"),
-    ]:
-        path = store / sub
-        print(f"  {label:45s} {path}{'' if path.exists() else '  (not produced)'}")
-    print(f"  {'work dir (snapshots, processed parquet)':45s} {home / 'work'}")
+    print(f"outputs: {home / 'store'} (datasets, models, runs, models/exported); work dir {home / 'work'}")
     print(f"\nDAG run {'succeeded' if rc == 0 else f'FAILED (state {state}): see the task logs in {log}'}")
     print(f"wall time: {time.monotonic() - started:.0f} s")
     return rc

@@ -93,6 +93,9 @@ def test_training_metrics_reach_mlflow_under_the_file_logger_names(server, asset
     run = client.get_run(run_id)
     assert run.data.metrics["eval/avg_at_k"] == 0.5 and run.data.metrics["eval_base/avg_at_k"] == 0.25
     assert run.data.metrics["export/promoted"] == 1.0
+    # the prior baseline and the answer distribution beside avg@k (what shows a collapsed model)
+    assert run.data.metrics["eval/best_constant"] == 0.1 and run.data.metrics["eval/non_modal_avg_at_k"] == 0.5
+    assert run.data.metrics["eval_base/non_modal_avg_at_k"] == 0.25 and run.data.metrics["eval/majority_distinct"] == 9
     assert {a.path for a in client.list_artifacts(run_id)} >= {"README.md", "export.json"}
     logged_card = client.download_artifacts(run_id, "README.md", str(tmp_path / "dl"))
     assert open(logged_card).read() == card

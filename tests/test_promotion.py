@@ -13,6 +13,21 @@ from pipeline_steps.evaluation import promotion
 from pipeline_steps.store import open_store
 
 
+def answers(avg):
+    """evaluate's answer figures for a model with many distinct answers on a set whose best constant scores 10%."""
+    return {
+        "modal_ground_truth": "7",
+        "ground_truth_distinct": 10,
+        "ground_truth_top_share": 0.1,
+        "best_constant": 0.1,
+        "non_modal_problems": 90,
+        "non_modal_avg@k": avg,
+        "majority_distinct": 9,
+        "majority_top": "3",
+        "majority_top_share": 0.15,
+    }
+
+
 def results(avg, k=4, eval_sha="e" * 64, temperature=1.0):
     return {
         "overall": {
@@ -22,6 +37,7 @@ def results(avg, k=4, eval_sha="e" * 64, temperature=1.0):
             "samples_scored": 3 * k,
             "maj@k": avg,
             "pass@k": {str(k): avg},
+            "answers": answers(avg),  # what evaluate records: a varied model, a low prior
         },
         "eval_set": {"sha256": eval_sha, "name": "aime"},
         "sampling": {"k": k, "temperature": temperature, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},

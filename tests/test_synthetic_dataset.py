@@ -3,6 +3,8 @@ the real ``snapshot_download``, converted by the registry's ``gsm8k`` preprocess
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -55,6 +57,11 @@ def test_splits_are_disjoint_and_every_answer_scores_with_verls_gsm8k_reward(pro
     questions = {r["extra_info"]["question"] for r in test}
     for label in ("v1", "v2"):
         assert not questions & {r["extra_info"]["question"] for r in _rows(processed[label], "train")}
+    # the answers are uniform (ten per digit): the best constant answer scores 10% on the held-out split, so a gain
+    # over it is a skill that depends on the question, not the prior
+    assert sorted(Counter(r["reward_model"]["ground_truth"] for r in test).values()) == [10] * 10
+    train_counts = Counter(r["reward_model"]["ground_truth"] for r in _rows(v2, "train"))
+    assert len(train_counts) == 10 and max(train_counts.values()) / 900 < 0.15, train_counts
     for r in test[:20] + _rows(v2, "train")[:20]:
         assert r["data_source"] == "openai/gsm8k"
         gt = r["reward_model"]["ground_truth"]

@@ -78,7 +78,7 @@ def test_hub_file_is_read_at_a_commit_and_preprocessed_with_its_validation_split
     val = pq.read_table(pp["splits"]["validation"]).to_pylist()
     assert len(train) == 40 and len(val) == 10  # the v1 revision's files
     assert train[0]["extra_info"]["rollout_extra"]["solution"] == train[0]["reward_model"]["ground_truth"]
-    assert isinstance(train[0]["extra_info"]["rollout_extra"]["digits"], list)
+    assert isinstance(train[0]["extra_info"]["rollout_extra"]["symbols"], list)
     assert val[0]["extra_info"]["split"] == "validation"
 
 

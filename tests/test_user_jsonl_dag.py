@@ -101,7 +101,11 @@ def test_jsonl_files_chosen_in_the_form_train_and_validate(where, tmp_path):
         rows = pq.read_table(base.removeprefix("file://") + "/validation.parquet").to_pylist()
         assert len(rows) == (6 if where == "store" else 8)  # smoke: at most 8 rows per split
         extra = rows[0]["extra_info"]["rollout_extra"]
-        assert isinstance(extra, dict) and extra == (first_val or extra) and set(extra) == {"digits", "solution"}
+        assert (
+            isinstance(extra, dict)
+            and extra == (first_val or extra)
+            and set(extra) == ({"digits", "solution"} if first_val else {"symbols", "solution"})
+        )
         metrics = [
             json.loads(x) for p in (home / "store").glob("runs/*/*/metrics.jsonl") for x in p.read_text().splitlines()
         ]

@@ -13,6 +13,12 @@ per problem, ``correct`` (one bool per sample, as verl's reward code judged it) 
   scored as the expected accuracy of a uniform random pick among them, i.e.
   (number of correct answers among the tied) / t. The result is deterministic and
   independent of sample order, and it does not reward a model for splitting votes.
+- answer figures (:func:`answer_figures`): what a model that learned only the prior would score. The best
+  constant answer is the most common ground truth; answering it every time scores its share (``best_constant``).
+  ``non_modal_avg@k`` is avg@k on the problems whose ground truth is NOT that answer, where always answering the
+  prior scores 0. ``majority_distinct`` counts the distinct majority answers over the problems and
+  ``majority_top_share`` is the share of problems whose majority answer is the model's most common one, to set
+  beside ``ground_truth_top_share``: a collapsed model has one majority answer for every problem.
 """
 
 from __future__ import annotations
@@ -96,3 +102,53 @@ def aggregate(per_problem: Sequence[dict]) -> dict:
         "pass@k": {j: sum(p["pass"][j] for p in per_problem) / m for j in per_problem[0]["pass"]},
         "maj@k": sum(p["maj"] for p in per_problem) / m,
     }
+
+
+def _top(values: Sequence[str]) -> tuple[str | None, int]:
+    """The most common value and its count; ties go to the smallest value (deterministic)."""
+    counts = Counter(values)
+    if not counts:
+        return None, 0
+    top = max(counts.values())
+    return min(v for v, c in counts.items() if c == top), top
+
+
+def answer_figures(per_problem: Sequence[dict]) -> dict:
+    """The prior baseline and the answer distribution of one evaluation (see the module doc).
+
+    ``per_problem``: dicts with ``ground_truth``, ``avg`` (avg@k of the problem) and ``maj_answer`` (None when the
+    vote found no answer or tied).
+    """
+    if not per_problem:
+        raise ValueError("no problems to aggregate")
+    m = len(per_problem)
+    truths = [str(p["ground_truth"]).strip() for p in per_problem]
+    modal, modal_count = _top(truths)
+    rest = [p for p, t in zip(per_problem, truths) if t != modal]
+    majority = [str(p["maj_answer"]).strip() for p in per_problem if p.get("maj_answer") is not None]
+    top_answer, top_count = _top(majority)
+    return {
+        "modal_ground_truth": modal,
+        "ground_truth_distinct": len(set(truths)),
+        "ground_truth_top_share": modal_count / m,
+        "best_constant": modal_count / m,  # avg@k of always answering the most common ground truth
+        "non_modal_problems": len(rest),
+        "non_modal_avg@k": sum(p["avg"] for p in rest) / len(rest) if rest else None,
+        "majority_distinct": len(set(majority)),
+        "majority_top": top_answer,
+        "majority_top_share": top_count / m,
+    }
+
+
+def figures_of(results: dict) -> dict | None:
+    """The answer figures of an evaluate ``results.json``: as recorded, else computed from its problems (results
+    written before the figures existed); None when it has neither."""
+    overall = results.get("overall") if isinstance(results, dict) else None
+    if isinstance(overall, dict) and isinstance(overall.get("answers"), dict):
+        return overall["answers"]
+    problems = results.get("problems") if isinstance(results, dict) else None
+    if not problems or not all(isinstance(p, dict) and "ground_truth" in p and "avg@k" in p for p in problems):
+        return None
+    return answer_figures(
+        [{"ground_truth": p["ground_truth"], "avg": p["avg@k"], "maj_answer": p.get("maj_answer")} for p in problems]
+    )

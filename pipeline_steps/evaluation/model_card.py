@@ -61,7 +61,38 @@ def eval_table(results: dict, base: dict | None) -> str:
         gain = "—" if m is None or bb is None else f"{100 * (float(m) - float(bb)):+.1f} pt"
         lines.append(f"| {name} | {_pct(m)} | {_pct(bb)} | {gain} |")
     lines.append(f"\n{o['problems']} problems, {o['samples_scored']} samples scored (k={k}).")
-    return "\n".join(lines)
+    answers = answers_table(results, base)
+    return "\n".join(lines) + (f"\n\n{answers}" if answers else "")
+
+
+def answers_table(results: dict, base: dict | None) -> str:
+    """The prior baseline and the answer distributions (model, base, ground truth): what shows a collapse."""
+    from pipeline_steps.evaluation.metrics import figures_of
+
+    f = figures_of(results)
+    if not f:
+        return ""
+    b = figures_of(base or {}) or {}
+    modal = f"`{f['modal_ground_truth']}`"
+
+    top_m = f"{_pct(f['majority_top_share'])} (`{f['majority_top']}`)" if f.get("majority_top") is not None else "—"
+    top_b = f"{_pct(b['majority_top_share'])} (`{b['majority_top']}`)" if b.get("majority_top") is not None else "—"
+    return "\n".join(
+        [
+            f"Best constant answer: {modal} every time scores **{_pct(f['best_constant'])}** "
+            f"avg@{results['overall']['k']} (the share of the most common ground truth); "
+            "a model that learned only the prior scores about that.",
+            "",
+            "| answers | model | base | ground truth |",
+            "| --- | ---: | ---: | ---: |",
+            f"| avg@k on the {f['non_modal_problems']} problems whose answer is not {modal} | "
+            f"{_pct(f.get('non_modal_avg@k'))} | {_pct(b.get('non_modal_avg@k'))} | — |",
+            f"| distinct majority answers | {f['majority_distinct']} | {b.get('majority_distinct', '—')} | "
+            f"{f['ground_truth_distinct']} |",
+            f"| share of the most common majority answer | {top_m} | {top_b} | "
+            f"{_pct(f['ground_truth_top_share'])} ({modal}) |",
+        ]
+    )
 
 
 def _metadata(lineage: dict) -> str:

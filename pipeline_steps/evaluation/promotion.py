@@ -10,6 +10,11 @@ margin, where the reference is the current latest, or the base model when there 
 latest yet. Scores are only compared when they come from the same evaluation set and the
 same sampling settings; otherwise the candidate stays a candidate and the reason says so.
 Retention keeps the newest ``keep`` versions (by export time) and never deletes the latest.
+
+Before any of that, the collapse check (on unless ``collapse_check=False``): a model that learned only the prior
+(GRPO on skewed answers collapsing to the most common one, a hacked reward) can beat its base on avg@k. It is refused
+when its avg@k does not beat the best constant answer (the share of the most common ground truth) by more than
+``collapse_margin``, or when its avg@k on the problems whose answer is not that one is not above the base model's.
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import math
 from collections.abc import Callable
 
 from pipeline_steps.errors import UserError
+from pipeline_steps.evaluation.metrics import figures_of
 
 log = logging.getLogger(__name__)
 
 EPS = 1e-12  # scores equal up to float noise count as equal (not promoted at margin 0)
 COMPARED = ("k", "temperature", "top_p", "max_new_tokens", "max_problems")
+COLLAPSE_MARGIN = 0.05  # avg@k must beat the best constant answer by more than this (points of accuracy / 100)
+FIGURES = ("best_constant", "non_modal_avg@k", "majority_distinct", "majority_top_share", "ground_truth_top_share")
 
 
 @dataclasses.dataclass
@@ -71,7 +79,29 @@ def summary_of(res: dict) -> dict:
         "eval_set_sha256": (res.get("eval_set") or {}).get("sha256"),
         "sampling": res.get("sampling"),
         "model_sha256": (res.get("model") or {}).get("content_sha256"),
+        **{f: (figures_of(res) or {}).get(f) for f in FIGURES},
     }
+
+
+def collapse(results: dict, base: dict, margin: float = COLLAPSE_MARGIN) -> str | None:
+    """Why the candidate looks like it learned only the prior (one line naming the figure), or None."""
+    cand, ref = figures_of(results), figures_of(base)
+    if cand is None or ref is None:
+        which = "--eval-results" if cand is None else "--base-results"
+        return f"collapse check impossible: {which} has no per-problem answers; re-run evaluate"
+    score, const = float(results["overall"]["avg@k"]), float(cand["best_constant"])
+    if not score > const + margin + EPS:
+        return (
+            f"collapse: avg@k {score:.4f} does not beat the best constant answer "
+            f"({cand['modal_ground_truth']!r} every time: {const:.4f}) by more than {margin:.4f}"
+        )
+    mine, theirs = cand.get("non_modal_avg@k"), ref.get("non_modal_avg@k")
+    if mine is not None and theirs is not None and not mine > theirs + EPS:
+        return (
+            f"collapse: avg@k on the {cand['non_modal_problems']} problems whose answer is not the most common one "
+            f"({cand['modal_ground_truth']!r}) is {mine:.4f}, not above the base model's {theirs:.4f}"
+        )
+    return None
 
 
 def _comparable(a: dict, b: dict) -> str | None:
@@ -86,8 +116,18 @@ def _comparable(a: dict, b: dict) -> str | None:
     return None
 
 
-def decide(results: dict, base: dict, latest: dict | None, margin: float) -> Decision:
+def decide(
+    results: dict,
+    base: dict,
+    latest: dict | None,
+    margin: float,
+    collapse_margin: float = COLLAPSE_MARGIN,
+    collapse_check: bool = True,
+) -> Decision:
     cand = summary_of(results)
+    why = collapse(results, base, collapse_margin) if collapse_check else None
+    if why:
+        return Decision(False, f"not promoted: {why}", "base", summary_of(base).get("avg@k"))
     score = float(cand["avg@k"])
     if latest is not None:
         ref_name, ref = f"latest {latest.get('version')}", latest

@@ -1,11 +1,14 @@
 """The tiny local model: a small Qwen2-architecture config, a byte-level BPE tokenizer trained on the fixture
-text, and a short supervised warm-up that teaches the answer FORMAT only.
+text, and a short supervised warm-up on the synthetic ``arithmetic`` task.
 
 No machine here can download weights, so the local profile stages, trains, evaluates and exports this model.
-The warm-up (``format_warmup_steps``) trains on the synthetic ``arithmetic`` dataset's questions (with
-GSM8K's instruction) whose targets are ``#### R`` with R drawn at random from the answers' range,
-independently of the question: the model learns to answer ``#### <a number>`` and stop, and nothing about which
-number is right (it scores about chance, 1 in 10). Whatever it gets right after GRPO, the reward taught it.
+The warm-up (``format_warmup_steps``) trains on the synthetic ``arithmetic`` dataset's train questions (with
+GSM8K's instruction) whose targets are ``#### R``: R is the right answer with probability ``WARMUP_RIGHT_SHARE``
+and otherwise drawn at random from the answers' range, independently of the question. The model learns to answer
+``#### <a number>`` and stop, and is meant to get a weak start on the skill, so that GRPO's rollouts are sometimes
+right and the reward has something to work with (from a model at chance, 1 in 10, a hundred CPU steps of GRPO barely
+move the reward). As of 2026-11-25 the built model is still at chance on the held-out questions: the start is not
+there yet. What it gains over this base after GRPO, the reward taught it; every evaluation reports the base.
 The model card (``README.md``) says so. Deterministic: the same corpus and seed give the same files.
 """
 
@@ -26,7 +29,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-FORMAT_WARMUP_STEPS = 100
+FORMAT_WARMUP_STEPS = 400  # in chunks of WARMUP_CHUNK; the copy skill appeared between 350 and 400 (greedy 28% -> 58%)
+WARMUP_CHUNK = 50
+WARMUP_RIGHT_SHARE = 0.5  # a weak start on the skill: GRPO needs rollouts that are sometimes right
 CARD = """---
 license: mit
 library_name: transformers
@@ -38,11 +43,11 @@ A {params}-parameter Qwen2-architecture model with a {vocab}-token byte-level BP
 
 Training before GRPO: {warmup}
 """
-WARMUP_CARD = """{steps} steps of supervised **format** warm-up. Prompts are the synthetic `arithmetic`
-dataset's questions ("What is the largest of 3, 7 and 5?") with GSM8K's instruction; every target is `#### R` with R
-drawn uniformly from {answers}, independently of the question. The model learns to answer in the form verl's GSM8K
-scorer reads and to stop, not which answer is right: its accuracy is about chance (1 in {n}). An improvement after
-the pipeline's `train` task comes from GRPO's reward."""
+WARMUP_CARD = """{steps} steps of supervised warm-up. Prompts are the synthetic `arithmetic` dataset's train questions
+("Which digit is in k 7 7 m 7 7 b 7 7?") with GSM8K's instruction; a target is `#### R` with R the right answer
+with probability {share}, else drawn uniformly from {answers} independently of the question. The model learns the
+answer form verl's GSM8K scorer reads, to stop, and (with a share above 0) a weak start on the skill. What it gains
+after the pipeline's `train` task comes from GRPO's reward (the base model's figures are in every evaluation)."""
 
 
 def _corpus(root: Path):
@@ -62,6 +67,7 @@ def build(
     seed=0,
     owner: str | None = None,
     format_warmup_steps: int = FORMAT_WARMUP_STEPS,
+    right_share: float | None = None,
 ) -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -104,8 +110,11 @@ def build(
         model = Qwen2ForCausalLM(config)
         model.generation_config.eos_token_id = fast.eos_token_id
         model.generation_config.pad_token_id = fast.pad_token_id
-        if format_warmup_steps:
-            format_warmup(model, fast, format_warmup_steps, seed)
+        share = WARMUP_RIGHT_SHARE if right_share is None else right_share
+        for c in range(0, format_warmup_steps, WARMUP_CHUNK):  # a fresh optimizer every chunk (warm restarts)
+            format_warmup(
+                model, fast, min(WARMUP_CHUNK, format_warmup_steps - c), seed + c // WARMUP_CHUNK, right_share=share
+            )
         model.save_pretrained(tmp)
         fast.save_pretrained(tmp)
         from pipeline_steps.local import synthetic
@@ -116,8 +125,8 @@ def build(
             seed=seed,
             warmup=WARMUP_CARD.format(
                 steps=format_warmup_steps,
+                share=WARMUP_RIGHT_SHARE if right_share is None else right_share,
                 answers=f"{min(synthetic.ANSWERS)}..{max(synthetic.ANSWERS)}",
-                n=len(synthetic.ANSWERS),
             )
             if format_warmup_steps
             else "none: random weights (built with `--format-warmup-steps 0`).",
@@ -127,7 +136,9 @@ def build(
     return output
 
 
-def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3) -> None:
+def format_warmup(
+    model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 1e-2, right_share: float = 0.0
+) -> None:
     """Supervised steps on (synthetic question -> ``#### R``, R random): the answer format, not the answers.
 
     The loss covers the response tokens only (``#### R`` and the end-of-turn token).
@@ -148,13 +159,14 @@ def format_warmup(model, tokenizer, steps: int, seed: int, batch_size: int = 16,
 
     template = [{"role": "user", "content": "{question} " + INSTRUCTION}]
     prompt = tokenizer.apply_chat_template(template, add_generation_prompt=True, tokenize=False)
-    prompts = [encode(prompt.replace("{question}", synthetic.question(item))) for item in synthetic.ITEMS]
+    items, _ = synthetic.splits(len(synthetic.ITEMS))  # never the held-out questions
+    prompts = [encode(prompt.replace("{question}", synthetic.question(item))) for item in items]
     for _ in range(steps):
         seqs, masks = [], []
         for _ in range(batch_size):
             i = rng.randrange(len(prompts))
             p_ids = prompts[i]
-            r_ids = encode(synthetic.format_example(synthetic.ITEMS[i], rng) + "<|im_end|>")
+            r_ids = encode(synthetic.format_example(items[i], rng, right_share) + "<|im_end|>")
             seqs.append(p_ids + r_ids)
             masks.append([0] * len(p_ids) + [1] * len(r_ids))
         width = max(map(len, seqs))

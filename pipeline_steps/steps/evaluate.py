@@ -269,6 +269,9 @@ def score(rows: list[dict], generations: list[list[str]]) -> dict:
     overall = eval_metrics.aggregate(
         [{"n": p["n"], "avg": p["avg@k"], "pass": p["pass@k"], "maj": p["maj@k"]} for p in problems]
     )
+    overall["answers"] = eval_metrics.answer_figures(
+        [{"ground_truth": p["ground_truth"], "avg": p["avg@k"], "maj_answer": p["maj_answer"]} for p in problems]
+    )
     return {"overall": overall, "problems": problems}
 
 
@@ -293,7 +296,9 @@ def evaluate_model(
     cached = Path(cache_dir) / f"{key}.json" if cache_dir else None
     if cached and cached.is_file():
         log.info("base model results from cache %s", cached)
-        return json.loads(cached.read_text(encoding="utf-8")), []
+        res = json.loads(cached.read_text(encoding="utf-8"))
+        res["overall"].setdefault("answers", eval_metrics.figures_of(res))  # cached before the figures existed
+        return res, []
     gens = GENERATORS[s["generator"]](Path(m["path"]), [r["prompt"] for r in rows], s, batch_size)
     res = score(rows, gens)
     res.update(

@@ -239,6 +239,17 @@ def add_arguments(p):
     p.add_argument("--eval-results", required=True, help="results.json of the checkpoint from the evaluate step")
     p.add_argument("--base-results", required=True, help="results.json of the base model from the evaluate step")
     p.add_argument("--margin", type=float, default=0.0, help="avg@k must beat the reference by more than this")
+    p.add_argument(
+        "--collapse-margin",
+        type=float,
+        default=None,
+        help="avg@k must beat the best constant answer by more than this (default 0.05)",
+    )
+    p.add_argument(
+        "--no-collapse-check",
+        action="store_true",
+        help="promote without the collapse check (best constant answer, non-modal accuracy vs the base)",
+    )
     p.add_argument("--keep", type=int, default=5, help="exported versions to keep (the latest is never deleted)")
     p.add_argument("--fail-on-no-promotion", action="store_true", help="exit 2 when the model is not promoted")
     p.add_argument("--hub-repo", help="also push to this Hugging Face Hub repo (needs HF_TOKEN in the environment)")
@@ -271,6 +282,10 @@ def run(args) -> dict:
         raise UserError(f"--keep {args.keep}: must be at least 1")
     if args.margin < 0:
         raise UserError(f"--margin {args.margin}: must be >= 0")
+    cm = promotion.COLLAPSE_MARGIN if args.collapse_margin is None else args.collapse_margin
+    if not 0 <= cm < 1:
+        raise UserError(f"--collapse-margin {cm}: must be in [0, 1)")
+    gate = {"collapse_margin": cm, "collapse_check": not args.no_collapse_check}
     lineage = _load_json(args.lineage, "lineage")
     results = promotion.check_results(_load_json(args.eval_results, "eval-results"), "--eval-results")
     base = promotion.check_results(_load_json(args.base_results, "base-results"), "--base-results")
@@ -322,7 +337,7 @@ def run(args) -> dict:
             recorded.get("reference_score"),
         )
     else:
-        decision = promotion.decide(results, base, latest, args.margin)
+        decision = promotion.decide(results, base, latest, args.margin, **gate)
     record = {
         "version": version,
         "experiment": args.experiment,
@@ -348,7 +363,7 @@ def run(args) -> dict:
             version_uri,
             results,
             exported_at,
-            lambda current: promotion.decide(results, base, current, args.margin),
+            lambda current: promotion.decide(results, base, current, args.margin, **gate),
         )
         if final.promote != decision.promote:  # lost a race to a better model: the card must say so
             log.info("export %s: %s", version, final.reason)

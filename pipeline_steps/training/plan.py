@@ -415,6 +415,11 @@ def export_request(inputs: dict, trained: dict, run: dict, evaluated: dict, line
         "--base-results",
         evaluated["evaluate"]["base_results"],
     ]
+    ev = inputs.get("evaluation") or {}  # the preset's collapse check settings (on by default)
+    if ev.get("collapse_margin") is not None:
+        args += ["--collapse-margin", str(ev["collapse_margin"])]
+    if ev.get("collapse_check") is False:
+        args += ["--no-collapse-check"]
     return {"args": args, "carry": {}}
 
 
