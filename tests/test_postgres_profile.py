@@ -254,7 +254,7 @@ def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_an
         assert json.loads(store.read_bytes(f"{exp_uri}/latest.json")) == latest
 
 
-@pytest.mark.budget(400)
+@pytest.mark.budget(600)  # 111 s on an idle machine, 519 s at a load average of 10
 def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_pg):
     from pipeline_steps.local import ray_cluster
 

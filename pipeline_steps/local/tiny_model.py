@@ -5,10 +5,9 @@ No machine here can download weights, so the local profile stages, trains, evalu
 The warm-up (``format_warmup_steps``) trains on the synthetic ``arithmetic`` dataset's train questions (with
 GSM8K's instruction) whose targets are ``#### R``: R is the right answer with probability ``WARMUP_RIGHT_SHARE``
 and otherwise drawn at random from the answers' range, independently of the question. The model learns to answer
-``#### <a number>`` and stop, and is meant to get a weak start on the skill, so that GRPO's rollouts are sometimes
-right and the reward has something to work with (from a model at chance, 1 in 10, a hundred CPU steps of GRPO barely
-move the reward). As of 2026-11-25 the built model is still at chance on the held-out questions: the start is not
-there yet. What it gains over this base after GRPO, the reward taught it; every evaluation reports the base.
+``#### <a number>`` and stop, and a weak start on the skill, so that GRPO's rollouts are sometimes right and the
+reward has something to work with (from a model at chance, 1 in 10, a hundred CPU steps of GRPO did not learn to
+copy the digit). What it gains over this base after GRPO, the reward taught it; every evaluation reports the base.
 The model card (``README.md``) says so. Deterministic: the same corpus and seed give the same files.
 """
 
@@ -29,8 +28,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-FORMAT_WARMUP_STEPS = 400  # in chunks of WARMUP_CHUNK; the copy skill appeared between 350 and 400 (greedy 28% -> 58%)
-WARMUP_CHUNK = 50
+FORMAT_WARMUP_STEPS = 100
 WARMUP_RIGHT_SHARE = 0.5  # a weak start on the skill: GRPO needs rollouts that are sometimes right
 CARD = """---
 license: mit
@@ -110,10 +108,13 @@ def build(
         model = Qwen2ForCausalLM(config)
         model.generation_config.eos_token_id = fast.eos_token_id
         model.generation_config.pad_token_id = fast.pad_token_id
-        share = WARMUP_RIGHT_SHARE if right_share is None else right_share
-        for c in range(0, format_warmup_steps, WARMUP_CHUNK):  # a fresh optimizer every chunk (warm restarts)
+        if format_warmup_steps:
             format_warmup(
-                model, fast, min(WARMUP_CHUNK, format_warmup_steps - c), seed + c // WARMUP_CHUNK, right_share=share
+                model,
+                fast,
+                format_warmup_steps,
+                seed,
+                right_share=WARMUP_RIGHT_SHARE if right_share is None else right_share,
             )
         model.save_pretrained(tmp)
         fast.save_pretrained(tmp)
@@ -137,7 +138,7 @@ def build(
 
 
 def format_warmup(
-    model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 1e-2, right_share: float = 0.0
+    model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3, right_share: float = 0.0
 ) -> None:
     """Supervised steps on (synthetic question -> ``#### R``, R random): the answer format, not the answers.
 
