@@ -171,7 +171,7 @@ def _why(airflow_pg: dict, states: dict) -> str:
     return "\n".join(lines)
 
 
-@pytest.mark.budget(900)
+@pytest.mark.budget(1200)  # 997 s measured at a load average of 10 (four sessions on 2 cores)
 def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_and_promote_consistently(airflow_pg):
     url = airflow_pg["url"]
     pool = _api(url, "/pools/gpu")
@@ -254,7 +254,7 @@ def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_an
         assert json.loads(store.read_bytes(f"{exp_uri}/latest.json")) == latest
 
 
-@pytest.mark.budget(600)  # 111 s on an idle machine, 519 s at a load average of 10
+@pytest.mark.budget(900)  # 111 s on an idle machine, 519 s at a load average of 10, over 600 s at 20
 def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_pg):
     from pipeline_steps.local import ray_cluster
 
