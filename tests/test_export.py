@@ -13,6 +13,7 @@ from pipeline_steps import cli
 from pipeline_steps.errors import UserError
 from pipeline_steps.steps import export
 from tests import fsdp_checkpoint
+from tests.test_promotion import answers
 
 
 @pytest.fixture(scope="module")
@@ -87,21 +88,6 @@ def test_bad_checkpoint_dirs_give_one_clear_line(ckpt, tmp_path):
         export.resolve_checkpoint(cks, step=1)
     with pytest.raises(UserError, match="available: .*global_step_2"):
         export.resolve_checkpoint(cks, step=9)
-
-
-def answers(avg):
-    """evaluate's answer figures for a model with many distinct answers on a set whose best constant scores 10%."""
-    return {
-        "modal_ground_truth": "7",
-        "ground_truth_distinct": 10,
-        "ground_truth_top_share": 0.1,
-        "best_constant": 0.1,
-        "non_modal_problems": 90,
-        "non_modal_avg@k": avg,
-        "majority_distinct": 9,
-        "majority_top": "3",
-        "majority_top_share": 0.15,
-    }
 
 
 def _results(avg, eval_sha="e" * 64):
