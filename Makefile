@@ -40,11 +40,11 @@ lint: venv
 # time is waiting on Airflow, Ray or a child process, so 4 workers keep 2 cores busy). Rules: tests/conftest.py.
 TEST_WORKERS ?= 4
 test: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=10 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 
 # About three minutes: everything not marked slow (no real Airflow, Ray or training end to end).
 test-fast: lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow" --durations=5 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" --durations=5 tests
 
 bench: venv
 	$(BIN)/python -m benchmarks $(BENCH)

@@ -17,7 +17,7 @@ import os
 import sys
 import traceback
 
-from pipeline_steps.errors import UserError
+from pipeline_steps.errors import TransientError, UserError, disk_full
 
 # step name -> (module, one-line help)
 STEPS: dict[str, tuple[str, str]] = {
@@ -50,6 +50,17 @@ def _emit(summary: dict) -> None:
     sys.stdout.flush()
 
 
+def _disk_full_error(exc: OSError) -> TransientError:
+    return TransientError(f"disk full ({exc.strerror}) writing {exc.filename or 'a file'}; free space and retry")
+
+
+def _transient(step, exc: TransientError) -> int:
+    msg = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+    sys.stderr.write(f"error (transient, exit 1: retried): {msg}\n")
+    _emit({"ok": False, "step": step, "error": msg, "transient": True})
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
@@ -74,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         _emit({"ok": True, "step": step, **summary})
         return 0
     except UserError as exc:
+        if disk_full(exc):  # a full disk is never the input's fault, whatever the code that met it said
+            return _transient(step, _disk_full_error(disk_full(exc)))
         msg = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
         sys.stderr.write(f"error: {msg}\n")
         _emit({"ok": False, "step": step, "error": msg})
@@ -83,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _emit({"ok": False, "step": step, "error": "interrupted"})
         return 130
-    except Exception as exc:  # unexpected: one line to the user, traceback only in the log on request
+    except Exception as exc:  # transient (retried) or unexpected: one line, traceback only in the log on request
+        if disk_full(exc):
+            exc = _disk_full_error(disk_full(exc))
+        if isinstance(exc, TransientError):
+            return _transient(step, exc)
         msg = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
         if os.environ.get("PIPELINE_DEBUG"):
             traceback.print_exc()

@@ -3,7 +3,7 @@
 ``airflow standalone`` starts the same four (scheduler, DAG processor, triggerer, API server) but leaves a component
 dead once it exits, and Airflow 3's scheduler does exit on known races (a ``StaleDataError`` on ``dag_run`` when a
 backfill is created while it expands mapped tasks, apache/airflow#63926 and its kin): the UI then accepts runs that
-never start. Here a dead component is restarted after a short back-off; SIGTERM or SIGINT stops them all.
+never start. Here a dead component is restarted after a short back-off; SIGTERM, SIGINT or SIGHUP stops them all.
 
 Run as ``python -m scripts.airflow_components`` (``scripts/airflow_local.py: start`` does) with the environment
 already prepared (``AIRFLOW_HOME``, a migrated database, the executor); each component's lines go to stdout with its
@@ -30,6 +30,13 @@ def _pump(name: str, proc: subprocess.Popen, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
+def command(airflow: str, name: str) -> list[str]:
+    """A component's command line. The scheduler and the triggerer would each serve their task logs on every
+    interface (Airflow's log server binds all addresses, with no setting for the host); on one machine the API
+    server reads the same log files directly, so no log server is started."""
+    return [airflow, name, "--skip-serve-logs"] if name in ("scheduler", "triggerer") else [airflow, name]
+
+
 def main() -> int:
     airflow = str(Path(sys.executable).with_name("airflow"))
     lock = threading.Lock()
@@ -42,15 +49,15 @@ def main() -> int:
             print(f"{'supervisor':14}| {text}", flush=True)
 
     def launch(name: str) -> None:
-        proc = subprocess.Popen([airflow, name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command(airflow, name), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         threading.Thread(target=_pump, args=(name, proc, lock), daemon=True).start()
         procs[name] = proc
 
     def stop(signum, _frame) -> None:
         stopping.set()
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a container stop, Ctrl-C, a closed terminal
+        signal.signal(sig, stop)
     for name in COMPONENTS:
         launch(name)
     say(f"started {', '.join(COMPONENTS)}")

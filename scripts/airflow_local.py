@@ -4,7 +4,9 @@ The same embedded default as `make demo` (offline Hugging Face cache from the sh
 store, the tiny model, the `gpu` pool, a local Ray cluster on free ports), then Airflow's four components (what
 `airflow standalone` starts, but restarted when one exits: scripts/airflow_components.py) with the UI on a free port
 it prints. Local use only: every UI user is an admin without a login
-(``AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS``). Ctrl-C stops Airflow and the Ray cluster it started.
+(``AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS``), so the API server listens on the loopback address only
+(``AIRFLOW_HOST`` to change it: then configure a real auth manager first). Ctrl-C, SIGTERM or SIGHUP stops Airflow,
+the MLflow server and the Ray cluster it started.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ def airflow_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
     env.update(
         {
             "AIRFLOW__API__PORT": str(port),
+            # Airflow's default is every interface; with every user an admin, only this machine may connect
+            "AIRFLOW__API__HOST": os.environ.get("AIRFLOW_HOST") or "127.0.0.1",
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",  # local only: no login
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
@@ -47,14 +51,18 @@ def start(home: Path, airflow_home: Path, port: int, log_path: Path) -> tuple[su
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"Airflow's supervisor exited {proc.returncode}; see {log_path}")
-        try:
-            urllib.request.urlopen(f"{url}/api/v2/monitor/health", timeout=2)
-            return proc, url
-        except OSError:
-            time.sleep(2)
+    try:
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"Airflow's supervisor exited {proc.returncode}; see {log_path}")
+            try:
+                urllib.request.urlopen(f"{url}/api/v2/monitor/health", timeout=2)
+                return proc, url
+            except OSError:
+                time.sleep(2)
+    except BaseException:  # a signal while waiting: stop what was started
+        stop(proc, home)
+        raise
     stop(proc, home)
     raise RuntimeError(f"the Airflow UI did not answer at {url} within 5 minutes; see {log_path}")
 
@@ -69,7 +77,18 @@ def stop(proc: subprocess.Popen, home: Path) -> None:
     stop_services(home)
 
 
+class Stop(BaseException):
+    """Raised by the signal handler: SIGTERM, SIGINT or SIGHUP."""
+
+
+def _on_signal(signum, _frame):
+    raise Stop(signal.Signals(signum).name)
+
+
 def main() -> int:
+    # a container stop (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) all stop everything started here
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
     home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     port = int(os.environ.get("AIRFLOW_PORT") or _free_port())
@@ -78,21 +97,31 @@ def main() -> int:
     print(f"starting Airflow on the local profile (AIRFLOW_HOME={airflow_home}, log {log_path}) ...", flush=True)
     from pipeline_steps.local import mlflow_server
 
-    # started before Airflow so its tasks inherit MLFLOW_TRACKING_URI (the operator would start it on demand too)
-    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(home / "mlflow")
-    proc, url = start(home, airflow_home, port, log_path)
+    try:
+        # started before Airflow so its tasks inherit MLFLOW_TRACKING_URI (the operator would start it on demand too)
+        os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(home / "mlflow")
+        proc, url = start(home, airflow_home, port, log_path)
+    except Stop as sig:
+        print(f"{sig}: stopping ...", flush=True)
+        stop_services(home)
+        return 0
+    except BaseException:
+        stop_services(home)
+        raise
     print(
         f"\nAirflow UI: {url}  (no login: local use only)\n"
         f"MLflow UI: {os.environ['MLFLOW_TRACKING_URI']}  (tracking server, store {home / 'mlflow'})\n"
         f"DAGs: verl_grpo_pipeline (Trigger opens the form), verl_evaluate_model\n"
-        f"store: {home / 'store'}\nCtrl-C stops Airflow and the local Ray cluster.\n",
+        f"store: {home / 'store'}\nCtrl-C (or SIGTERM, SIGHUP) stops Airflow, MLflow and the local Ray cluster.\n",
         flush=True,
     )
     try:
         proc.wait()
-    except KeyboardInterrupt:
-        print("stopping ...", flush=True)
+    except Stop as sig:
+        print(f"{sig}: stopping ...", flush=True)
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         stop(proc, home)
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -180,9 +181,41 @@ def show_run(db: Path) -> None:
         print(f"run report: {r['report']['report']}")
 
 
+class Stop(BaseException):
+    """Raised by the signal handler: SIGTERM, SIGINT or SIGHUP."""
+
+
+def _on_signal(signum, _frame):
+    raise Stop(signal.Signals(signum).name)
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a second signal must not cut the clean-up short
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def main() -> int:
-    started = time.monotonic()
+    # a container stop (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) stop everything the demo started
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
     home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
+    try:
+        return _run(home)
+    except Stop:
+        return 130
+    finally:
+        _ignore_signals()
+        ray, mlflow = stop_services(home)  # the demo started them; leave nothing running
+        if ray:
+            print("stopped the local Ray cluster the demo started")
+        if mlflow:  # the runs stay in its SQLite store for the next start
+            print(f"stopped the MLflow server the demo started (runs kept in {home / 'mlflow'})")
+
+
+def _run(home: Path) -> int:
+    from pipeline_steps.local import ray_cluster
+
+    started = time.monotonic()
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     env = prepare(home, airflow_home)
     # local_arithmetic: the tiny model learns the synthetic task (its reward rises; on the held-out split it beats the
@@ -201,12 +234,21 @@ def main() -> int:
         flush=True,
     )
     with open(log, "w") as f:
-        rc = subprocess.run(
+        proc = subprocess.Popen(
             [airflow, "dags", "test", "verl_grpo_pipeline", logical, "--conf", json.dumps(conf)],
             env=env,
             stdout=f,
             stderr=subprocess.STDOUT,
-        ).returncode
+            start_new_session=True,  # its own process group: stopped as a whole on a signal
+        )
+        try:
+            rc = proc.wait()
+        except Stop as sig:
+            print(f"{sig}: stopping ...", flush=True)
+            _ignore_signals()
+            ray_cluster.stop_group(proc.pid, proc.pid, timeout=60)
+            proc.wait()
+            raise
     state = run_state(airflow_home / "airflow.db")
     if rc == 0 and state != "success":  # `airflow dags test` exits 0 even when a task failed
         rc = 1
@@ -214,11 +256,6 @@ def main() -> int:
     print(f"outputs: {home / 'store'} (datasets, models, runs, models/exported); work dir {home / 'work'}")
     print(f"\nDAG run {'succeeded' if rc == 0 else f'FAILED (state {state}): see the task logs in {log}'}")
     print(f"wall time: {time.monotonic() - started:.0f} s")
-    ray, mlflow = stop_services(home)  # the demo started them; leave nothing running
-    if ray:
-        print("stopped the local Ray cluster the demo started")
-    if mlflow:  # the runs stay in its SQLite store for the next start
-        print(f"stopped the MLflow server the demo started (runs kept in {home / 'mlflow'})")
     return rc
 
 

@@ -5,9 +5,9 @@ Kubernetes API stand-in behind an Airflow connection) and the suite's rules:
   (skipped, with the reason in the summary, when not root), ``budget(seconds)`` (the test's time budget);
 * every test has a time budget (``budget`` marker; 120 s by default, 600 s for a ``slow`` test): a test that passes
   but took longer fails with the measured time, and pytest-timeout stops it at three times its budget;
-* under pytest-xdist (``make test``: ``-n 4 --dist loadgroup``) a module's tests stay on one worker (they may share
-  module fixtures and order) unless the module sets ``XDIST_SPLIT = True``; the heaviest modules are handed out
-  first, so the longest test does not start last;
+* under pytest-xdist (``make test``: ``-n 4``) a module's tests stay on one worker (they may share module fixtures
+  and order) unless the module is in ``SPLIT_MODULES``; the heaviest modules are handed out first, so the longest
+  test does not start last;
 * every process the tests start carries ``PIPELINE_TEST_RUN`` in its environment; one still alive when the run ends
   fails the run (after a grace period), with its command line, and is killed.
 """
@@ -37,8 +37,35 @@ def budget_of(item) -> float:
     return SLOW_BUDGET_S if item.get_closest_marker("slow") else DEFAULT_BUDGET_S
 
 
+# Modules whose tests each get a worker of their own (each test starts its own PostgreSQL and Airflow, or its own
+# store server and Airflow home); every other module's tests stay on one worker, sharing its module fixtures.
+SPLIT_MODULES = {"tests/test_postgres_profile.py", "tests/test_cloud_store_dag.py"}
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit of work xdist hands to a worker: a test of a SPLIT_MODULES module, else a whole module."""
+    module = nodeid.split("::")[0]
+    return nodeid if module in SPLIT_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's loadscope scheduling with our scopes, in collection order (the heaviest first, as sorted below).
+
+    Not ``--dist loadgroup``: xdist 3.8 marks a group by rewriting ``item._nodeid``, which pytest 9 no longer reads,
+    so every test became its own group and a module's fixtures (an Airflow, a training run) ran once per worker.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    config.option.loadscopereorder = False  # xdist would re-sort the scopes by their number of tests
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    groups: dict[str, float] = {}
+    weights: dict[str, tuple[float, float]] = {}
     for item in items:
         if item.get_closest_marker("needs_root") and os.geteuid() != 0:
             reason = item.get_closest_marker("needs_root").kwargs.get("reason", "")
@@ -46,18 +73,14 @@ def pytest_collection_modifyitems(config, items):
         budget = budget_of(item)
         if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(budget * 3))
-        module = item.module
-        group = item.nodeid if getattr(module, "XDIST_SPLIT", False) else item.nodeid.split("::")[0]
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(group))
-        groups[group] = groups.get(group, 0.0) + budget
-    # heaviest groups first (stable within a group): the long end-to-end runs start while the short tests fill in
-    order = {id(item): (-groups[_group(item)], i) for i, item in enumerate(items)}
+        # a scope's weight: its longest slow test's budget (the long end-to-end runs carry budgets set from their
+        # measured times), then the sum of its slow tests' budgets and a second per fast test
+        scope, slow = scope_of(item.nodeid), bool(item.get_closest_marker("slow"))
+        longest, total = weights.get(scope, (0.0, 0.0))
+        weights[scope] = (max(longest, budget if slow else 0.0), total + (budget if slow else 1.0))
+    # heaviest scopes first (stable within one): the long end-to-end runs start while the short tests fill in
+    order = {id(item): (tuple(-w for w in weights[scope_of(item.nodeid)]), i) for i, item in enumerate(items)}
     items.sort(key=lambda item: order[id(item)])
-
-
-def _group(item) -> str:
-    return item.get_closest_marker("xdist_group").args[0]
 
 
 @pytest.hookimpl(hookwrapper=True)

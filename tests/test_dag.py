@@ -213,3 +213,15 @@ def test_the_evaluation_dag_is_scheduled_on_what_the_pipeline_registers_for_each
     evaluation = runpy.run_path(str(ROOT / "dags" / "verl_evaluate_model.py"))["dag"]
     (emitted,) = dag.get_task("register_model").outlets
     assert evaluation.timetable.asset_condition == AssetAlias(emitted.name) == AssetAlias("verl-exported-models")
+
+
+def test_the_form_offers_every_preset_the_vision_language_ones_included(dag):
+    """The experiment field's choices are the presets directory's (issue 30: the geometry3k VL presets appear beside
+    the local and text presets, which stay)."""
+    from pipeline_steps.training import experiment
+
+    enum = dag.params.get_param("experiment").schema["enum"]
+    assert enum == experiment.preset_names()
+    assert {"geo3k_qwen2_5_vl_7b", "geo3k_qwen2_5_vl_3b", "local_tiny", "local_arithmetic", "gsm8k_qwen2_5_3b"} <= set(
+        enum
+    )

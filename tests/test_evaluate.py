@@ -271,3 +271,88 @@ def test_gain_over_the_base_is_measured_not_assumed(tiny_model, aime, tmp_path, 
     assert res["gain"]["avg@k"] == pytest.approx(1.0 - base_avg) and s["gain_avg@k"] == pytest.approx(1.0 - base_avg)
     assert res["base"]["overall"]["pass@k"][str(K)] == pytest.approx(0.5)  # one of two problems solved at all
     assert res["overall"]["maj@k"] == pytest.approx(1.0) and res["base"]["overall"]["maj@k"] == pytest.approx(0.0)
+
+
+# -- geometry3k (issue 30): images to vLLM as chat parts, verl's geo3k scorer --------------------------------------
+
+
+def png(width=40, height=30, color="white") -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def geo3k_rows(n=2):
+    """Rows as the pipeline's geometry3k preprocessor writes them (problem with one <image>, the image's bytes)."""
+    from pipeline_steps.data.preprocessors import geometry3k
+
+    raw = [
+        {"problem": f"<image>Find x if the angle is {30 + i}.", "answer": str(30 + i), "images": [{"bytes": png()}]}
+        for i in range(n)
+    ]
+    return [geometry3k.convert_row(r, "test", i, geometry3k.DATA_SOURCE) for i, r in enumerate(raw)]
+
+
+def test_image_placeholders_become_the_rows_images_as_vllm_chat_parts():
+    import base64
+
+    row = geo3k_rows(1)[0]
+    row["images"][0]["bytes"] = png(color="red")
+    (message,) = evaluate.chat_messages(row)
+    assert message["role"] == "user"
+    image, text = message["content"]  # "<image>Find x ..." -> the image first, then the text, as verl splits it
+    assert image["type"] == "image_url" and text["type"] == "text" and text["text"].startswith("Find x")
+    head, data = image["image_url"]["url"].split(",", 1)
+    assert head == "data:image/png;base64" and base64.b64decode(data) == row["images"][0]["bytes"]
+    assert "<image>" not in json.dumps(message)
+    # text rows (AIME stays available to a VL preset) keep their plain prompt
+    assert evaluate.chat_messages(aime_rows(1)[0]) == aime_rows(1)[0]["prompt"]
+    # a placeholder without its image is refused in one line
+    row["prompt"][0]["content"] += " <image>"
+    with pytest.raises(evaluate.UserError, match="more <image> than images"):
+        evaluate.chat_messages(row)
+
+
+def test_geometry3k_is_scored_by_verls_geo3k_scorer_and_a_well_formed_wrong_answer_is_wrong():
+    """verl's geo3k score is 0.9 x accuracy + 0.1 x format: 'correct' must be the accuracy, not score > 0."""
+    from verl.utils.reward_score import default_compute_score
+
+    right, wrong, bare = "<think>sum</think> \\boxed{31}", "<think>sum</think> \\boxed{32}", "x is \\boxed{31}"
+    assert default_compute_score("hiyouga/geometry3k", wrong, "31") == pytest.approx(0.1)  # the library's own
+    got = {t: evaluate.score_sample("hiyouga/geometry3k", t, "31") for t in (right, wrong, bare, "no box")}
+    assert got[right] == {"answer": "31", "correct": True, "score": 1.0}
+    assert got[wrong] == {"answer": "32", "correct": False, "score": pytest.approx(0.1)}
+    assert got[bare]["correct"] is True and got[bare]["score"] == pytest.approx(0.9)  # right answer, no <think>
+    assert got["no box"] == {"answer": None, "correct": False, "score": 0.0}
+    rows = geo3k_rows(2)[1:]  # ground truth 31
+    res = evaluate.score(rows, [[wrong, wrong, right]])
+    assert res["problems"][0]["maj_answer"] == "32" and res["overall"]["avg@k"] == pytest.approx(1 / 3)
+
+
+def test_image_rows_need_the_vllm_generator_one_line_before_any_model_is_loaded(tmp_path, capsys):
+    data = tmp_path / "geo3k.parquet"
+    pq.write_table(pa.Table.from_pylist(geo3k_rows()), data)
+    code, s, _ = run_cli(
+        ["evaluate", "--model", tmp_path / "no-model", "--data", data, "--output", tmp_path / "o"], capsys
+    )
+    assert code == 2 and "2 rows carry images" in s["error"] and "--generator vllm" in s["error"], s
+    assert not (tmp_path / "o").exists()
+
+
+def test_pixel_limits_reach_the_sampling_settings_and_bad_json_is_one_line(tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    args = parser.parse_args(
+        ["--model", "m", "--data", "d", "--output", "o", "--mm-processor-kwargs", '{"max_pixels": 501760}']
+    )
+    assert evaluate.sampling_of(args)["mm_processor_kwargs"] == {"max_pixels": 501760}  # part of the cache key
+    code, s, _ = run_cli(
+        ["evaluate", "--model", "m", "--data", "d", "--output", tmp_path / "o", "--mm-processor-kwargs", "[1]"], capsys
+    )
+    assert code == 2 and "--mm-processor-kwargs" in s["error"] and "JSON object" in s["error"], s

@@ -18,6 +18,8 @@ PRESETS = [
     "dapo_retool_qwen3_4b",
     "gsm8k_qwen2_5_32b",
     "gspo",
+    "geo3k_qwen2_5_vl_7b",
+    "geo3k_qwen2_5_vl_3b",
 ]
 
 

@@ -88,6 +88,7 @@ def _step_logged(hold: Path):
     return condition
 
 
+@pytest.mark.budget(900)  # 436 s in make test at a load average of 10
 def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path):
     """3 training steps; the first train pod is killed (SIGKILL, as a lost node) after step 1: KubeRay reports
     Failed/AppFailed, Airflow retries the task, a new RayJob attempt resumes from the step-1 checkpoint, and the

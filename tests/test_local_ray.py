@@ -121,9 +121,10 @@ ENV = {"PIPELINE_LOG_LEVEL": "INFO"}
 
 
 def _jobs_with_id(address, submission_id) -> int:
-    from ray.job_submission import JobSubmissionClient
+    from pipeline_steps.local import ray_cluster
 
-    return sum(1 for j in JobSubmissionClient(address).list_jobs() if j.submission_id == submission_id)
+    # the module's client: it sends the cluster's token (a bare JobSubmissionClient is refused)
+    return sum(1 for j in ray_cluster._client(address).list_jobs() if j.submission_id == submission_id)
 
 
 def test_submit_poll_attach_and_quoting(cluster, assets):

@@ -117,6 +117,61 @@ def test_image_rows_for_a_text_only_model_are_refused_before_any_download(params
     msg = str(err.value)
     assert "\n" not in msg and "'geometry3k'" in msg and "Qwen/Qwen2.5-3B-Instruct" in msg and "text-only" in msg
     assert "prepare_datasets" in msg
+    # the fix names the presets that read images (issue 30)
+    assert "geo3k_qwen2_5_vl_7b" in msg and "geo3k_qwen2_5_vl_3b" in msg and "local_tiny" not in msg
     # preparing it (no training on it) stays possible
     run = plan.plan({"experiment": "local_tiny", "prepare_datasets": ["geometry3k"]}, None, "r", "d")
     assert {d["dataset"]: d["role"] for d in run["datasets"]}["geometry3k"] == "prepare"
+
+
+@pytest.mark.parametrize("preset", ["geo3k_qwen2_5_vl_7b", "geo3k_qwen2_5_vl_3b"])
+@pytest.mark.parametrize(
+    "params,train,evaluated",
+    [
+        ({}, "geometry3k", "geometry3k"),  # the preset's own: train and validate on geometry3k, evaluate on its test
+        ({"datasets": ["gsm8k"], "eval_dataset": "aime2024"}, "gsm8k", "aime2024"),  # text rows: a VLM reads text too
+    ],
+)
+def test_vision_language_presets_take_image_and_text_datasets(preset, params, train, evaluated, monkeypatch):
+    monkeypatch.setenv("PIPELINE_MOUNTS", '[{"uri": "oss://verl-store", "claim": "verl-store", "path": "/mnt/store"}]')
+    run = plan.plan({"experiment": preset, "store_uri": "oss://verl-store/verl", **params}, None, "r", "d")
+    roles = {d["dataset"]: d["role"] for d in run["datasets"]}
+    assert roles[train] == "train" and roles[evaluated] in ("eval", "train"), roles
+    assert run["model"]["carry"]["model"].startswith("Qwen/Qwen2.5-VL-")
+
+
+def test_vl_evaluation_is_geometry3ks_test_split_with_the_trainings_pixel_limits():
+    """The VL presets evaluate on geometry3k's test split (601 problems upstream; its data_source selects verl's geo3k
+    scorer) and the evaluate job scales figures as training does: the preset's data.mm_processor_kwargs, or the
+    form's override of them."""
+    import json
+
+    uri = "oss://verl-store/datasets/geometry3k/" + "a" * 40 + "/fp"
+    done = {
+        "dataset": "geometry3k",
+        "role": "train",
+        "download": {"commit": "a" * 40, "repo_id": "hiyouga/geometry3k"},
+        "preprocess": {"splits": {"train": "x", "validation": "v", "test": "y"}, "content_hash": "c" * 64},
+        "upload": {"uri": uri},
+    }
+    staged = {"model": "Qwen/Qwen2.5-VL-3B-Instruct", "stage_model": {"uri": "oss://verl-store/models/q/main"}}
+    run = {"experiment": "geo3k_qwen2_5_vl_3b", "dag_id": "d", "run_id": "r", "run_dir": "oss://verl-store/runs/x/r"}
+    run["store"] = "oss://verl-store"
+    trained = {"checkpoint_uri": "oss://verl-store/runs/x/r/checkpoints"}
+    for params, want in (
+        ({}, {"max_pixels": 501760, "min_pixels": 3136}),
+        (
+            {"verl_overrides": ["data.mm_processor_kwargs.max_pixels=200704"]},
+            {"max_pixels": 200704, "min_pixels": 3136},
+        ),
+    ):
+        inputs = plan.collect([done], staged, params, run)
+        assert inputs["eval_file"] == f"{uri}/test.parquet" and inputs["val_files"] == [f"{uri}/test.parquet"]
+        argv = plan.evaluate_request(inputs, trained, run, "kuberay")["args"]
+        assert argv[argv.index("--name") + 1] == "geometry3k" and argv[argv.index("--generator") + 1] == "vllm"
+        assert json.loads(argv[argv.index("--mm-processor-kwargs") + 1]) == want
+    # a text preset passes no processor settings
+    run_text = {**run, "experiment": "gsm8k_qwen2_5_3b"}
+    inputs = plan.collect([done], staged, {"eval_dataset": "geometry3k"}, run_text)
+    argv = plan.evaluate_request(inputs, trained, run_text, "kuberay")["args"]
+    assert "--mm-processor-kwargs" not in argv

@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-XDIST_SPLIT = True  # each test on its own worker, with its own PostgreSQL cluster and Airflow
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -225,7 +224,7 @@ def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_an
     from scripts.demo import ray_temp_dir
 
     address = json.loads((ray_temp_dir(airflow_pg["home"]) / ray_cluster.STATE_FILE).read_text())["address"]
-    listed = ray_cluster._client(address).list_jobs()
+    listed = ray_cluster._client(address, ray_temp_dir(airflow_pg["home"]) / "auth_token").list_jobs()
     jobs = []
     for r in runs:
         base = submission_base("verl_grpo_pipeline", r, "train")
@@ -286,7 +285,8 @@ def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_p
     from scripts.demo import ray_temp_dir
 
     address = json.loads((ray_temp_dir(airflow_pg["home"]) / ray_cluster.STATE_FILE).read_text())["address"]
-    jobs = [j for j in ray_cluster._client(address).list_jobs() if "-train-" in (j.submission_id or "")]
+    client = ray_cluster._client(address, ray_temp_dir(airflow_pg["home"]) / "auth_token")  # the cluster's token
+    jobs = [j for j in client.list_jobs() if "-train-" in (j.submission_id or "")]
     from operators.backends import submission_base
 
     base = submission_base("verl_grpo_pipeline", run, "train")

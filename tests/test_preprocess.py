@@ -145,8 +145,9 @@ def test_gsm8k_ground_truth_strips_thousands_separators(processed):
 
 def test_dapo_dedupes_and_keeps_conflicts_out(processed):
     stats = json.loads((processed["dapo_math"]["dir"] / "stats.json").read_text())
-    # fixture: 12 unique rows x 3 copies, plus one prompt with two different ground truths
-    assert stats["rows_in"] == 38 and stats["rows_out"] == 12 and stats["duplicates"] == 24
+    # fixture: 14 unique rows x 3 copies, plus one prompt with two different ground truths (2 of 44 rows: under the
+    # default --max-rejected-fraction 0.05, which conflicting rows count against)
+    assert stats["rows_in"] == 44 and stats["rows_out"] == 14 and stats["duplicates"] == 28
     assert stats["conflicting_prompts"] == 1 and stats["rejected_by_reason"] == {"conflicting_ground_truth": 2}
     rows = pq.read_table(processed["dapo_math"]["dir"] / "train.parquet").to_pylist()
     assert not any("divisors" in r["prompt"][0]["content"] for r in rows)

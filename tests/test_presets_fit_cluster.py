@@ -159,8 +159,10 @@ PARAMS = {
     "Qwen/Qwen2.5-32B-Instruct": 32.8e9,
     "Qwen/Qwen3-4B-Instruct-2507": 4.02e9,
     "Qwen/Qwen3.5-9B": 9.65e9,
+    "Qwen/Qwen2.5-VL-7B-Instruct": 8.29e9,  # the vision tower included
+    "Qwen/Qwen2.5-VL-3B-Instruct": 3.75e9,
 }
-TRAIN_ROWS = {"gsm8k": 7473, "dapo_math": 17917}
+TRAIN_ROWS = {"gsm8k": 7473, "dapo_math": 17917, "geometry3k": 2101}
 BYTES = {"model": 4, "optimizer": 8, "hf_model": 2, "extra": 0}
 VERL_DEFAULT_CONTENTS = ["model", "optimizer", "extra"]  # verl 0.9.1 trainer/config/actor/actor.yaml
 WRITE_BUDGET = 4e12  # bytes one run may write to the bucket in checkpoints (hours of ossfs / gcsfuse time)

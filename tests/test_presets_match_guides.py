@@ -4,7 +4,7 @@ The guides are the four seeds in ``../shared/seeds/`` (not part of this reposito
 below are transcribed from them, in each guide's own words where it has a name for the setting (seed 003's script
 variables, seed 002's Model Studio hyperparameters). What a preset deliberately does not take from its guide (the
 tool agent of seeds 000 and 003, an MLflow logger, seed 000's one-step smoke run) is listed in the preset's header
-comment.
+comment. The vision-language presets (issue 30) follow verl's own geometry3k example script instead of a seed.
 """
 
 from __future__ import annotations
@@ -160,7 +160,62 @@ TIONE_003_RETOOL = {
     "actor_rollout_ref.rollout.multi_turn.format": "hermes",
     "reward.custom_reward_function.name": "compute_score",
 }
+# verl's vision-language GRPO example (issue 30): examples/grpo_trainer/run_qwen2_5_vl_7b_fsdp.sh at verl tag v0.9.0
+# (the newest tag of the mirror; verl 0.9.1 is pinned, and main after v0.9.0 changes only the script's uv launcher),
+# its GPU branch with INFER_BACKEND=vllm and the defaults of its knobs, copied from the script: DATA, MODEL, ACTOR,
+# ROLLOUT, REF, TRAINER and EXTRA arrays. Left out as pipeline-derived: data.train_files/val_files ($HOME/data/geo3k/
+# {train,test}.parquet) and actor_rollout_ref.model.path (MODEL_PATH). The older run_qwen2_5_vl-7b.sh named in the
+# issue was folded into this script before v0.9.0 (verl PR 6126, 2026-04-30).
+VERL_GEO3K_VL_7B = {
+    "algorithm.adv_estimator": "grpo",
+    "algorithm.use_kl_in_reward": False,
+    "data.image_key": "images",
+    "data.train_batch_size": 512,
+    "data.max_prompt_length": 1024,
+    "data.max_response_length": 2048,
+    "data.filter_overlong_prompts": True,
+    "data.truncation": "error",
+    "actor_rollout_ref.model.use_remove_padding": True,
+    "actor_rollout_ref.model.enable_gradient_checkpointing": True,
+    "actor_rollout_ref.actor.optim.lr": 1e-6,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 128,
+    "actor_rollout_ref.actor.use_dynamic_bsz": True,
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 24576,
+    "actor_rollout_ref.actor.use_kl_loss": True,
+    "actor_rollout_ref.actor.kl_loss_coef": 0.01,
+    "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
+    "actor_rollout_ref.actor.entropy_coeff": 0,
+    "actor_rollout_ref.actor.fsdp_config.param_offload": False,
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": False,
+    "actor_rollout_ref.rollout.name": "vllm",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": 2,
+    "actor_rollout_ref.rollout.gpu_memory_utilization": 0.6,
+    "actor_rollout_ref.rollout.n": 5,
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": True,
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 24576,
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": True,
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": 24576,
+    "actor_rollout_ref.ref.fsdp_config.param_offload": True,
+    "trainer.balance_batch": True,
+    "trainer.project_name": "verl_grpo_geo3k",
+    "trainer.experiment_name": "qwen2_5_vl_7b_vllm_fsdp",
+    "trainer.n_gpus_per_node": 8,
+    "trainer.nnodes": 1,
+    "trainer.save_freq": 20,
+    "trainer.test_freq": 5,
+    "trainer.total_epochs": 15,
+    "actor_rollout_ref.actor.strategy": "fsdp2",
+    "actor_rollout_ref.model.use_fused_kernels": True,
+    "actor_rollout_ref.rollout.multi_stage_wake_up": True,
+    "actor_rollout_ref.rollout.enable_chunked_prefill": False,
+    "actor_rollout_ref.rollout.enforce_eager": False,
+    "actor_rollout_ref.rollout.free_cache_engine": True,
+}
+# the small preset: the same script with its MODEL_PATH (and so EXPERIMENT_NAME) knob changed, a listed deviation
+VERL_GEO3K_VL_3B = {k: v for k, v in VERL_GEO3K_VL_7B.items() if k != "trainer.experiment_name"}
 GUIDES = {
+    "geo3k_qwen2_5_vl_7b": VERL_GEO3K_VL_7B,
+    "geo3k_qwen2_5_vl_3b": VERL_GEO3K_VL_3B,
     "gsm8k_qwen2_5_3b": ACK_000,
     "gsm8k_tool_agent_qwen2_5_3b": ACK_000_TOOL_AGENT,
     "gsm8k_qwen2_5_32b": GKE_004,
@@ -222,6 +277,29 @@ def test_deviations_are_listed_with_the_guides_value_ours_and_why(preset):
             assert str(exp.verl[d["key"]]).replace('"', "'") in (str(d["ours"]), str(d["ours"]).replace('"', "'")), d
 
 
+@pytest.mark.parametrize("preset", ["geo3k_qwen2_5_vl_7b", "geo3k_qwen2_5_vl_3b"])
+def test_vl_presets_set_nothing_beyond_the_script_but_listed_deviations(preset):
+    """Key for key both ways: every verl key of the preset is the script's or a listed deviation (a key added
+    silently would make the run differ from verl's example without saying why)."""
+    exp = experiment.load(preset)
+    listed = {d["key"] for d in exp.spec["deviations"]}
+    extra = sorted(set(exp.verl) - set(GUIDES[preset]) - listed)
+    assert not extra, f"{preset}: verl keys neither in the script nor in deviations: {extra}"
+    assert "image" in exp.spec["model"]["modalities"] and "text" in exp.spec["model"]["modalities"]
+    assert exp.spec["datasets"] == {"train": ["geometry3k"], "val": ["geometry3k"]}
+    assert exp.spec["evaluation"]["dataset"] == "geometry3k"
+
+
+def test_the_small_vl_preset_is_the_7b_one_with_the_scripts_model_knob():
+    big, small = experiment.load("geo3k_qwen2_5_vl_7b"), experiment.load("geo3k_qwen2_5_vl_3b")
+    assert (big.spec["model"]["source"], small.spec["model"]["source"]) == (
+        "Qwen/Qwen2.5-VL-7B-Instruct",
+        "Qwen/Qwen2.5-VL-3B-Instruct",
+    )
+    differ = {k for k in {**big.verl, **small.verl} if big.verl.get(k) != small.verl.get(k)}
+    assert differ == {"trainer.experiment_name"}, differ
+
+
 @pytest.mark.parametrize("preset", ["gsm8k_tool_agent_qwen2_5_3b", "dapo_retool_qwen3_4b"])
 def test_tool_agent_presets_reach_their_sandbox_service(preset):
     """The tool config ships in the package (so it is in the training image) and carries seed 003's E2BCodeTool
@@ -251,3 +329,32 @@ def test_retool_preset_uses_the_guides_region_and_reward():
     assert exp.spec["cluster"]["env"]["E2B_DOMAIN"] == "ap-shanghai.tencentags.com"  # seed 003 line 73
     assert exp.verl["reward.custom_reward_function.path"] == "pkg:pipeline_steps.rewards/retool.py"
     assert exp.spec["datasets"]["train"] == ["dapo_math"] and exp.spec["datasets"]["val"] == ["aime2024"]
+
+
+@pytest.mark.parametrize("preset", ["geo3k_qwen2_5_vl_7b", "geo3k_qwen2_5_vl_3b"])
+def test_the_pixel_limits_are_verls_key_and_bound_the_processors_image_tokens(preset):
+    """data.mm_processor_kwargs is where verl 0.9.1 reads the processor's settings (its dataset and its agent loop,
+    which also hands them to vLLM per request), and Qwen2.5-VL's image processor (transformers) honours min_pixels /
+    max_pixels there: a large figure comes out at most 640 image tokens, inside the 1024-token prompt."""
+    import importlib.util
+    from pathlib import Path
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    exp = experiment.load(preset)
+    kwargs = experiment.mm_processor_kwargs(exp.verl)
+    assert kwargs == {"min_pixels": 3136, "max_pixels": 501760}
+    assert dict(experiment.compose(exp).data.mm_processor_kwargs) == kwargs  # verl's own config carries them
+    verl_dir = Path(list(importlib.util.find_spec("verl").submodule_search_locations)[0])
+    assert 'config.get("mm_processor_kwargs"' in (verl_dir / "utils/dataset/rl_dataset.py").read_text()
+    assert 'data_config.get("mm_processor_kwargs"' in (verl_dir / "experimental/agent_loop/agent_loop.py").read_text()
+
+    processor = Qwen2VLImageProcessorPil()  # Qwen2.5-VL's: 14-pixel patches merged 2x2, 28x28 pixels per token
+    figure = Image.new("RGB", (2000, 1500), "white")
+
+    def tokens(**kw) -> int:  # patches / (2x2 merge)
+        return int(processor(images=[figure], return_tensors="np", **kw)["image_grid_thw"].prod()) // 4
+
+    assert tokens() > 1024  # the processor's own limit: the row would be dropped as overlong
+    assert tokens(**kwargs) <= kwargs["max_pixels"] // (28 * 28) == 640 < exp.verl["data.max_prompt_length"]

@@ -50,6 +50,8 @@ EXAMPLES = [
     ("dapo_retool_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
     ("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k"),
     ("gspo", ACK, "oss://verl-store", "gsm8k"),
+    ("geo3k_qwen2_5_vl_7b", ACK, "oss://verl-store", "geometry3k"),
+    ("geo3k_qwen2_5_vl_3b", ACK, "oss://verl-store", "geometry3k"),
 ]
 
 
@@ -63,7 +65,12 @@ SANDBOX_DOMAIN = "sandbox.example.com"
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for var in (render_rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS", render_rayjob.SANDBOX_DOMAIN_ENV):
+    for var in (
+        render_rayjob.SERVICE_ACCOUNT_ENV,
+        "PIPELINE_MOUNTS",
+        render_rayjob.SANDBOX_DOMAIN_ENV,
+        "PIPELINE_RAY_AUTH_SECRET",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(render_rayjob.IMAGE_ENV, TRAIN_IMAGE)
 
@@ -190,6 +197,23 @@ def _fake_python(tmp_path: Path) -> dict:
     fake.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     fake.chmod(0o755)
     return dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("preset,mounts,bucket,dataset", EXAMPLES)
+def test_every_rayjob_requires_ray_token_auth(preset, mounts, bucket, dataset, crd_schema, monkeypatch):
+    _, job = render(preset, mounts, bucket, dataset)
+    assert job["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token"}  # KubeRay generates the token Secret
+    monkeypatch.setenv("PIPELINE_RAY_AUTH_SECRET", "ray-token")
+    _, job = render(preset, mounts, bucket, dataset)
+    validate(job, crd_schema)
+    assert job["spec"]["rayClusterSpec"]["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    # the CRD checks these fields (a misspelt mode would be refused by the API server)
+    job["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "tokens"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(job, crd_schema)
+    monkeypatch.setenv("PIPELINE_RAY_AUTH_SECRET", "Not A Name")
+    with pytest.raises(UserError, match="PIPELINE_RAY_AUTH_SECRET"):
+        render(preset, mounts, bucket, dataset)
 
 
 def test_untrusted_values_cannot_leave_their_argument(tmp_path, crd_schema):

@@ -456,7 +456,11 @@ def test_late_request_for_a_deleted_sandbox_cannot_act_on_another(dirs):
 
     from pipeline_steps.sandbox.local import LocalSandboxServer
 
-    with LocalSandboxServer(dirs["root"] / "state-late", args=["--warm", "0", "--max-sandboxes", "1"]) as srv:
+    # uids are claimed machine-wide, lowest free first: from the shared default base, a sandbox of another test
+    # running at the same time could hold A's uid-to-be and free it before B starts (B then gets another uid)
+    uid_base = str(1_650_000 + os.getpid() % 1000 * 10)
+    args = ["--warm", "0", "--max-sandboxes", "1", "--uid-base", uid_base]
+    with LocalSandboxServer(dirs["root"] / "state-late", args=args) as srv:
         key = {"X-API-KEY": srv.api_key}
         r = httpx.post(f"{srv.url}/sandboxes", json={"templateID": "code-interpreter-v1"}, headers=key)
         a = r.json()

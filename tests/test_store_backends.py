@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_steps.errors import UserError
+from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.store import open_store
 from tests.storage_servers import ROOT, run_step
 
@@ -186,7 +186,7 @@ def test_corrupted_object_is_repaired_and_caught_on_download(backend, tmp_path):
     backend.tamper("datasets/demo/v2/data/part-002.jsonl", bad)
 
     store = open_store(backend.root_uri)
-    with pytest.raises(UserError, match="does not match the manifest"):
+    with pytest.raises(TransientError, match="does not match the manifest"):  # retried: may be the transfer
         store.download_dir(dest, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing that looks complete is left behind
     _, problems = store.verify(dest)
@@ -351,7 +351,7 @@ def test_transfer_corruption_is_caught_end_to_end(backend, tmp_path):
     store._put_file = lambda path, key, size: (put(path, key, size), "not-the-checksum")[
         1
     ]  # as if bytes changed in flight
-    with pytest.raises(RuntimeError, match="corrupted in transfer"):
+    with pytest.raises(TransientError, match="corrupted in transfer"):
         store.upload_dir(src, dest)
     assert store.read_manifest(dest) is None
     store._put_file = put

@@ -76,9 +76,21 @@ def test_oss_missing_bucket(oss_server, src, tmp_path):
     )
 
 
+def _one_line_transient(r, *must):
+    """A passing fault: exit 1 (Airflow retries), one line, never the "bad input" exit 2."""
+    assert r.returncode == 1, (r.returncode, r.stderr[-1500:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error (transient"), r.stderr
+    for m in must:
+        assert m in lines[0], lines[0]
+    assert OSS_SECRET not in r.stderr + r.stdout
+    assert json.loads(r.stdout.strip().splitlines()[-1])["transient"] is True
+    return lines[0]
+
+
 def test_oss_unreachable_endpoint(oss_server, src, tmp_path):
     env = _env({**oss_server.env(), "OSS_ENDPOINT": f"http://127.0.0.1:{free_port()}"}, tmp_path)
-    _one_line_error(
+    _one_line_transient(
         run_step(["upload", "--src", str(src), "--dest", "oss://test-bucket/x/v1"], env), CONN, "cannot reach"
     )
 
@@ -99,7 +111,7 @@ def test_gcs_missing_bucket(gcs_server, src, tmp_path):
 
 def test_gcs_unreachable_endpoint(src, tmp_path):
     env = _env({"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}", "GOOGLE_CLOUD_PROJECT": "p"}, tmp_path)
-    _one_line_error(
+    _one_line_transient(
         run_step(["upload", "--src", str(src), "--dest", "gs://test-bucket/x/v1"], env, timeout=60),
         CONN,
         "cannot reach",

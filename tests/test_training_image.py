@@ -6,8 +6,11 @@ installs (its ``pip install`` arguments, following ``-r`` files it COPYs in), ad
 resolve them (from the installed packages' metadata), and checks the result against the modules each cluster
 preset's pods import. Those imports are found in the sources that run there, not listed by hand: verl's own
 ``verl/utils/tracking.py`` for each ``trainer.logger`` backend (following one level into the module it imports, e.g.
-``torch.utils.tensorboard`` -> ``tensorboard``), each tool class of the preset's tool config, the reward file, and the
-pipeline's cluster steps (evaluate, export). The old Dockerfile (no mlflow, e2b, e2b-code-interpreter, mcp) fails.
+``torch.utils.tensorboard`` -> ``tensorboard``), each tool class of the preset's tool config, the reward file, the
+pipeline's cluster steps (evaluate, export), verl's scorer for each of the preset's datasets (the branch of
+``default_compute_score`` its data_source takes: geometry3k's imports ``mathruler``) and, for a preset whose model reads
+images, verl's multimodal data path (``RLHFDataset`` and its vision helpers: ``qwen_vl_utils``, ``PIL``). The old
+Dockerfile (no mlflow, e2b, e2b-code-interpreter, mcp) fails; so does one without qwen-vl-utils for the VL presets.
 """
 
 from __future__ import annotations
@@ -180,6 +183,68 @@ def logger_backend_imports() -> dict[str, set[str]]:
     return out
 
 
+def _verl_source(relative: str) -> Path:
+    return Path(list(importlib.util.find_spec("verl").submodule_search_locations)[0]) / relative
+
+
+def _file_imports(path: Path, package: str) -> set[str]:
+    """Every import in the file, also inside functions (verl imports qwen_vl_utils and mathruler lazily), with
+    relative imports resolved against ``package``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module:
+                out.add(node.module)
+            elif node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                out.update(f"{base}.{node.module or a.name}" for a in node.names)
+    return out
+
+
+def scorer_imports(data_source: str) -> set[str]:
+    """What verl's ``default_compute_score`` imports for ``data_source``: the body of the first ``if``/``elif`` of
+    verl/utils/reward_score/__init__.py whose test holds for it, and the scorer modules that body imports."""
+    tree = ast.parse(_verl_source("utils/reward_score/__init__.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "default_compute_score")
+    node = next(n for n in fn.body if isinstance(n, ast.If))
+    while isinstance(node, ast.If):
+        if eval(compile(ast.Expression(node.test), "<verl>", "eval"), {}, {"data_source": data_source}):
+            body = ast.Module(body=node.body, type_ignores=[])
+            mods = set()
+            for sub in ast.walk(body):
+                if isinstance(sub, ast.ImportFrom) and sub.level == 1:
+                    mods |= {f"verl.utils.reward_score.{sub.module or a.name}" for a in sub.names}
+            out = set()
+            for mod in mods:
+                path = _verl_source(mod.removeprefix("verl.").replace(".", "/") + ".py")
+                out |= {m for m in _file_imports(path, mod.rsplit(".", 1)[0]) if not m.startswith("verl")}
+            return out
+        node = node.orelse[0] if len(node.orelse) == 1 and isinstance(node.orelse[0], ast.If) else None
+    raise AssertionError(f"verl's default_compute_score has no branch for data_source {data_source!r}")
+
+
+def data_sources(spec: dict) -> set[str]:
+    """The data_source of each dataset the preset trains, validates and evaluates on (the registry's, else its
+    preprocessor's), which selects verl's scorer."""
+    from pipeline_steps.data import registry
+
+    datasets = spec.get("datasets") or {}
+    names = set(datasets.get("train") or []) | set(datasets.get("val") or [])
+    names |= {(spec.get("evaluation") or {}).get("dataset")} - {None}
+    out = set()
+    for name in names:
+        ds = registry.BUILTIN[name]
+        module = importlib.import_module(f"pipeline_steps.data.preprocessors.{ds.preprocessor}")
+        out.add(ds.data_source or module.DATA_SOURCE)
+    return out
+
+
+# verl 0.9.1's multimodal data path (RLHFDataset with data.image_key; its vision helpers fetch and resize the images)
+MULTIMODAL_PATH = ("utils/dataset/rl_dataset.py", "utils/dataset/vision_utils.py")
+
+
 def pod_imports(spec: dict) -> dict[str, set[str]]:
     """What the preset's pods import, by where the import comes from."""
     from pipeline_steps.tools import resolve_config_path
@@ -201,6 +266,14 @@ def pod_imports(spec: dict) -> dict[str, set[str]]:
         out[f"reward {reward}"] = set(project_imports(resolve_config_path(reward)))
     for step in ("pipeline_steps.steps.evaluate", "pipeline_steps.steps.export", "pipeline_steps.cluster_entry"):
         out[step] = set(project_imports(step))
+    for source in sorted(data_sources(spec)):
+        out[f"verl scorer for {source}"] = scorer_imports(source)
+    if "image" in ((spec.get("model") or {}).get("modalities") or []):
+        for rel in MULTIMODAL_PATH:
+            imports = _file_imports(
+                _verl_source(rel), "verl." + rel.removesuffix(".py").replace("/", ".").rsplit(".", 1)[0]
+            )
+            out[f"verl {rel}"] = {m for m in imports if not m.startswith("verl")}
     return out
 
 
@@ -215,6 +288,17 @@ def distribution_of(module: str) -> str | None:
         return None
     dists = module_distributions().get(top)
     return canonicalize_name(dists[0]) if dists else canonicalize_name(top)
+
+
+def test_scorer_and_multimodal_scans_read_verl():
+    """The scans see what verl imports lazily (else the check below would pass on an empty set)."""
+    assert "mathruler.grader" in scorer_imports("hiyouga/geometry3k")
+    assert not {m for m in scorer_imports("openai/gsm8k") if distribution_of(m)}  # the standard library only
+    vl = dict(cluster_presets())["geo3k_qwen2_5_vl_7b"]
+    imports = pod_imports(vl)
+    assert "qwen_vl_utils" in imports["verl utils/dataset/rl_dataset.py"]
+    assert "PIL" in {m.split(".")[0] for m in imports["verl utils/dataset/rl_dataset.py"]}
+    assert "verl utils/dataset/rl_dataset.py" not in pod_imports(dict(cluster_presets())["gsm8k_qwen2_5_3b"])
 
 
 def test_backend_scan_reads_verl_tracking():
@@ -249,6 +333,28 @@ def test_image_has_every_shipped_tools_sdk(config):
         modules = project_imports(tool["class_name"].rsplit(".", 1)[0])
         missing = sorted(m for m in modules if distribution_of(m) and distribution_of(m) not in available)
         assert not missing, f"{config}: the training image lacks {missing}"
+
+
+# What turns a geometry3k row into model inputs and a reward: the figure's fetch and resize (qwen-vl-utils), its
+# decoder (Pillow) and the geo3k scorer's grader (mathruler). The base has them at whatever version its build day
+# resolved; pinned here so a rebuilt base cannot change a VL preset's inputs or scores.
+VL_PINNED = {"qwen-vl-utils", "pillow", "mathruler"}
+
+
+def test_the_vl_presets_data_path_and_scorer_are_pinned_by_the_image():
+    installed, req_files = dockerfile_installs(DOCKER / "Dockerfile.train")
+    pinned = {
+        canonicalize_name(Requirement(line).name)
+        for rel in req_files
+        for line in (x.split("#", 1)[0].strip() for x in (ROOT / rel).read_text().splitlines())
+        if line and any(s.operator == "==" for s in Requirement(line).specifier)
+    }
+    vl = [(n, s) for n, s in cluster_presets() if "image" in ((s.get("model") or {}).get("modalities") or [])]
+    assert {n for n, _ in vl} >= {"geo3k_qwen2_5_vl_7b", "geo3k_qwen2_5_vl_3b"}
+    for name, spec in vl:  # the list names what these pods really import (it cannot go stale)
+        dists = {distribution_of(m) for modules in pod_imports(spec).values() for m in modules}
+        assert VL_PINNED <= dists, f"{name}: imports none of {sorted(VL_PINNED - dists)}"
+    assert VL_PINNED <= pinned, f"Dockerfile.train leaves {sorted(VL_PINNED - pinned)} to the base's unpinned build"
 
 
 def test_image_requirements_are_pinned_to_the_lock_and_keep_the_base_builds():

@@ -150,7 +150,8 @@ def test_bad_values_are_refused_with_their_message_visible(ui, section, selector
 def _components(supervisor: int, name: str) -> list:
     import psutil
 
-    return [c for c in psutil.Process(supervisor).children() if c.cmdline()[-1:] == [name]]
+    # [python, .../bin/airflow, <component>, options...]: the scheduler runs with --skip-serve-logs
+    return [c for c in psutil.Process(supervisor).children() if c.cmdline()[2:3] == [name]]
 
 
 def test_a_scheduler_that_dies_is_restarted_and_schedules_the_next_run(ui):
@@ -174,6 +175,7 @@ def test_a_scheduler_that_dies_is_restarted_and_schedules_the_next_run(ui):
     assert "scheduler exited with code -9; restarting it" in Path(ui["log"]).read_text()
 
 
+@pytest.mark.budget(900)  # 617 s at a load average of 8
 def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
     known = {r["dag_run_id"] for r in _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]}
     page, dialog = _open_form(ui)

@@ -77,11 +77,11 @@ def test_the_remedy_a_corrupted_download_prints_works(tmp_path):
     data[10] ^= 0xFF  # flip bits in place, same size; then restore the mtime
     stored.write_bytes(bytes(data))
     os.utime(stored, ns=(st.st_atime_ns, st.st_mtime_ns))
-    from pipeline_steps.errors import UserError
+    from pipeline_steps.errors import TransientError
     from pipeline_steps.store import open_store
 
     store = open_store(f"file://{dest}")
-    with pytest.raises(UserError, match="re-upload it from its source"):
+    with pytest.raises(TransientError, match="re-upload it"):
         store.download_dir(f"file://{dest}", tmp_path / "copy")
     code, s, err = run_step("upload", "--src", src, "--dest", f"file://{dest}")  # the remedy
     assert code == 0, err

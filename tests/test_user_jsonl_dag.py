@@ -43,6 +43,7 @@ def _write(path: Path, items) -> bytes:
 HUB = "hf://datasets/pipeline-local/chat-jsonl/data"
 
 
+@pytest.mark.budget(900)  # 408 s in make test at a load average of 10
 @pytest.mark.parametrize("where", ["store"])  # "hub": see the module's docstring
 def test_jsonl_files_chosen_in_the_form_train_and_validate(where, tmp_path):
     import pyarrow.parquet as pq

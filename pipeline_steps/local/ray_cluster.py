@@ -11,6 +11,12 @@
   Airflow worker never submits twice. The entrypoint argv is joined with
   ``shlex.quote``, so untrusted values cannot break out of their argument.
 
+Token authentication (Ray's ``RAY_AUTH_MODE=token``): a started cluster requires a token on every request (jobs API,
+dashboard, GCS, the Ray client); :func:`ensure_cluster` generates one per cluster directory (``auth_token``, mode
+0600, never logged) and starts the cluster with ``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN_PATH`` (its processes and the jobs'
+drivers inherit them). This module's clients send the token as an explicit header: this process's environment is
+left alone (Ray's own loader would cache one token per process). Every server of the cluster listens on 127.0.0.1.
+
 Ports (all on 127.0.0.1) come from arguments, else ``PIPELINE_RAY_PORT`` (GCS,
 default 6379), ``PIPELINE_RAY_DASHBOARD_PORT`` (default 8265); the Ray client and
 dashboard-agent ports are picked free so two clusters on one machine do not
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -58,13 +65,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_TOKENS: dict[str, Path] = {}  # dashboard address -> token file, for the clusters ensure_cluster found or started
+
+
+def _auth_headers(address: str | None = None, token_path=None) -> dict[str, str]:
+    """The Authorization header for Ray's token mode: the token in ``token_path``, else that of the cluster at
+    ``address`` that :func:`ensure_cluster` found or started, else ``$RAY_AUTH_TOKEN``, else the file
+    ``$RAY_AUTH_TOKEN_PATH``, else the default local cluster's (a triggerer that never started it finds it through
+    ``$PIPELINE_RAY_TEMP_DIR``); none when there is no token."""
+    path = token_path or _TOKENS.get((address or "").rstrip("/"))
+    if not path and os.environ.get("RAY_AUTH_TOKEN"):
+        return {"Authorization": f"Bearer {os.environ['RAY_AUTH_TOKEN']}"}
+    candidates = (path,) if path else (os.environ.get("RAY_AUTH_TOKEN_PATH"), _temp_dir() / "auth_token")
+    for candidate in filter(None, candidates):  # an unset $RAY_AUTH_TOKEN_PATH must not end the search
+        try:
+            return {"Authorization": f"Bearer {Path(candidate).read_text().strip()}"}
+        except OSError:
+            continue
+    return {}
+
+
+def _get(url: str, timeout: float, address: str):
+    request = urllib.request.Request(url, headers=_auth_headers(address))
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
 def _responds(address: str, timeout: float = 2.0) -> bool:
-    """True when a Ray dashboard with the jobs API answers at ``address``."""
+    """True when a Ray dashboard with the jobs API answers at ``address`` (and accepts our token, if it wants one)."""
     try:
-        with urllib.request.urlopen(address.rstrip("/") + "/api/version", timeout=timeout) as r:
+        with _get(address.rstrip("/") + "/api/version", timeout, address) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def ensure_token(directory: Path) -> Path:
+    """The local cluster's token file, ``directory/auth_token``, created (mode 0600) when missing. Never logged."""
+    path = directory / "auth_token"
+    if not path.is_file():
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)  # first writer wins: a concurrent starter never replaces a token already in use
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    return path
 
 
 def _read_state(temp_dir) -> dict | None:
@@ -113,17 +162,21 @@ def ensure_cluster(
         if not address.startswith(("http://", "https://")):
             address = "http://" + address
         return address
+    tmp = _temp_dir(temp_dir).resolve()
+    tmp.mkdir(parents=True, exist_ok=True)
+    token = ensure_token(tmp)
     state = _read_state(temp_dir)
+    if state:
+        _TOKENS[state["address"]] = token
     if state and _pid_alive(state["pid"]) and _responds(state["address"]):
         return state["address"]
     dashboard_port = int(dashboard_port or os.environ.get("PIPELINE_RAY_DASHBOARD_PORT") or 8265)
     url = f"http://127.0.0.1:{dashboard_port}"
+    _TOKENS[url] = token
     if _responds(url):
         log.info("reusing the Ray cluster whose dashboard answers at %s", url)
         return url
     port = int(port or os.environ.get("PIPELINE_RAY_PORT") or 6379)
-    tmp = _temp_dir(temp_dir).resolve()
-    tmp.mkdir(parents=True, exist_ok=True)
     ray_exe = Path(sys.executable).with_name("ray")
     cmd = [
         str(ray_exe) if ray_exe.exists() else "ray",
@@ -143,9 +196,16 @@ def ensure_cluster(
     if num_cpus is not None:
         cmd.append(f"--num-cpus={int(num_cpus)}")
     log_path = tmp / "ray_start.log"
+    # Ray on Linux replaces --node-ip-address=127.0.0.1 by the machine's routable address (and its servers follow
+    # it); its single-machine mode (the Windows/macOS default) keeps the loopback address. One node only, here.
+    # Token authentication: every process of the cluster (and each job's driver) inherits the mode and the file.
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    # a Ray client's own server process gets 30 s to start by default: under load a fresh `import ray` takes longer
+    env.setdefault("RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S", "120")
+    env.pop("RAY_AUTH_TOKEN", None)
     with open(log_path, "ab") as out:
         proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
         )
     state = {"pid": proc.pid, "pgid": proc.pid, "address": url, "temp_dir": str(tmp), "log": str(log_path)}
     (tmp / STATE_FILE).write_text(json.dumps(state))
@@ -165,16 +225,16 @@ def ensure_cluster(
 
 def _jobs_api_ready(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/api/jobs/", timeout=5) as r:
+        with _get(url + "/api/jobs/", 5, url) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError):
         return False
 
 
-def _client(address: str):
+def _client(address: str, token_path=None):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(address)
+    return JobSubmissionClient(address, headers=_auth_headers(address, token_path) or None)
 
 
 def _info(client, submission_id: str):
@@ -320,7 +380,7 @@ def shutdown_cluster(temp_dir: str | os.PathLike | None = None, timeout: float =
     pid, pgid = int(state["pid"]), int(state["pgid"])
     if _pid_alive(pid):
         try:  # stop running jobs so their drivers (own process groups) end too
-            client = _client(state["address"])
+            client = _client(state["address"], _temp_dir(state.get("temp_dir")) / "auth_token")
             for job in client.list_jobs():
                 if _status_str(job) in LIVE and job.submission_id:
                     client.stop_job(job.submission_id)

@@ -8,7 +8,10 @@ in :mod:`pipeline_steps.evaluation.metrics`.
 
 Generators: ``hf`` (default; transformers ``generate`` on CPU, the local backend) and ``vllm``
 (for the training image on GPU, run as a RayJob; imported only when asked for, and untested
-here: no GPU and no vLLM on this machine).
+here: no GPU and no vLLM on this machine). Rows with images (geometry3k) go to vLLM as chat
+messages whose ``<image>`` placeholders are the row's images (:func:`chat_messages`), with the
+training's pixel limits (``--mm-processor-kwargs``); the ``hf`` generator refuses them: the local
+profile does not evaluate a vision-language model yet.
 
 With ``--base-model`` the base model is scored too and the output reports the gain. Its
 results are cached in ``--baseline-cache`` under a key made of the model's content hash, the
@@ -26,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,6 +41,7 @@ from pipeline_steps.evaluation import metrics as eval_metrics
 log = logging.getLogger(__name__)
 
 SCORER = "verl.utils.reward_score.default_compute_score"
+GEO3K_SOURCE = "hiyouga/geometry3k"  # default_compute_score's key for verl.utils.reward_score.geo3k
 
 
 def add_arguments(p):
@@ -68,6 +73,11 @@ def add_arguments(p):
     )
     p.add_argument("--batch-size", type=int, default=0, help="hf: sequences generated at once (0: k)")
     p.add_argument(
+        "--mm-processor-kwargs",
+        help='vllm: JSON object for the model\'s multimodal processor, e.g. {"max_pixels": 501760}; the pipeline '
+        "passes the preset's data.mm_processor_kwargs so figures are scaled as in training",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -92,7 +102,19 @@ def sampling_of(args) -> dict:
     }
     if args.generator == "vllm":  # sharding can change vLLM's numerics: part of what is cached
         s["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "mm_processor_kwargs", None):  # the pixel limits change what the model sees: cached too
+        s["mm_processor_kwargs"] = _json_object(args.mm_processor_kwargs, "--mm-processor-kwargs")
     return s
+
+
+def _json_object(text: str, what: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise UserError(f'{what} {text[:80]!r}: not JSON; give an object such as {{"max_pixels": 501760}}') from None
+    if not isinstance(value, dict):
+        raise UserError(f"{what} {text[:80]!r}: must be a JSON object of processor settings")
+    return value
 
 
 def check_sampling(s: dict) -> None:
@@ -159,6 +181,65 @@ def load_eval_set(path: str, max_problems: int = 0, name: str | None = None) -> 
 # generation
 
 
+IMAGE_KEY = "images"  # verl's data.image_key default, the column the geometry3k preprocessor writes
+PLACEHOLDER = "<image>"  # one per image, in order (verl's RLHFDataset._build_messages)
+
+
+def row_images(row: dict) -> list[bytes]:
+    return [img["bytes"] for img in row.get(IMAGE_KEY) or [] if isinstance(img, dict) and img.get("bytes")]
+
+
+def chat_messages(row: dict) -> list[dict]:
+    """The row's prompt as chat messages for vLLM: each ``<image>`` placeholder becomes the row's next image as an
+    OpenAI-style ``image_url`` part (a data URI), the text around it ``text`` parts, as verl's dataset splits them for
+    training. A row without images keeps its plain string contents."""
+    images = row_images(row)
+    if not images:
+        return row["prompt"]
+    import base64
+    import io
+
+    from PIL import Image
+
+    out, used = [], 0
+    for message in row["prompt"]:
+        content = message["content"]
+        if not isinstance(content, str) or PLACEHOLDER not in content:
+            out.append(message)
+            continue
+        parts = []
+        for piece in [x for x in re.split(f"({re.escape(PLACEHOLDER)})", content) if x]:
+            if piece != PLACEHOLDER:
+                parts.append({"type": "text", "text": piece})
+                continue
+            if used >= len(images):
+                raise UserError(
+                    f"evaluation row {row.get('extra_info', {}).get('index')}: more {PLACEHOLDER} than images"
+                )
+            data = images[used]
+            with Image.open(io.BytesIO(data)) as im:
+                mime = Image.MIME.get(im.format or "", "image/png")
+            url = f"data:{mime};base64,{base64.b64encode(data).decode()}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+            used += 1
+        out.append({**message, "content": parts})
+    if used != len(images):
+        raise UserError(
+            f"evaluation row {row.get('extra_info', {}).get('index')}: {len(images)} images, {used} {PLACEHOLDER}"
+        )
+    return out
+
+
+def check_generator_reads(rows: list[dict], s: dict, eval_info: dict) -> None:
+    """Image rows need a generator that passes images (vLLM on the cluster): refused before any model is loaded."""
+    with_images = sum(bool(row_images(r)) for r in rows)
+    if with_images and s["generator"] != "vllm":
+        raise UserError(
+            f"--data {eval_info['file']}: {with_images} rows carry images; the {s['generator']} generator (CPU, the "
+            "local profile) does not evaluate a vision-language model yet: use --generator vllm (the cluster)"
+        )
+
+
 def generate_hf(model_dir: Path, prompts: list[list[dict]], s: dict, batch_size: int = 0) -> list[list[str]]:
     """k completions per prompt with transformers on CPU; seeded per problem so results do not depend on batching."""
     import torch
@@ -201,12 +282,21 @@ def generate_vllm(model_dir: Path, prompts: list[list[dict]], s: dict, batch_siz
         raise UserError(
             "--generator vllm: vLLM is not installed here; use the training image on GPU, or --generator hf"
         ) from None
-    llm = LLM(model=str(model_dir), seed=s["seed"], tensor_parallel_size=s.get("tensor_parallel_size", 1))
+    engine = {"mm_processor_kwargs": s["mm_processor_kwargs"]} if s.get("mm_processor_kwargs") else {}
+    most = max((_image_parts(conversation) for conversation in prompts), default=0)
+    if most > 1:  # vLLM's V0 engine allowed one image per prompt unless told
+        engine["limit_mm_per_prompt"] = {"image": most}
+    llm = LLM(model=str(model_dir), seed=s["seed"], tensor_parallel_size=s.get("tensor_parallel_size", 1), **engine)
     params = SamplingParams(
         n=s["k"], temperature=s["temperature"], top_p=s["top_p"], max_tokens=s["max_new_tokens"], seed=s["seed"]
     )
     outs = llm.chat(prompts, params, add_generation_prompt=True)
     return [[c.text for c in o.outputs] for o in outs]
+
+
+def _image_parts(conversation: list[dict]) -> int:
+    parts = [p for m in conversation if isinstance(m.get("content"), list) for p in m["content"]]
+    return sum(isinstance(p, dict) and p.get("type") == "image_url" for p in parts)
 
 
 GENERATORS = {"hf": generate_hf, "vllm": generate_vllm}
@@ -234,6 +324,16 @@ def score_sample(data_source: str, response: str, ground_truth: str, extra_info=
             "answer": None if answer in eval_metrics.INVALID else answer,
             "correct": correct,
             "score": float(res.get("score", 0)),
+        }
+    if data_source == GEO3K_SOURCE:  # 0.9 x accuracy + 0.1 x format: a well-formed wrong answer scores 0.1
+        from mathruler.grader import extract_boxed_content
+        from verl.utils.reward_score import geo3k
+
+        answer = extract_boxed_content(response)
+        return {
+            "answer": None if answer in ("None", "") else answer.strip(),
+            "correct": geo3k.acc_reward(response, ground_truth) > 0,
+            "score": float(res),
         }
     answer = None
     if data_source == "openai/gsm8k":  # a bare score; verl's own GSM8K extractor gives the answer maj@k votes on
@@ -299,7 +399,8 @@ def evaluate_model(
         res = json.loads(cached.read_text(encoding="utf-8"))
         res["overall"].setdefault("answers", eval_metrics.figures_of(res))  # cached before the figures existed
         return res, []
-    gens = GENERATORS[s["generator"]](Path(m["path"]), [r["prompt"] for r in rows], s, batch_size)
+    prompts = [chat_messages(r) for r in rows] if s["generator"] == "vllm" else [r["prompt"] for r in rows]
+    gens = GENERATORS[s["generator"]](Path(m["path"]), prompts, s, batch_size)
     res = score(rows, gens)
     res.update(
         {
@@ -361,6 +462,7 @@ def run(args) -> dict:
     )
     outputs.check_reusable(out, "evaluate")
     rows, eval_info = load_eval_set(args.data, args.max_problems, args.name)
+    check_generator_reads(rows, s, eval_info)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-work.", dir=out.parent))  # merged checkpoints, removed below
     try:

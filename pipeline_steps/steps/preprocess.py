@@ -19,11 +19,18 @@ from pathlib import Path
 
 from pipeline_steps import atomic, outputs
 from pipeline_steps.data import registry
-from pipeline_steps.data.preprocessors.base import Reject, ground_truth, prompt_key, tool_agent_rows
+from pipeline_steps.data.preprocessors.base import (
+    Reject,
+    framed,
+    ground_truth,
+    prompt_key,
+    tool_agent_rows,
+    unframe_first,
+)
 from pipeline_steps.errors import UserError
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
-PREPROCESSOR_VERSION = 4  # 4: JSONL rollout_extra is a struct (was JSON text)
+PREPROCESSOR_VERSION = 5  # 5: exact dedup keys, JSONL BOM and per-line limits; 4: JSONL rollout_extra is a struct
 
 log = logging.getLogger(__name__)
 BATCH_ROWS = 65536
@@ -197,8 +204,8 @@ class _Rejects:
         self.file.close()
 
 
-def _digest(text: str) -> bytes:
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _dedupe(tables_in, write):
@@ -207,7 +214,6 @@ def _dedupe(tables_in, write):
     ~100 bytes per unique row. Returns (rows seen, rows converted, rows kept, digests of conflicting prompts)."""
     import numpy as np
     import pyarrow as pa
-    import pyarrow.compute as pc
 
     seen: set[bytes] = set()  # (prompt, ground truth) pairs kept so far
     truth_of: dict[bytes, bytes] = {}  # prompt -> the first ground truth seen for it
@@ -220,10 +226,10 @@ def _dedupe(tables_in, write):
         converted += len(t)
         key = prompt_key(t["prompt"])
         if "_key_extra" in t.column_names:
-            key = pc.binary_join_element_wise(key, t["_key_extra"].combine_chunks(), "\x1d")
+            key = framed(key, t["_key_extra"])
             t = t.drop_columns(["_key_extra"])
-        gt = ground_truth(t)
-        pair = pc.binary_join_element_wise(key, pc.fill_null(gt, ""), "\x00").dictionary_encode()
+        # framed (length-prefixed), never joined with a separator: exact for any bytes in a prompt or an answer
+        pair = framed(key, ground_truth(t)).dictionary_encode()
         uniq, first = np.unique(pair.indices.to_numpy(zero_copy_only=False), return_index=True)
         values = pair.dictionary.to_pylist()
         keep = []
@@ -233,7 +239,7 @@ def _dedupe(tables_in, write):
             if d in seen:
                 continue
             seen.add(d)
-            k, g = v.split("\x00", 1)
+            k, g = unframe_first(v)
             kd, gd = _digest(k), _digest(g)
             if truth_of.setdefault(kd, gd) != gd:
                 conflicts.add(kd)
@@ -443,8 +449,8 @@ def run(args):
         raise UserError(f"--limit {args.limit}: must be at least 1")
     with atomic.atomic_dir(out, owner="preprocess") as tmp:
         stats = process(spec, root, tmp, args.variant, args.limit)
-        # conflicts are reported and kept out, but they are a property of the source, not malformed rows
-        bad = {r: n for r, n in stats["rejected_by_reason"].items() if r != "conflicting_ground_truth"}
+        # every row not kept counts, conflicting ground truths included (rows dropped silently were the defect)
+        bad = dict(stats["rejected_by_reason"])
         fraction = sum(bad.values()) / stats["rows_in"]
         if fraction > args.max_rejected_fraction:
             top = ", ".join(f"{r}={n}" for r, n in sorted(bad.items(), key=lambda x: -x[1])[:3])

@@ -34,7 +34,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pipeline_steps import atomic, outputs, settings
-from pipeline_steps.errors import UserError
+from pipeline_steps.errors import TransientError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +123,28 @@ def parse_uri(uri: str) -> StoreURI:
     return StoreURI(scheme, bucket, path)
 
 
+def transient_status(status: int | None, code: str | None = None) -> bool:
+    """An HTTP answer that a later attempt may not get: 5xx, 408 (timeout), 429 (throttling) and the stores'
+    throttling/busy codes."""
+    return bool(status and (status >= 500 or status in (408, 429))) or code in (
+        "RequestTimeout",
+        "SlowDown",
+        "Throttling",
+        "ServerBusy",
+        "InternalError",
+        "ServiceUnavailable",
+    )
+
+
 # -- local checksums ----------------------------------------------------------------------------
 
 
 class _ChecksumCache:
     """Checksums of local files keyed by (path, size, mtime_ns, inode), so an unchanged
     directory is not re-read on re-upload (the rsync heuristic). Stored in SQLite under
-    ``$PIPELINE_CACHE_DIR`` (default ``~/.cache/pipeline_steps``); losing it only costs time."""
+    ``$PIPELINE_CACHE_DIR`` (default ``~/.cache/pipeline_steps``); losing it only costs time, so it is best effort:
+    any failure to open, read or write it (an unwritable directory, a full disk, a corrupt file) turns the cache off
+    for the rest of the run, with one warning."""
 
     def __init__(self):
         root = settings.cache_dir()
@@ -144,30 +159,54 @@ class _ChecksumCache:
                 "CREATE TABLE IF NOT EXISTS sums (path TEXT, size INT, mtime INT, ino INT, algo TEXT, value TEXT,"
                 " PRIMARY KEY (path, algo))"
             )
-        except (OSError, sqlite3.Error) as exc:  # read-only home: still correct, just slower
-            log.debug("checksum cache disabled: %s", exc)
-            self.db = None
+        except (OSError, sqlite3.Error) as exc:
+            self._off(exc, root)
+
+    warned = False  # one warning per process, however many caches (source files, a local store's objects) fail
+
+    def _off(self, exc: BaseException, where=None) -> None:
+        if _ChecksumCache.warned:
+            log.debug("checksum cache %s off: %s", where or "", exc)
+        else:
+            _ChecksumCache.warned = True
+            log.warning(
+                "checksum cache %s unusable (%s: %s); continuing without it (files are re-read: only costs time)",
+                where or os.environ.get("PIPELINE_CACHE_DIR") or "",
+                exc.__class__.__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+            )
+        db, self.db = self.db, None
+        if db is not None:
+            try:
+                db.close()
+            except sqlite3.Error:
+                pass
+
+    def _run(self, sql: str, args: tuple):
+        db = self.db
+        if db is None:
+            return None
+        try:
+            return db.execute(sql, args).fetchone()
+        except (OSError, sqlite3.Error) as exc:
+            if self.db is db:  # the first failure warns; the hashing thread may meet the same one
+                self._off(exc)
+            return None
 
     def get(self, path: Path, st: os.stat_result, algo: str) -> str | None:
-        if self.db is None:
-            return None
-        row = self.db.execute(
-            "SELECT size, mtime, ino, value FROM sums WHERE path=? AND algo=?", (str(path), algo)
-        ).fetchone()
+        row = self._run("SELECT size, mtime, ino, value FROM sums WHERE path=? AND algo=?", (str(path), algo))
         if row and tuple(row[:3]) == (st.st_size, st.st_mtime_ns, st.st_ino):
             return row[3]
         return None
 
     def forget(self, path: Path) -> None:
-        if self.db is not None:
-            self.db.execute("DELETE FROM sums WHERE path=?", (str(path),))
+        self._run("DELETE FROM sums WHERE path=?", (str(path),))
 
     def put(self, path: Path, st: os.stat_result, algo: str, value: str) -> None:
-        if self.db is not None:
-            self.db.execute(
-                "INSERT OR REPLACE INTO sums VALUES (?,?,?,?,?,?)",
-                (str(path), st.st_size, st.st_mtime_ns, st.st_ino, algo, value),
-            )
+        self._run(
+            "INSERT OR REPLACE INTO sums VALUES (?,?,?,?,?,?)",
+            (str(path), st.st_size, st.st_mtime_ns, st.st_ino, algo, value),
+        )
 
 
 def _native_hasher(algo: str | None):
@@ -467,9 +506,9 @@ class Store(abc.ABC):
                     )
                 if stored is not None and stored != entry[self.native]:
                     # end to end: the server's checksum of the stored object against the file's; a retry re-uploads it
-                    raise RuntimeError(
+                    raise TransientError(
                         f"{key}: the stored object's {self.native} ({stored}) is not the file's "
-                        f"({entry[self.native]}): corrupted in transfer; retry the upload"
+                        f"({entry[self.native]}): corrupted in transfer; retried"
                     )
                 self._stored(key, entry)
                 uploaded += 1
@@ -521,7 +560,7 @@ class Store(abc.ABC):
         else:
             self._get_file(u.key, out)
         if out.stat().st_size != info.size:
-            raise RuntimeError(f"{uri}: downloaded {out.stat().st_size} bytes of {info.size}; retry")
+            raise TransientError(f"{uri}: downloaded {out.stat().st_size} bytes of {info.size}; retried")
         return {"uri": str(u), "bytes": info.size}
 
     def download_dir(self, src_uri: str, dest_dir: str | os.PathLike) -> dict:
@@ -545,9 +584,11 @@ class Store(abc.ABC):
                 got = file_checksums(out, None)
                 if out.stat().st_size != e["size"] or got["sha256"] != e["sha256"]:
                     self._forget(self._join(u.key, rel))  # so that the re-upload below re-reads it and repairs it
-                    raise UserError(
-                        f"{src_uri}/{rel}: stored object does not match the manifest (sha256 {got['sha256'][:12]} != "
-                        f"{e['sha256'][:12]}); the version is corrupted, re-upload it from its source"
+                    # transient: a transfer corrupted on the way fails the same check; a retry downloads it again,
+                    # and a version corrupted in the store keeps failing with this line
+                    raise TransientError(
+                        f"{src_uri}/{rel}: downloaded object does not match the manifest (sha256 {got['sha256'][:12]} "
+                        f"!= {e['sha256'][:12]}); retried; if it persists the stored version is corrupted, re-upload it"
                     )
                 total += e["size"]
         return {"uri": str(u), "path": str(dest), "files": len(manifest["files"]), "bytes": total}

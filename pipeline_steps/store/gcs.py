@@ -23,8 +23,8 @@ import logging
 import os
 from pathlib import Path
 
-from pipeline_steps.errors import UserError
-from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id
+from pipeline_steps.errors import TransientError, UserError, disk_full
+from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id, transient_status
 from pipeline_steps.store.oss import _tuning
 
 log = logging.getLogger(__name__)
@@ -104,6 +104,11 @@ class GcsStore(Store):
                 "create it or fix the URI"
             ) from None
         except gexc.GoogleAPICallError as exc:
+            if transient_status(exc.code):
+                raise TransientError(
+                    f"store connection {cid!r}: GCS {op} {where} failed (HTTP {exc.code}) after the client's retries; "
+                    "the store is failing or throttling, Airflow retries the task"
+                ) from None
             raise UserError(f"store connection {cid!r}: GCS {op} {where} failed (HTTP {exc.code})") from None
         except Exception as exc:
             import google.auth.exceptions as gae
@@ -111,20 +116,31 @@ class GcsStore(Store):
             from google.resumable_media import DataCorruption
 
             if isinstance(exc, DataCorruption):
-                raise UserError(
-                    f"GCS {op} {where}: CRC32C mismatch between client and server; the transfer was corrupted, re-run"
+                raise TransientError(
+                    f"GCS {op} {where}: CRC32C mismatch between client and server; the transfer was corrupted, retried"
                 ) from None
+            if disk_full(exc):
+                raise disk_full(exc) from None  # the CLI reports a full disk as transient
             if isinstance(exc, gae.DefaultCredentialsError):
                 raise UserError(
                     f"store connection {cid!r}: no GCS credentials found; set the connection's key_path/keyfile_dict "
                     "(or GOOGLE_APPLICATION_CREDENTIALS)"
                 ) from None
             if isinstance(
-                exc, (gae.TransportError, gae.RefreshError, requests.ConnectionError, requests.Timeout, gexc.RetryError)
+                exc,
+                (
+                    gae.TransportError,
+                    gae.RefreshError,
+                    requests.ConnectionError,
+                    requests.Timeout,
+                    gexc.RetryError,
+                    ConnectionError,
+                    TimeoutError,
+                ),
             ):
-                raise UserError(
-                    f"store connection {cid!r}: cannot reach GCS at {self.endpoint} or get a token "
-                    f"({exc.__class__.__name__}); check the connection and the network"
+                raise TransientError(
+                    f"store connection {cid!r}: cannot reach GCS at {self.endpoint} or get a token for {op} {where} "
+                    f"({exc.__class__.__name__}); check the connection and the network (retried)"
                 ) from None
             raise
 

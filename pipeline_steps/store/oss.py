@@ -22,12 +22,13 @@ import contextlib
 import ipaddress
 import logging
 import os
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from pipeline_steps import settings
-from pipeline_steps.errors import UserError
-from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id
+from pipeline_steps.errors import TransientError, UserError, disk_full
+from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id, transient_status
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +43,14 @@ def _tuning(default_part_mb: float) -> tuple[int, int]:
     return max(part, 100 << 10), max(par, 1)
 
 
-def checkpoint_dir() -> str:
+def checkpoint_dir() -> str | None:
+    """Where the SDK keeps resume checkpoints of uploads; None (no resume, still correct) when it cannot be made."""
     root = settings.cache_dir() / "oss-checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.debug("OSS upload checkpoints off (%s): %s", root, exc)  # the checksum cache warns once for the dir
+        return None
     return str(root) + os.sep  # the SDK takes dirname() of this value
 
 
@@ -126,17 +132,24 @@ class OssStore(Store):
                         f"store connection {cid!r}: bucket {self.bucket!r} does not exist at {self.endpoint} "
                         "(NoSuchBucket); create it or fix the URI/region"
                     ) from None
+                if transient_status(err.status_code, code):
+                    raise TransientError(
+                        f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code}) after "
+                        "the client's retries; the store is failing or throttling, Airflow retries the task"
+                    ) from None
                 raise UserError(
                     f"store connection {cid!r}: OSS {op} {where} failed ({code}, HTTP {err.status_code})"
                 ) from None
             if isinstance(err, oss.exceptions.InconsistentError):
-                raise UserError(
-                    f"OSS {op} {where}: CRC64 mismatch between client and server; the transfer was corrupted, re-run"
+                raise TransientError(
+                    f"OSS {op} {where}: CRC64 mismatch between client and server; the transfer was corrupted, retried"
                 ) from None
-            if isinstance(err, (oss.exceptions.RequestError, ConnectionError)):
-                raise UserError(
-                    f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} ({err.__class__.__name__}); "
-                    "check the connection's endpoint/region and the network"
+            if disk_full(exc):
+                raise disk_full(exc) from None  # the CLI reports a full disk as transient
+            if isinstance(err, (oss.exceptions.RequestError, ConnectionError, TimeoutError)):
+                raise TransientError(
+                    f"store connection {cid!r}: cannot reach OSS endpoint {self.endpoint} for {op} {where} "
+                    f"({err.__class__.__name__}); check the endpoint/region and the network (retried)"
                 ) from None
             raise
 
@@ -176,11 +189,12 @@ class OssStore(Store):
         uploader = self.client.uploader(part_size=self.part_size, parallel_num=self.parallel)
         with self._errors("upload", key):
             try:
+                checkpoints = checkpoint_dir()
                 result = uploader.upload_file(
                     oss.PutObjectRequest(bucket=self.bucket, key=key),
                     str(path),
-                    enable_checkpoint=True,
-                    checkpoint_dir=checkpoint_dir(),
+                    enable_checkpoint=checkpoints is not None,
+                    checkpoint_dir=checkpoints,
                 )
             except oss.uploader.UploadError as exc:
                 # With checkpoints the SDK keeps parts for a resume; after an error (not a kill) we abort
@@ -194,11 +208,59 @@ class OssStore(Store):
         return result.hash_crc64  # the server's CRC64 of the completed object
 
     def _get_file(self, key: str, path: Path) -> None:
+        """Ranged GETs, in order, into ``path``, by our own loop: the SDK's downloader swallows every exception in its
+        part loop and re-requests the same range forever when a server sends headers and drops the body, or when
+        the local disk is full. Here a failed range is retried from the last byte written, with back-off; after
+        ``PIPELINE_STORE_RETRIES`` failures in a row without a byte of progress, or ``PIPELINE_STORE_STALL_SECONDS``
+        (default 120) without one, the download fails in one line naming the object (transient: Airflow retries).
+        A full disk fails at once. The whole object's CRC64 is checked against the server's at the end."""
+        import fastcrc
+
         self._ensure_bucket()
         oss = self._oss
-        downloader = self.client.downloader(part_size=self.part_size, parallel_num=self.parallel)
-        with self._errors("download", key):
-            downloader.download_file(oss.GetObjectRequest(bucket=self.bucket, key=key), str(path))
+        where = f"oss://{self.bucket}/{key}"
+        info = self._head(key)
+        if info is None:
+            raise TransientError(f"OSS download {where}: the object disappeared during the download; retried")
+        attempts = max(int(os.environ.get("PIPELINE_STORE_RETRIES", "3")), 1)
+        stall = float(os.environ.get("PIPELINE_STORE_STALL_SECONDS") or 120)
+        crc, offset, failures, last = fastcrc.crc64.xz(b""), 0, 0, ""
+        progress_at = time.monotonic()
+        with open(path, "wb") as f:
+            while offset < info.size:
+                end = min(offset + self.part_size, info.size) - 1
+                before = offset
+                try:
+                    with self._errors("download", key):
+                        r = self.client.get_object(
+                            oss.GetObjectRequest(bucket=self.bucket, key=key, range_header=f"bytes={offset}-{end}")
+                        )
+                        with contextlib.closing(r.body):
+                            for chunk in r.body.iter_bytes(block_size=1 << 20):
+                                chunk = chunk[: end + 1 - offset]
+                                f.write(chunk)  # a full disk raises here, and is not retried
+                                crc = fastcrc.crc64.xz(chunk, initial=crc)
+                                offset += len(chunk)
+                except TransientError as exc:
+                    last = str(exc)
+                except Exception as exc:
+                    if disk_full(exc) or isinstance(exc, UserError):
+                        raise
+                    last = f"{exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                if offset > before:
+                    failures, progress_at = 0, time.monotonic()
+                elif offset < info.size:
+                    failures += 1
+                    if failures >= attempts or time.monotonic() - progress_at > stall:
+                        raise TransientError(
+                            f"OSS download {where}: no progress at byte {offset} of {info.size} after {failures} "
+                            f"attempts ({last[:160]}); retried"
+                        )
+                    time.sleep(min(0.2 * 2**failures, 5.0))
+        if info.checksum and str(crc) != str(info.checksum):
+            raise TransientError(
+                f"OSS download {where}: CRC64 mismatch between client and server; the transfer was corrupted, retried"
+            )
 
     def _get_bytes(self, key: str) -> bytes | None:
         def get():

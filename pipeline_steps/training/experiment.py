@@ -73,6 +73,43 @@ def preset_summary(name: str) -> dict[str, str]:
     return {k: str(v) for k, v in values.items() if v not in (None, "")}
 
 
+def modalities(spec: dict) -> set[str]:
+    """What a preset's model reads: ``model.modalities``, text when unset."""
+    return set((spec.get("model") or {}).get("modalities") or ["text"])
+
+
+def presets_reading(modality: str) -> list[str]:
+    """Presets whose ``model.modalities`` include ``modality`` (text when unset), for the fix a refusal names.
+
+    Reads the YAML only; a preset that cannot be read is left out (plan reports it when it is chosen).
+    """
+    out = []
+    for name in preset_names():
+        try:
+            spec = yaml.safe_load(resolve_path(name).read_text(encoding="utf-8")) or {}
+            if modality in modalities(spec):
+                out.append(name)
+        except Exception:
+            continue
+    return out
+
+
+MM_PROCESSOR_KWARGS = "data.mm_processor_kwargs"  # verl 0.9.1: the multimodal processor's settings (pixel limits)
+
+
+def mm_processor_kwargs(verl: dict) -> dict:
+    """The run's ``data.mm_processor_kwargs`` from a verl override map, whether set whole or per key (``+`` leaves:
+    verl's default is an empty map, which Hydra cannot merge new keys into). Evaluation scales figures as training."""
+    out: dict = {}
+    for key, value in verl.items():
+        bare = str(key).lstrip("+")
+        if bare == MM_PROCESSOR_KWARGS and isinstance(value, dict):
+            out.update(value)
+        elif bare.startswith(MM_PROCESSOR_KWARGS + "."):
+            out[bare[len(MM_PROCESSOR_KWARGS) + 1 :]] = value
+    return out
+
+
 KEY_RE = re.compile(r"^\+{0,2}[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
 
 

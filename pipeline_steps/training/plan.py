@@ -101,15 +101,19 @@ def _pinned_files(ds: registry.DatasetSpec, as_of: datetime | None) -> tuple[dic
 def _check_modalities(spec: dict, preset: str, params: dict, known: dict, used: list[str]) -> None:
     """Image rows through a text-only model would stop verl at job start (its dataset asserts a processor), after
     the GPUs were granted: refused here, before any download. ``model.modalities`` in a preset (default text)."""
-    modalities = set((spec.get("model") or {}).get("modalities") or ["text"])
+    modalities = experiment.modalities(spec)
     for name in used:
         ds = known.get(name)
         if ds is not None and ds.modality not in modalities:
             model = params.get("model") or (spec.get("model") or {}).get("source") or "its model"
+            fitting = experiment.presets_reading(ds.modality)
+            choose = f"choose a preset whose model.modalities include {ds.modality}"
+            if fitting:
+                choose = f"choose a preset that reads {ds.modality}s ({', '.join(fitting)})"
             raise UserError(
                 f"dataset {name!r} has {ds.modality} rows but preset {preset!r} trains {model}, a "
-                f"{'/'.join(sorted(modalities))}-only model; choose a preset whose model.modalities include "
-                f"{ds.modality}, or list {name!r} under prepare_datasets to prepare it without training on it"
+                f"{'/'.join(sorted(modalities))}-only model; {choose}, or list {name!r} under prepare_datasets to "
+                "prepare it without training on it"
             )
 
 
@@ -353,6 +357,10 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
     # the evaluate job gets one worker with all of a node's GPUs: vLLM shards the model over them
     gpus = params.get("gpus_per_node") or (exp.spec.get("cluster") or {}).get("gpus_per_node") or 1
     evaluation.setdefault("tensor_parallel_size", int(gpus))
+    # the figures' pixel limits of training (the preset's, or the form's overrides) hold for its evaluation too
+    mm = experiment.mm_processor_kwargs(experiment.load(run["experiment"], overrides(params)).verl)
+    if mm:
+        evaluation.setdefault("mm_processor_kwargs", mm)
     return {
         "train_files": train_files,
         "val_files": val_files,
@@ -391,6 +399,8 @@ def evaluate_request(inputs: dict, trained: dict, run: dict, backend: str = "loc
         "--max-new-tokens",
         str(ev.get("max_new_tokens", 512)),
     ]
+    if ev.get("mm_processor_kwargs"):
+        args += ["--mm-processor-kwargs", json.dumps(ev["mm_processor_kwargs"], sort_keys=True)]
     if run.get("smoke"):
         args += ["--max-problems", "4"]
     if backend == "kuberay":

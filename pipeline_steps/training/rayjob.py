@@ -41,6 +41,7 @@ KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 ANNOTATION_PREFIX = "verl-grpo-pipeline/"
 IMAGE_ENV = "PIPELINE_TRAIN_IMAGE"
 SERVICE_ACCOUNT_ENV = "PIPELINE_RAY_SERVICE_ACCOUNT"
+RAY_AUTH_SECRET_ENV = "PIPELINE_RAY_AUTH_SECRET"  # a Secret holding the clusters' Ray token (else KubeRay makes one)
 MAIN_PPO = ["python3", "-m", "pipeline_steps.training.verl_main"]  # verl.trainer.main_ppo, history kept
 
 _LABEL_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -454,6 +455,12 @@ def build_rayjob(
     spec["runtimeEnvYAML"] = yaml.safe_dump({"env_vars": env_vars}, sort_keys=True, default_flow_style=False)
     spec["activeDeadlineSeconds"] = deadline
     spec["ttlSecondsAfterFinished"] = ttl
+    auth = spec["rayClusterSpec"].setdefault("authOptions", {})
+    auth["mode"] = "token"  # never rendered without: the template's value, kept even if the template is edited
+    if secret := os.environ.get(RAY_AUTH_SECRET_ENV):
+        if not (_DNS_SUBDOMAIN.match(secret) and len(secret) <= 253):
+            raise UserError(f"${RAY_AUTH_SECRET_ENV}={secret!r}: not a Kubernetes Secret name")
+        auth["secretName"] = secret
 
     volumes, volume_mounts = mounts.volumes()
     # cluster.env also goes into the containers: NCCL/gIB settings and LD_LIBRARY_PATH must be there when Ray starts

@@ -20,15 +20,35 @@ class Reject(Exception):
     """A row that cannot become a training row; the message is a short reason slug."""
 
 
+def framed(*parts: pa.Array) -> pa.Array:
+    """Row-wise ``len(a):a len(b):b ...`` (lengths in bytes) as binary: an exact, reversible key for any bytes, where a
+    separator character could also occur in the data (a NUL, a 0x1e) and make two different rows one key. Nulls count
+    as empty."""
+    pieces = []
+    for part in parts:
+        if isinstance(part, pa.ChunkedArray):
+            part = part.combine_chunks()
+        b = pc.fill_null(part.cast(pa.binary()), pa.scalar(b"", pa.binary()))
+        pieces += [pc.binary_length(b).cast(pa.string()).cast(pa.binary()), pa.scalar(b":", pa.binary()), b]
+    return pc.binary_join_element_wise(*pieces, pa.scalar(b"", pa.binary()))
+
+
+def unframe_first(value: bytes) -> tuple[bytes, bytes]:
+    """``(a, rest)`` of a :func:`framed` value: its first part and the framed parts after it."""
+    colon = value.index(b":")
+    end = colon + 1 + int(value[:colon])
+    return value[colon + 1 : end], value[end:]
+
+
 def prompt_key(prompt: pa.Array) -> pa.Array:
-    """One string per row identifying its chat prompt (roles and contents), vectorised."""
+    """One binary key per row identifying its chat prompt (roles and contents, exactly), vectorised."""
     if isinstance(prompt, pa.ChunkedArray):
         prompt = prompt.combine_chunks()
     flat = pc.list_flatten(prompt)
-    joined = pc.binary_join_element_wise(flat.field("role"), flat.field("content"), "\x1f")
+    joined = framed(flat.field("role"), flat.field("content"))  # each message self-delimiting: concatenation is exact
     offsets = prompt.offsets
     offsets = pc.subtract(offsets, offsets[0])
-    return pc.binary_join(pa.ListArray.from_arrays(offsets, joined), "\x1e")
+    return pc.binary_join(pa.ListArray.from_arrays(offsets, joined), pa.scalar(b"", pa.binary()))
 
 
 def ground_truth(table: pa.Table) -> pa.Array:

@@ -1,6 +1,9 @@
 """Custom JSONL in the shape hosted RL services take: ``{"messages": [...], "rollout_extra": {"solution": ...}}``.
 
-Lines are read one by one so that a non-UTF-8 or truncated line is a counted rejection, not a failed file.
+Lines are read one by one, each parsed on its own, so that a bad line is a counted rejection (against
+``--max-rejected-fraction``), never a failed file or a traceback: not UTF-8, not JSON (``NaN`` included), longer than
+``MAX_LINE_BYTES``, nested deeper than ``MAX_DEPTH``, or holding a lone surrogate (``"\\ud800"``: legal JSON text that
+is no Unicode string and cannot be written to parquet). A UTF-8 byte-order mark before the first line is skipped.
 Trailing assistant messages (reference answers) are dropped from the prompt.
 
 ``rollout_extra`` is kept as what it is, a JSON object: a parquet struct in ``extra_info.rollout_extra``, so verl's
@@ -25,10 +28,60 @@ REQUIRED_COLUMNS = ()
 TOOL_NAME = "code_interpreter"
 
 
+MAX_LINE_BYTES = 16 << 20  # one row; a longer line is rejected without being held whole in memory
+MAX_DEPTH = 64  # nesting of objects and lists; the rows verl reads are 4 deep
+BOM = b"\xef\xbb\xbf"
+
+
+def _reject_const(name):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _problem(value) -> str | None:
+    """Why a parsed line is unusable (too deep, a lone surrogate), else None; iterative, so depth costs no stack."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, dict):
+            items = list(v.keys()) + list(v.values())
+        elif isinstance(v, list):
+            items = v
+        else:
+            if isinstance(v, str):
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    return "lone_surrogate"
+            continue
+        if depth > MAX_DEPTH:
+            return "too_deep"
+        stack.extend((item, depth + 1) for item in items)
+    return None
+
+
+def _raw_lines(f):
+    """(line number, bytes | None when longer than MAX_LINE_BYTES) per line."""
+    lineno = 0
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):  # skip the rest of the line, a chunk at a time
+                raw = f.readline(1 << 20)
+            yield lineno, None
+            continue
+        yield lineno, raw[len(BOM) :] if lineno == 1 and raw.startswith(BOM) else raw
+
+
 def _lines(path):
     """(line number, row | None, reject reason | None) per non-blank line."""
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in _raw_lines(f):
+            if raw is None:
+                yield lineno, {"raw": f"<line {lineno}: over {MAX_LINE_BYTES} bytes>"}, "line_too_long"
+                continue
             if not raw.strip():
                 continue
             try:
@@ -36,13 +89,21 @@ def _lines(path):
             except UnicodeDecodeError:
                 yield lineno, {"raw": raw[:200].decode("utf-8", "replace")}, "not_utf8"
                 continue
+            shown = {"raw": text[:200].encode("utf-8", "replace").decode("utf-8")}
             try:
-                row = json.loads(text)
-            except json.JSONDecodeError:
-                yield lineno, {"raw": text[:200]}, "invalid_json"
+                row = json.loads(text, parse_constant=_reject_const)
+            except RecursionError:
+                yield lineno, shown, "too_deep"
+                continue
+            except ValueError:  # JSONDecodeError, NaN/Infinity
+                yield lineno, shown, "invalid_json"
                 continue
             if not isinstance(row, dict):
-                yield lineno, {"raw": text[:200]}, "not_an_object"
+                yield lineno, shown, "not_an_object"
+                continue
+            problem = _problem(row)
+            if problem:
+                yield lineno, shown, problem
                 continue
             yield lineno, row, None
 
