@@ -73,7 +73,11 @@ def stop(proc: subprocess.Popen, home: Path) -> None:
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            pass
+    try:  # anything still in the group once the supervisor is gone is an orphan of a component
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     stop_services(home)
 
 

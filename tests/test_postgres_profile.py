@@ -24,10 +24,11 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.airflow_api import api
 
 pytestmark = pytest.mark.slow
 
@@ -77,17 +78,6 @@ def postgres(tmp_path_factory):
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _api(url: str, path: str, method: str = "GET", body: dict | None = None) -> dict:
-    req = urllib.request.Request(
-        f"{url}/api/v2{path}",
-        method=method,
-        data=json.dumps(body).encode() if body is not None else None,
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=60) as r:
-        return json.loads(r.read())
-
-
 @pytest.fixture(scope="module")
 def airflow_pg(postgres, tmp_path_factory):
     from scripts.airflow_local import start, stop
@@ -123,7 +113,7 @@ def airflow_pg(postgres, tmp_path_factory):
         deadline = time.time() + 300
         while time.time() < deadline:
             try:
-                _api(state["url"], "/dags/verl_grpo_pipeline")
+                api(state["url"], "/dags/verl_grpo_pipeline")
                 return
             except OSError:
                 time.sleep(3)
@@ -145,7 +135,7 @@ def _wait_runs(url: str, runs: list[str], timeout: float = 1800) -> dict:
     deadline = time.time() + timeout
     states = {}
     while time.time() < deadline:
-        states = {r: _api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}")["state"] for r in runs}
+        states = {r: api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}")["state"] for r in runs}
         if all(s in ("success", "failed") for s in states.values()):
             break
         time.sleep(10)
@@ -158,7 +148,7 @@ def _why(airflow_pg: dict, states: dict) -> str:
     for run, state in states.items():
         if state == "success":
             continue
-        tis = _api(airflow_pg["url"], f"/dags/verl_grpo_pipeline/dagRuns/{run}/taskInstances?limit=100")
+        tis = api(airflow_pg["url"], f"/dags/verl_grpo_pipeline/dagRuns/{run}/taskInstances?limit=100")
         for ti in tis["task_instances"]:
             if ti["state"] in ("success", "skipped"):
                 continue
@@ -173,11 +163,11 @@ def _why(airflow_pg: dict, states: dict) -> str:
 @pytest.mark.budget(1200)  # 997 s measured at a load average of 10 (four sessions on 2 cores)
 def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_and_promote_consistently(airflow_pg):
     url = airflow_pg["url"]
-    pool = _api(url, "/pools/gpu")
+    pool = api(url, "/pools/gpu")
     # a deferred train waits for its job without a worker slot; without include_deferred it would free the pool
     assert pool["slots"] == 8 and pool["include_deferred"] is True
-    _api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
-    backfill = _api(
+    api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
+    backfill = api(
         url,
         "/backfills",
         "POST",
@@ -196,7 +186,7 @@ def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_an
     while time.time() < deadline and len(runs) < len(DATES):
         runs = [
             r["dag_run_id"]
-            for r in _api(url, "/dags/verl_grpo_pipeline/dagRuns?limit=100")["dag_runs"]
+            for r in api(url, "/dags/verl_grpo_pipeline/dagRuns?limit=100")["dag_runs"]
             if (r["logical_date"] or "")[:10] in DATES
         ]
         time.sleep(3)
@@ -205,7 +195,7 @@ def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_an
     assert set(states.values()) == {"success"}, _why(airflow_pg, states)
     # the same revisions: every run registered the same dataset versions, each one Asset
     emitted: dict[str, set] = {r: set() for r in runs}
-    for e in _api(url, "/assets/events?limit=1000")["asset_events"]:
+    for e in api(url, "/assets/events?limit=1000")["asset_events"]:
         if e["source_run_id"] in emitted and "/datasets/" in e["uri"]:
             emitted[e["source_run_id"]].add(e["uri"])
     assert len({frozenset(v) for v in emitted.values()}) == 1 and len(emitted[runs[0]]) == 2, emitted
@@ -213,7 +203,7 @@ def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_an
     events = (airflow_pg["race"] / "events.log").read_text().splitlines()
     assert any(e.startswith("alone gsm8k@") for e in events) and any(e.startswith("alone aime2024@") for e in events)
     assert not [e for e in events if e.startswith("met ")], events
-    trains = [_api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}/taskInstances/train") for r in runs]
+    trains = [api(url, f"/dags/verl_grpo_pipeline/dagRuns/{r}/taskInstances/train") for r in runs]
     assert all(t["pool"] == "gpu" and t["pool_slots"] == 8 for t in trains)
     # One pool of 8 slots, 8 per task: the training jobs never hold the GPUs at once. Measured on the jobs (Ray's
     # start and end times), not on the train tasks: when a job ends its task leaves `deferred` for `scheduled` to run
@@ -258,8 +248,8 @@ def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_p
     from pipeline_steps.local import ray_cluster
 
     url = airflow_pg["url"]
-    _api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
-    run = _api(
+    api(url, "/dags/verl_grpo_pipeline", "PATCH", {"is_paused": False})
+    run = api(
         url,
         "/dags/verl_grpo_pipeline/dagRuns",
         "POST",
@@ -269,7 +259,7 @@ def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_p
     state = None
     while time.time() < deadline:
         try:
-            state = _api(url, f"/dags/verl_grpo_pipeline/dagRuns/{run}/taskInstances/train")["state"]
+            state = api(url, f"/dags/verl_grpo_pipeline/dagRuns/{run}/taskInstances/train")["state"]
         except OSError:
             state = None
         if state in ("deferred", "success", "failed"):

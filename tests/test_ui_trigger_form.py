@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 import urllib.request
 from datetime import datetime
 from pathlib import Path
 
+import psutil
 import pytest
+
+from tests.airflow_api import api
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
@@ -30,11 +34,6 @@ CHROMIUM_ARGS = [
     "--disable-sync",
     "--no-first-run",
 ]
-
-
-def _api(url: str, path: str) -> dict:
-    with urllib.request.urlopen(f"{url}/api/v2{path}", timeout=30) as r:
-        return json.loads(r.read())
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +62,7 @@ def ui(tmp_path_factory):
         deadline = time.time() + 300  # the DAG processor parses the DAG files
         while time.time() < deadline:
             try:
-                _api(url, "/dags/verl_grpo_pipeline")
+                api(url, "/dags/verl_grpo_pipeline")
                 break
             except OSError:
                 time.sleep(3)
@@ -123,7 +122,7 @@ def test_the_form_opens_with_every_section_valid_and_trigger_enabled(ui):
     ids=["rollout-n-0", "store-ftp", "override-without-equals", "train-jsonl-ftp"],
 )
 def test_bad_values_are_refused_with_their_message_visible(ui, section, selector, value, param):
-    before = _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"]
+    before = api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"]
     page, dialog = _open_form(ui)
     _section(page, dialog, section)
     from playwright.sync_api import expect
@@ -135,7 +134,7 @@ def test_bad_values_are_refused_with_their_message_visible(ui, section, selector
         expect(field).to_have_value("1", timeout=15000)
         page.screenshot(path=str(ui["shots"] / f"form-refused-{param}.png"), full_page=True)
         page.close()
-        assert _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"] == before
+        assert api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"] == before
         return
     expect(field).to_have_value(value)
     dialog.get_by_role("button", name="Trigger").click()
@@ -144,11 +143,10 @@ def test_bad_values_are_refused_with_their_message_visible(ui, section, selector
     assert alert.is_visible()
     page.screenshot(path=str(ui["shots"] / f"form-refused-{param}.png"), full_page=True)
     page.close()
-    assert _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"] == before  # nothing was started
+    assert api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["total_entries"] == before  # nothing was started
 
 
 def _components(supervisor: int, name: str) -> list:
-    import psutil
 
     # [python, .../bin/airflow, <component>, options...]: the scheduler runs with --skip-serve-logs
     return [c for c in psutil.Process(supervisor).children() if c.cmdline()[2:3] == [name]]
@@ -159,11 +157,13 @@ def test_a_scheduler_that_dies_is_restarted_and_schedules_the_next_run(ui):
     StaleDataError on dag_run, seen here when a backfill was created from the UI); `make airflow` restarts it. The
     smoke run of the next test is then scheduled by the restarted scheduler."""
     (scheduler,) = _components(ui["proc"].pid, "scheduler")
+    workers = scheduler.children(recursive=True)  # the LocalExecutor's worker processes
+    assert workers, "the scheduler has no LocalExecutor workers to leave behind"
     killed_at = time.time()
     scheduler.kill()
     deadline, healthy = time.time() + 180, None
     while time.time() < deadline:
-        health = _api(ui["url"], "/monitor/health")["scheduler"]
+        health = api(ui["url"], "/monitor/health")["scheduler"]
         beat = health.get("latest_scheduler_heartbeat")
         if health["status"] == "healthy" and beat and datetime.fromisoformat(beat).timestamp() > killed_at + 1:
             healthy = health
@@ -172,12 +172,18 @@ def test_a_scheduler_that_dies_is_restarted_and_schedules_the_next_run(ui):
     assert healthy, (health, Path(ui["log"]).read_text()[-3000:])
     (again,) = _components(ui["proc"].pid, "scheduler")
     assert again.pid != scheduler.pid
-    assert "scheduler exited with code -9; restarting it" in Path(ui["log"]).read_text()
+    log = Path(ui["log"]).read_text()
+    assert "scheduler exited with code -9; restarting it" in log
+    # as a pod restart would, the restart took the dead scheduler's workers with it (they once piled up by the dozen)
+    alive = [w.pid for w in workers if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"the killed scheduler's workers {alive} outlived it"
+    killed = [int(n) for n in re.findall(r"killed (\d+) process\(es\) left behind by an exited component", log)]
+    assert killed and killed[0] >= len(workers), (killed, len(workers))
 
 
 @pytest.mark.budget(900)  # 617 s at a load average of 8
 def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
-    known = {r["dag_run_id"] for r in _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]}
+    known = {r["dag_run_id"] for r in api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]}
     page, dialog = _open_form(ui)
     _section(page, dialog, "Experiment")
     dialog.get_by_text("Smoke run").click()
@@ -189,7 +195,7 @@ def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
     while time.time() < deadline and not runs:
         runs = [
             r
-            for r in _api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]
+            for r in api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]
             if r["dag_run_id"] not in known and r["run_type"] == "manual"
         ]
         time.sleep(1)
@@ -199,7 +205,7 @@ def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
     run_id = run["dag_run_id"]
     deadline = time.time() + 1200
     while time.time() < deadline:
-        run = _api(ui["url"], f"/dags/verl_grpo_pipeline/dagRuns/{urllib.request.quote(run_id, safe='')}")
+        run = api(ui["url"], f"/dags/verl_grpo_pipeline/dagRuns/{urllib.request.quote(run_id, safe='')}")
         if run["state"] in ("success", "failed"):
             break
         time.sleep(5)
