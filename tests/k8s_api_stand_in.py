@@ -14,8 +14,10 @@ API server, so the clients' own error handling runs):
 - ``/apis/ray.io/v1/namespaces/{ns}/rayjobs/{name}``: GET, DELETE (404 ``NotFound``).
 - ``/api/v1/namespaces/{ns}/pods?labelSelector=`` and ``.../pods/{name}/log?tailLines=``:
   the KubeRay submitter pod (``K8sJobMode``), whose log is the Ray job's log.
-- for ``doctor``: the RayJob CRD, namespaces, PVCs, Secrets (from ``crds``, ``namespaces``, ``pvcs``, ``secrets``)
-  and ``SelfSubjectAccessReview`` (from ``access``).
+- for ``doctor``: the RayJob CRD, namespaces, PVCs, Secrets (from ``crds``, ``namespaces``, ``pvcs``, ``secrets``),
+  ``SelfSubjectAccessReview`` (from ``access``), Deployments in all namespaces (``/apis/apps/v1/deployments``, with an
+  equality ``labelSelector``: the KubeRay operator's, from :func:`kuberay_operator`) and nodes (``/api/v1/nodes``,
+  from :func:`gpu_node`), both lists refused with 403 outside ``access`` as cluster-scoped requests.
 - ``/api/jobs/{job_id}/logs``: the Ray dashboard's Jobs REST API (``HTTPMode`` has no submitter
   pod); ``status.dashboardURL`` points at this server.
 
@@ -66,6 +68,8 @@ NAMESPACE = re.compile(r"^/api/v1/namespaces/([^/]+)$")
 PVC = re.compile(r"^/api/v1/namespaces/([^/]+)/persistentvolumeclaims/([^/]+)$")
 SECRET = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets/([^/]+)$")
 SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+DEPLOYMENTS = "/apis/apps/v1/deployments"  # list across namespaces (the KubeRay operator's namespace is the user's)
+NODES = "/api/v1/nodes"
 
 # KubeRay-like scripts: each dict is one observed status (plus optional side effects).
 SUCCESS = [
@@ -142,6 +146,66 @@ def kuberay_validation_error(obj: dict) -> str | None:
     if spec.get("backoffLimit") is not None and spec["backoffLimit"] < 0:
         return "The RayJob spec is invalid: backoffLimit must be a positive integer"
     return None
+
+
+def kuberay_operator(namespace: str = "kuberay-system", version: str = "1.7.0", image: str | None = None) -> dict:
+    """The Deployment the kuberay-operator Helm chart (release ``kuberay-operator``) creates: its labels
+    (helm-chart/kuberay-operator/templates/_helpers.tpl) and image ``quay.io/kuberay/operator:v<version>``."""
+    labels = {
+        "app.kubernetes.io/name": "kuberay-operator",
+        "helm.sh/chart": f"kuberay-operator-{version}",
+        "app.kubernetes.io/instance": "kuberay-operator",
+        "app.kubernetes.io/managed-by": "Helm",
+        "app.kubernetes.io/component": "kuberay-operator",
+    }
+    selector = {k: labels[k] for k in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
+    return {
+        "metadata": {"name": "kuberay-operator", "namespace": namespace, "labels": labels, "generation": 1},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": selector},
+            "template": {
+                "metadata": {"labels": {**selector, "app.kubernetes.io/component": "kuberay-operator"}},
+                "spec": {
+                    "serviceAccountName": "kuberay-operator",
+                    "containers": [
+                        {
+                            "name": "kuberay-operator",
+                            "image": image or f"quay.io/kuberay/operator:v{version}",
+                            "command": ["/manager"],
+                        }
+                    ],
+                },
+            },
+        },
+        "status": {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "observedGeneration": 1},
+    }
+
+
+def gpu_node(
+    name: str,
+    gpus: int,
+    labels: dict | None = None,
+    taints: list[dict] | None = None,
+    ready: bool = True,
+    unschedulable: bool = False,
+) -> dict:
+    """A node as ``GET /api/v1/nodes`` lists it, with ``gpus`` allocatable ``nvidia.com/gpu`` (the device plugin's
+    resource) and the given labels and taints (``{"key", "value", "effect"}``)."""
+    spec = {"taints": list(taints or [])}
+    if unschedulable:  # kubectl cordon sets it, with the node.kubernetes.io/unschedulable taint
+        spec["unschedulable"] = True
+        spec["taints"].append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule"})
+    resources = {"cpu": "128", "memory": "1056Gi", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}},
+        "spec": spec,
+        "status": {
+            "capacity": dict(resources),
+            "allocatable": dict(resources),
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False", "reason": "KubeletReady"}],
+        },
+    }
 
 
 def _forbidden(method: str, path: str, grant: set) -> str | None:
@@ -274,6 +338,8 @@ class StandIn:
         self.pvcs: dict[tuple[str, str], str] = {}
         self.secrets: dict[tuple[str, str], dict[str, str]] = {}
         self.access: set[tuple[str, str, str, str, str]] | None = None
+        self.deployments: list[dict] = []  # Deployment objects (kuberay_operator())
+        self.nodes: list[dict] = []  # Node objects (gpu_node())
         # extra bearer tokens, each with what its identity may do (RBAC, decided here instead of from Role objects):
         # RayJob and pod requests outside the grant get 403 Forbidden, as the API server's authorizer answers
         self.identities: dict[str, set[tuple[str, str, str, str, str]]] = {}
@@ -413,7 +479,7 @@ class StandIn:
                 items = [self._pod(ns, p) for p in self._pods(ns)]
                 items = [i for i in items if _match(i["metadata"]["labels"], selector)]
                 return 200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}, "application/json"
-        found = self._cluster_state(method, path, body)
+        found = self._cluster_state(method, path, body, query)
         if found is not None:
             return found
         m = RAY_JOB_LOGS.match(path)
@@ -431,8 +497,9 @@ class StandIn:
     def allowed(self, group: str, resource: str, sub: str, verb: str, ns: str) -> bool:
         return self.access is None or (group, resource, sub, verb, ns) in self.access
 
-    def _cluster_state(self, method: str, path: str, body):
-        """CRDs, namespaces, PVCs, Secrets and SelfSubjectAccessReviews, as the API server answers them."""
+    def _cluster_state(self, method: str, path: str, body, query: dict):
+        """CRDs, namespaces, PVCs, Secrets, SelfSubjectAccessReviews, Deployments and nodes, as the API server answers
+        them."""
         j = "application/json"
 
         def missing(kind, name):
@@ -450,6 +517,22 @@ class StandIn:
             return 201, {**body, "status": {"allowed": ok}}, j
         if method != "GET":
             return None
+        if path in (DEPLOYMENTS, NODES):
+            group, resource, kind = (
+                ("apps", "deployments", "Deployment") if path == DEPLOYMENTS else ("", "nodes", "Node")
+            )
+            if not self.allowed(group, resource, "", "list", ""):
+                what = f"{resource}.{group}" if group else resource
+                msg = f'{what} is forbidden: cannot list resource "{resource}" in API group "{group}" at the cluster '
+                msg += "scope"
+                return 403, _status_body(403, "Forbidden", msg), j
+            items = self.deployments if path == DEPLOYMENTS else self.nodes
+            try:
+                items = [o for o in items if _match(o["metadata"].get("labels") or {}, query.get("labelSelector", ""))]
+            except ValueError as exc:
+                return 400, _status_body(400, "BadRequest", str(exc)), j
+            version = "apps/v1" if group else "v1"
+            return 200, {"kind": f"{kind}List", "apiVersion": version, "metadata": {}, "items": items}, j
         if m := CRDS.match(path):
             if not self.allowed("apiextensions.k8s.io", "customresourcedefinitions", "", "get", ""):
                 msg = "customresourcedefinitions.apiextensions.k8s.io is forbidden"

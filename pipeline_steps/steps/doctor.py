@@ -1,12 +1,15 @@
 """Step ``doctor``: what first contact with a cluster needs, checked before a GPU is requested.
 
 Against the Kubernetes API the pipeline will use (the kube config, or in-cluster credentials inside a pod), it checks:
-the KubeRay RayJob CRD (and that it serves ``ray.io/v1``); the namespace; a ``SelfSubjectAccessReview`` for every verb
-the operator and the trigger use (run it as each component's service account: the worker's and the triggerer's); each
-PVC of ``$PIPELINE_MOUNTS`` is Bound; each Secret the preset's pods read exists with the expected key (values are
-never read out, only key names). It prints one line per check (``[ok]`` / ``[FAIL]`` with the fix) and exits 2 when
-any fails. Not checked yet: the KubeRay operator's version, the sandbox and MLflow servers answering, the store with
-the connection's credentials, and the GPU pool's allocatable GPUs.
+the KubeRay RayJob CRD (and that it serves ``ray.io/v1``) and the operator's version; the namespace; a
+``SelfSubjectAccessReview`` for every verb the operator and the trigger use (run it as each component's service
+account: the worker's and the triggerer's); each PVC of ``$PIPELINE_MOUNTS`` is Bound; each Secret the preset's pods
+read exists with the expected key. With a preset it also checks allocatable GPUs against the run's request, and
+asks the sandbox service (tool-agent presets) and the MLflow server (``trainer.logger`` with mlflow) one
+authenticated question each; with a store URI, it lists the store with the connection's credentials
+(``pipeline_steps/doctor/``). A secret value is only ever sent in a request header, never printed. It writes one
+line per check to stderr (``[ok]`` / ``[FAIL]`` with the fix: the Airflow task log shows stderr) and exits 2 when
+any fails.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
 
+from pipeline_steps.doctor import Check
+from pipeline_steps.doctor.kuberay import install_fix
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -29,21 +33,14 @@ VERBS = [("ray.io", "rayjobs", "", v) for v in ("create", "get", "list", "watch"
 ]
 
 
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str = ""
-    fix: str = ""
-
-    def line(self) -> str:
-        head = f"[{'ok' if self.ok else 'FAIL'}] {self.name}" + (f": {self.detail}" if self.detail else "")
-        return head if self.ok else f"{head}\n       fix: {self.fix}"
-
-
 def add_arguments(p):
     p.add_argument("--namespace", default="verl-pipeline", help="namespace the RayJobs run in")
-    p.add_argument("--experiment", default=None, help="a cluster preset: check the Secrets its pods read")
+    p.add_argument("--experiment", default=None, help="a cluster preset: its Secrets, GPUs, sandbox and MLflow servers")
+    p.add_argument(
+        "--store-uri",
+        default=os.environ.get("PIPELINE_STORE_URI", ""),
+        help="store root to list with the connection's credentials (default $PIPELINE_STORE_URI)",
+    )
     p.add_argument("--kube-config", default=None, help="kube config file (default: in-cluster, then ~/.kube/config)")
     p.add_argument("--context", default=None, help="kube config context")
 
@@ -69,7 +66,7 @@ def _status(exc) -> int | None:
 def check_crd(ext, custom, ns: str) -> Check:
     from kubernetes.client.exceptions import ApiException
 
-    fix = "install the KubeRay operator 1.7 (helm install kuberay-operator kuberay/kuberay-operator --version 1.7.0)"
+    fix = install_fix()
     try:
         crd = ext.read_custom_resource_definition(CRD)
     except ApiException as exc:
@@ -140,14 +137,9 @@ def check_pvcs(core, ns: str) -> list[Check]:
     return out
 
 
-def check_secrets(core, ns: str, experiment: str | None) -> list[Check]:
+def check_secrets(core, ns: str, exp) -> list[Check]:
     from kubernetes.client.exceptions import ApiException
 
-    if not experiment:
-        return []
-    from pipeline_steps.training import experiment as experiments
-
-    exp = experiments.load(experiment)
     out = []
     for s in (exp.spec.get("cluster") or {}).get("secrets") or []:
         name = f"Secret {s['secret']} key {s['key']}" + (" (optional)" if s.get("optional") else "")
@@ -169,15 +161,26 @@ def check_secrets(core, ns: str, experiment: str | None) -> list[Check]:
 
 
 def run(args):
+    from pipeline_steps.doctor import gpus, kuberay, services
+
     core, ext, authz, client, api = _clients(args)
     custom = client.CustomObjectsApi(api)
-    checks = [check_crd(ext, custom, args.namespace), check_namespace(core, args.namespace)]
+    checks = [check_crd(ext, custom, args.namespace), kuberay.check_operator_version(client.AppsV1Api(api))]
+    checks.append(check_namespace(core, args.namespace))
     checks += check_access(authz, client, args.namespace)
     checks += check_pvcs(core, args.namespace)
-    checks += check_secrets(core, args.namespace, args.experiment)
+    if args.experiment:
+        from pipeline_steps.training import experiment as experiments
+
+        exp = experiments.load(args.experiment)
+        checks += check_secrets(core, args.namespace, exp)
+        checks += gpus.check_gpus(core, exp)
+        checks += services.check_sandbox(core, args.namespace, exp)
+        checks += services.check_mlflow(core, args.namespace, exp)
+    checks += services.check_store(args.store_uri)
     for c in checks:
-        sys.stdout.write(c.line() + "\n")
-    sys.stdout.flush()
+        sys.stderr.write(c.line() + "\n")
+    sys.stderr.flush()
     failed = [c for c in checks if not c.ok]
     if failed:
         raise UserError(f"{len(failed)} of {len(checks)} checks failed; first: {failed[0].name}: {failed[0].fix}")
