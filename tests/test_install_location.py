@@ -106,7 +106,7 @@ def test_both_dag_files_import_from_a_copied_dags_folder(installed):
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["errors"] == {}
-    assert got["dags"] == ["verl_evaluate_model", "verl_grpo_pipeline"]
+    assert got["dags"] == ["verl_doctor", "verl_evaluate_model", "verl_grpo_pipeline"]
 
 
 def test_preflight_and_render_rayjob_run_from_the_install(installed):
