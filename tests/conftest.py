@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -27,6 +29,10 @@ import pytest
 
 # inherited by xdist workers and by every process a test starts: how the end of the run finds what is left over
 TEST_RUN = os.environ.setdefault("PIPELINE_TEST_RUN", uuid.uuid4().hex)
+# the best-effort caches (checksums, the built tiny model) are this run's own, shared by its workers and the
+# processes they start: every whole-DAG test stages the same tiny model, built once per run, never a user's cache
+CACHE_DIR = Path(tempfile.gettempdir()) / f"pipeline-test-cache-{TEST_RUN}"
+os.environ["PIPELINE_CACHE_DIR"] = str(CACHE_DIR)
 DEFAULT_BUDGET_S, SLOW_BUDGET_S = 120, 600
 
 
@@ -115,6 +121,7 @@ def _leftovers() -> list[tuple[int, str]]:
 def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once, after all workers
         return
+    shutil.rmtree(CACHE_DIR, ignore_errors=True)
     deadline = time.monotonic() + 30  # Ray and Airflow processes take a few seconds to exit after their stop
     left = _leftovers()
     while left and time.monotonic() < deadline:

@@ -34,9 +34,10 @@ def _write_split(path: Path, items, split: str) -> Path:
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """The tiny model exactly as build-tiny-model and stage-model make it (with its warm-up)."""
+    from pipeline_steps import settings
     from pipeline_steps.local import tiny_model
 
-    return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model")
+    return tiny_model.build_cached(settings.cache_dir(), tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

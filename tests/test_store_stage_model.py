@@ -91,6 +91,7 @@ def test_tiny_at_a_staged_revision_is_not_rebuilt(tmp_path, monkeypatch, capsys)
 
     root = f"file://{tmp_path / 'store'}"
     argv = ["stage-model", "--model", "tiny", "--revision", "r1", "--dest", root]
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))  # its quick warm-up: not the run's cache
     monkeypatch.setattr(tiny_model.build, "__defaults__", tiny_model.build.__defaults__[:-1] + (2,))  # quick warm-up
     assert cli.main(argv) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -103,3 +104,39 @@ def test_tiny_at_a_staged_revision_is_not_rebuilt(tmp_path, monkeypatch, capsys)
     assert cli.main(argv) == 0
     second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert second["skipped"] is True and second["uri"] == first["uri"] and second["files"] == first["files"]
+
+
+def test_the_tiny_model_is_built_once_per_cache_and_without_one_when_it_cannot_be_written(
+    tmp_path, monkeypatch, capsys, caplog
+):
+    """Every local run stages the same tiny model; its build (tokenizer, warm-up) runs once per PIPELINE_CACHE_DIR.
+    A second store gets the cached bytes (same content revision, no build); a cache that cannot be written costs
+    only the time of a build."""
+    import logging
+
+    from pipeline_steps import cli
+    from pipeline_steps.local import tiny_model
+
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tiny_model.build, "__defaults__", tiny_model.build.__defaults__[:-1] + (2,))  # quick warm-up
+    builds = []
+    real_build = tiny_model.build
+    monkeypatch.setattr(tiny_model, "build", lambda *a, **kw: builds.append(a) or real_build(*a, **kw))
+
+    def stage(store: str) -> dict:
+        assert cli.main(["stage-model", "--model", "tiny", "--dest", f"file://{tmp_path / store}"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    first = stage("a")
+    assert len(builds) == 1 and first["skipped"] is False
+    (entry,) = (tmp_path / "cache" / "tiny-model").iterdir()  # one complete entry, no temporary left
+    second = stage("b")
+    assert len(builds) == 1, "rebuilt although the cache holds the model"
+    assert (second["revision"], second["files"], second["skipped"]) == (first["revision"], first["files"], False)
+
+    (tmp_path / "blocked").write_text("a file where the cache directory would be")
+    monkeypatch.setenv("PIPELINE_CACHE_DIR", str(tmp_path / "blocked"))
+    with caplog.at_level(logging.WARNING):
+        third = stage("c")
+    assert len(builds) == 2 and third["skipped"] is False
+    assert "build cache" in caplog.text and "not writable" in caplog.text

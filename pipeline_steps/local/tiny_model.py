@@ -137,6 +137,52 @@ def build(
     return output
 
 
+def _build_inputs() -> str:
+    """A digest of everything the build reads: this code, the synthetic task and the instruction it trains on, the
+    tokenizer corpus, and the libraries that produce the weights. Same digest, same files (the build is seeded)."""
+    import hashlib
+    from importlib.metadata import version
+
+    from pipeline_steps.data.preprocessors import gsm8k
+    from pipeline_steps.local import synthetic
+
+    h = hashlib.sha256()
+    for f in [Path(__file__), Path(synthetic.__file__), Path(gsm8k.__file__), *sorted(FIXTURES.rglob("*.jsonl"))]:
+        h.update(f.read_bytes())
+    h.update(" ".join(f"{d}=={version(d)}" for d in ("torch", "transformers", "tokenizers")).encode())
+    return h.hexdigest()[:16]
+
+
+def build_cached(cache_root: Path, tmp: Path) -> Path:
+    """The default tiny model, built once per cache (``PIPELINE_CACHE_DIR``): a build trains the tokenizer and the
+    warm-up (tens of seconds), and every local run and test stages the same bytes. The entry appears in one rename,
+    complete; two builders racing keep the first. A cache that cannot be written costs time only: the model is then
+    built under ``tmp``."""
+    import os
+    import shutil
+    import tempfile
+
+    entry = cache_root / "tiny-model" / _build_inputs()
+    if (entry / "config.json").exists() and (entry / "tokenizer.json").exists():
+        log.info("tiny model from the build cache %s", entry)
+        return entry
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}.", dir=entry.parent))
+    except OSError as exc:
+        log.warning("tiny model build cache %s not writable (%s): building without it", entry.parent, exc)
+        return build(tmp / "tiny")
+    try:
+        build(work / "tiny")
+        try:
+            os.rename(work / "tiny", entry)
+        except OSError:  # another builder got there first: same inputs, same files
+            pass
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return entry
+
+
 def format_warmup(
     model, tokenizer, steps: int, seed: int, batch_size: int = 16, lr: float = 5e-3, right_share: float = 0.0
 ) -> None:

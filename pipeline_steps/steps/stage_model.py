@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import open_store, parse_uri
 from pipeline_steps.store.base import _ChecksumCache, _source_files, file_checksums
@@ -151,7 +152,7 @@ def run(args):
             if _already_staged(store, uri, None):
                 return _skipped(store, uri, args.revision)
         with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
-            src = tiny_model.build(Path(tmp) / "tiny")
+            src = tiny_model.build_cached(settings.cache_dir(), Path(tmp))
             rev = _check_revision(args.revision) if args.revision else content_revision(src)
             return _stage(store, src, str(root.child(f"models/local/tiny/{rev}")), rev, "tiny")
     local = Path(model).expanduser()
