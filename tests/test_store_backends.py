@@ -153,7 +153,7 @@ def test_upload_skip_download_roundtrip(backend, tmp_path):
     assert store.read_bytes(f"{backend.root_uri}/models/exported/e/latest.json") == b'{"v": 1}'
     assert store.read_bytes(f"{backend.root_uri}/models/exported/e/none.json") is None
 
-    assert store.delete_prefix(dest) == 9
+    assert store.delete_prefix(dest) == 10  # the 8 files, the manifest and the upload claim (store/claim.py)
     assert store.read_manifest(dest) is None and store.list_versions(f"{backend.root_uri}/datasets/demo/v1") == []
 
 
