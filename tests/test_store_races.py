@@ -2,18 +2,21 @@
 by a barrier and repeated so that the interleavings the old code got wrong come up.
 
 Before: two uploads of different content to one version both reported success, the manifest of one and objects of
-the other, and the version was refused on download.
+the other, and the version was refused on download; one export's retention prune could delete the version another
+export was promoting, leaving ``latest`` on a deleted version.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from pipeline_steps.errors import UserError
+from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.store import open_store
 from tests.storage_servers import run_step
 from tests.test_store_backends import backend  # noqa: F401  (the file/oss/gs fixture)
@@ -106,3 +109,77 @@ def test_upload_of_other_content_to_a_committed_version_is_refused(backend, tmp_
     assert store.verify(dest)[1] == [] and _files(Path(store.download_dir(dest, tmp_path / "out")["path"])) == _files(
         one
     )
+
+
+def _promote(store, exp_uri: str, version: str, score: float, **kw):
+    from pipeline_steps.evaluation import promotion
+    from tests.test_promotion import BASE, results
+
+    decide = lambda c: promotion.decide(results(score), BASE, c, 0.0)  # noqa: E731
+    return promotion.promote(
+        store, exp_uri, version, f"{exp_uri}/{version}", results(score), "2026-01-02", decide, **kw
+    )
+
+
+def _publish(store, exp_uri: str, tmp_path: Path, version: str, exported_at: str) -> None:
+    src = tmp_path / version
+    src.mkdir(parents=True)
+    (src / "export.json").write_text(json.dumps({"version": version, "exported_at": exported_at}))
+    (src / "model.safetensors").write_bytes(version.encode() * 1000)
+    store.upload_dir(str(src), f"{exp_uri}/{version}")
+
+
+@pytest.mark.timeout(600)
+def test_prune_never_deletes_the_version_another_export_promotes(backend, tmp_path):  # noqa: F811
+    """Export A prunes (keep 1) while export B promotes ``cand``, an older export than A's ``new``: retention alone
+    would delete ``cand``. B starts after a delay swept across the prune's duration, to meet every step of it."""
+    from pipeline_steps.evaluation import promotion
+
+    store = open_store(backend.root_uri)
+    wrong, prune_took, rounds = [], 0.05, 3 * ROUNDS
+    for r in range(rounds):
+        exp_uri = f"{backend.root_uri}/models/exported/race{r}"
+        for v, day in (("old", 1), ("cand", 2), ("new", 3)):
+            _publish(store, exp_uri, tmp_path / f"r{r}", v, f"2026-01-0{day}T00:00:00+00:00")
+        _promote(store, exp_uri, "old", 0.4)
+        delay = prune_took * 1.2 * r / (rounds - 1)
+
+        def prune(st):
+            t0 = time.monotonic()
+            out = promotion.prune(st, exp_uri, keep=1)
+            return out, time.monotonic() - t0
+
+        def promote(st):
+            time.sleep(delay)
+            return _promote(st, exp_uri, "cand", 0.6)
+
+        pruned, promoted = _together(backend.root_uri, [prune, promote])
+        if isinstance(pruned, tuple):
+            prune_took = pruned[1]
+        else:
+            wrong.append(f"round {r}: prune failed: {pruned!r}")
+        if not isinstance(promoted, (tuple, TransientError)):
+            wrong.append(f"round {r}: promote failed: {promoted!r}")
+        latest = promotion.read_latest(store, exp_uri)
+        manifest, problems = store.verify(latest["uri"])
+        if manifest is None or problems:
+            wrong.append(f"round {r} (delay {delay:.3f} s): latest is {latest['version']}, not present: {problems}")
+        if store.list_names(f"{exp_uri}/pruning") or store.list_versions(f"{exp_uri}/promoting"):
+            wrong.append(f"round {r}: a marker was left behind")
+    assert not wrong, f"{len(wrong)} problems in {rounds} rounds:\n" + "\n".join(wrong)
+
+
+def test_export_uploads_its_version_again_when_a_prune_took_it_first(backend, tmp_path):  # noqa: F811
+    """The promotion's check before its record: a version deleted by a prune is uploaded again, then promoted."""
+    from pipeline_steps.evaluation import promotion
+
+    store = open_store(backend.root_uri)
+    exp_uri = f"{backend.root_uri}/models/exported/gone"
+    _publish(store, exp_uri, tmp_path, "cand", "2026-01-02T00:00:00+00:00")
+    store.delete_prefix(f"{exp_uri}/cand")
+    again = lambda: store.upload_dir(str(tmp_path / "cand"), f"{exp_uri}/cand", replace=True)  # noqa: E731
+    decision, pointer = _promote(store, exp_uri, "cand", 0.6, ensure_present=again)
+    assert decision.promote and pointer["version"] == "cand" and store.verify(f"{exp_uri}/cand")[1] == []
+    with pytest.raises(TransientError, match="not fully present"):  # without a way to upload it: not promoted
+        _promote(store, exp_uri, "absent", 0.9)
+    assert promotion.read_latest(store, exp_uri)["version"] == "cand"

@@ -365,6 +365,7 @@ def run(args) -> dict:
             results,
             exported_at,
             lambda current: promotion.decide(results, base, current, args.margin, **gate),
+            ensure_present=lambda: store.upload_dir(str(model_dir), version_uri, replace=True),  # pruned meanwhile
         )
         if final.promote != decision.promote:  # lost a race to a better model: the card must say so
             log.info("export %s: %s", version, final.reason)
