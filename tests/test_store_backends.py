@@ -153,7 +153,7 @@ def test_upload_skip_download_roundtrip(backend, tmp_path):
     assert store.read_bytes(f"{backend.root_uri}/models/exported/e/latest.json") == b'{"v": 1}'
     assert store.read_bytes(f"{backend.root_uri}/models/exported/e/none.json") is None
 
-    assert store.delete_prefix(dest) == 9
+    assert store.delete_prefix(dest) == 10  # the 8 files, the manifest and the upload claim (store/claim.py)
     assert store.read_manifest(dest) is None and store.list_versions(f"{backend.root_uri}/datasets/demo/v1") == []
 
 
@@ -359,7 +359,7 @@ def test_transfer_corruption_is_caught_end_to_end(backend, tmp_path):
 
 
 # -- concurrent promotions: the store's conditional create ----------------------------------------------------
-def _race(backend, monkeypatch, scores: list[float]) -> tuple[list, str]:
+def _race(backend, monkeypatch, scores: list[float], tmp_path) -> tuple[list, str]:
     """Export candidates with ``scores`` promote at the same moment (threads released by one barrier)."""
     import threading
 
@@ -369,6 +369,10 @@ def _race(backend, monkeypatch, scores: list[float]) -> tuple[list, str]:
     for k, v in backend.env.items():
         monkeypatch.setenv(k, v)
     exp_uri = f"{backend.root_uri}/models/exported/race"
+    for i in range(len(scores)):  # a promotion points only at a version that is there
+        (tmp_path / f"v{i}").mkdir()
+        (tmp_path / f"v{i}" / "model.safetensors").write_bytes(b"w%d" % i)
+        open_store(backend.root_uri).upload_dir(tmp_path / f"v{i}", f"{exp_uri}/v{i}")
     barrier = threading.Barrier(len(scores))
     outcomes: list = [None] * len(scores)
 
@@ -393,10 +397,10 @@ def _race(backend, monkeypatch, scores: list[float]) -> tuple[list, str]:
     return outcomes, exp_uri
 
 
-def test_two_exports_promoting_at_once_leave_one_consistent_pointer(backend, monkeypatch):
+def test_two_exports_promoting_at_once_leave_one_consistent_pointer(backend, monkeypatch, tmp_path):
     from pipeline_steps.evaluation import promotion
 
-    outcomes, exp_uri = _race(backend, monkeypatch, [0.6, 0.5])
+    outcomes, exp_uri = _race(backend, monkeypatch, [0.6, 0.5], tmp_path)
     store = open_store(backend.root_uri)
     seq, latest = promotion.newest(store, exp_uri)
     assert latest["version"] == "v0" and latest["avg@k"] == 0.6  # the better model, whoever won the first race
@@ -412,11 +416,11 @@ def test_two_exports_promoting_at_once_leave_one_consistent_pointer(backend, mon
         assert "latest v0" in d1.reason  # the loser re-read the new latest and decided against it
 
 
-def test_many_exports_at_once_end_with_the_best(backend, monkeypatch):
+def test_many_exports_at_once_end_with_the_best(backend, monkeypatch, tmp_path):
     from pipeline_steps.evaluation import promotion
 
     scores = [0.3, 0.7, 0.5, 0.6]
-    outcomes, exp_uri = _race(backend, monkeypatch, scores)
+    outcomes, exp_uri = _race(backend, monkeypatch, scores, tmp_path)
     store = open_store(backend.root_uri)
     seq, latest = promotion.newest(store, exp_uri)
     assert latest["version"] == "v1" and latest["avg@k"] == 0.7

@@ -9,7 +9,8 @@ A candidate becomes ``latest`` only if its avg@k beats the reference by MORE tha
 margin, where the reference is the current latest, or the base model when there is no
 latest yet. Scores are only compared when they come from the same evaluation set and the
 same sampling settings; otherwise the candidate stays a candidate and the reason says so.
-Retention keeps the newest ``keep`` versions (by export time) and never deletes the latest.
+Retention keeps the newest ``keep`` versions (by export time) and never deletes the latest, nor a version being
+promoted (``prune`` and ``promote`` meet over markers, see ``_guard``).
 
 Before any of that, the collapse check (on unless ``collapse_check=False``): a model that learned only the prior
 (GRPO on skewed answers collapsing to the most common one, a hacked reward) can beat its base on avg@k. It is refused
@@ -23,9 +24,11 @@ import dataclasses
 import json
 import logging
 import math
+import time
+import uuid
 from collections.abc import Callable
 
-from pipeline_steps.errors import UserError
+from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.evaluation.metrics import figures_of
 
 log = logging.getLogger(__name__)
@@ -204,6 +207,36 @@ def read_latest(store, exp_uri: str) -> dict | None:
     return newest(store, exp_uri)[1]
 
 
+# Prune and promotion meet over two markers, a handshake in which each side writes before it reads (strongly
+# consistent stores: file://, OSS, GCS), so at least one sees the other: a promotion writes promoting/<v>/<id>.json,
+# then waits while pruning/<v>.json exists; a prune creates pruning/<v>.json, then spares v if it is the latest or
+# anything is under promoting/<v>/. Hence no prune deletes v once a promotion of v has seen no prune of it.
+PROMOTING, PRUNING = "promoting", "pruning"
+PRUNE_WAIT = 60.0  # seconds a promotion waits for another export's prune of its version to finish
+
+
+def _guard(store, exp_uri: str, version: str, version_uri: str, ensure_present: Callable[[], object] | None) -> None:
+    """Once our promoting marker is written: wait out a prune of ``version``, then make sure it is fully present."""
+    tomb = f"{exp_uri}/{PRUNING}/{version}.json"
+    deadline = time.monotonic() + PRUNE_WAIT
+    while store.read_bytes(tomb) is not None:
+        if time.monotonic() > deadline:
+            raise TransientError(
+                f"{version_uri}: another export's retention holds {tomb} for over {PRUNE_WAIT:.0f} s; retried "
+                "(delete that file if no export is running)"
+            )
+        time.sleep(0.2)
+    for again in (True, False):
+        manifest, problems = store.verify(version_uri)
+        if manifest is not None and not problems:
+            return
+        if not again or ensure_present is None:
+            why = "; ".join(problems)[:200]
+            raise TransientError(f"{version_uri}: not fully present ({why}); not promoted, retried")
+        log.warning("%s was deleted or damaged before its promotion (%s); uploading it again", version_uri, problems)
+        ensure_present()
+
+
 def promote(
     store,
     exp_uri: str,
@@ -213,30 +246,43 @@ def promote(
     exported_at: str,
     decide_against: Callable[[dict | None], Decision],
     attempts: int = 20,
+    ensure_present: Callable[[], object] | None = None,
 ) -> tuple[Decision, dict | None]:
     """Make ``version`` the latest if ``decide_against(current latest)`` says so, safely against concurrent exports.
 
     The pointer is the newest record ``latest/<seq>.json``; a promotion creates record ``seq + 1`` with the store's
     conditional create, so of two exports promoting at the same moment exactly one wins. The loser re-reads the
     (new) latest and decides again against it. ``latest.json`` mirrors the newest record for people and old readers.
+    A record is only created for a version that is fully present and that no prune can delete meanwhile
+    (``_guard``); ``ensure_present`` uploads the version again if a prune took it first.
 
     :returns: (the final decision, the pointer written or None).
     """
-    for _ in range(attempts):
-        seq, current = newest(store, exp_uri)
-        if current and current.get("version") == version:  # a retry after this version was promoted
-            return Decision(True, f"{version} is already the latest", "latest", current.get("avg@k")), current
-        decision = decide_against(current)
-        if not decision.promote:
-            return decision, None
-        pointer = {"version": version, "uri": version_uri, "exported_at": exported_at, "seq": seq + 1}
-        pointer.update(summary_of(results))
-        body = (json.dumps(pointer, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
-        if store.create_bytes(f"{exp_uri}/{POINTERS}/{seq + 1:08d}.json", body):
-            _mirror(store, exp_uri)
-            return decision, pointer
-        log.info("another export promoted at the same moment; re-reading the latest and deciding again")
-    raise RuntimeError(f"{exp_uri}: promotion lost {attempts} races in a row; retry the export")
+    intent = f"{exp_uri}/{PROMOTING}/{version}/{uuid.uuid4().hex}.json"  # one per promotion: two may share a version
+    guarded = False
+    try:
+        for _ in range(attempts):
+            seq, current = newest(store, exp_uri)
+            if current and current.get("version") == version:  # a retry after this version was promoted
+                return Decision(True, f"{version} is already the latest", "latest", current.get("avg@k")), current
+            decision = decide_against(current)
+            if not decision.promote:
+                return decision, None
+            if not guarded:  # first the marker (the write), then the look for a prune (the read)
+                store.write_bytes(intent, (json.dumps({"version": version}) + "\n").encode())
+                guarded = True
+                _guard(store, exp_uri, version, version_uri, ensure_present)
+            pointer = {"version": version, "uri": version_uri, "exported_at": exported_at, "seq": seq + 1}
+            pointer.update(summary_of(results))
+            body = (json.dumps(pointer, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()
+            if store.create_bytes(f"{exp_uri}/{POINTERS}/{seq + 1:08d}.json", body):
+                _mirror(store, exp_uri)
+                return decision, pointer
+            log.info("another export promoted at the same moment; re-reading the latest and deciding again")
+        raise RuntimeError(f"{exp_uri}: promotion lost {attempts} races in a row; retry the export")
+    finally:
+        if guarded:  # recorded as the latest (prune spares it) or not promoted: the marker has done its work
+            store.delete(intent)
 
 
 def _mirror(store, exp_uri: str) -> None:
@@ -264,8 +310,19 @@ def prune(store, exp_uri: str, keep: int) -> list[str]:
     latest = read_latest(store, exp_uri)
     protected = {latest["version"]} if latest else set()
     ordered = sorted(versions, key=lambda v: (_exported_at(store, exp_uri, v), v), reverse=True)
-    doomed = [v for v in ordered[keep:] if v not in protected]
-    for v in doomed:
-        store.delete_prefix(f"{exp_uri}/{v}")
+    deleted = []
+    for v in (v for v in ordered[keep:] if v not in protected):
+        tomb = f"{exp_uri}/{PRUNING}/{v}.json"
+        if not store.create_bytes(tomb, (json.dumps({"version": v}) + "\n").encode()):
+            continue  # another export's prune is on it
+        try:  # first the marker (the write), then the look for a promotion of v (the read)
+            latest = read_latest(store, exp_uri)
+            if (latest and latest.get("version") == v) or store.list_names(f"{exp_uri}/{PROMOTING}/{v}"):
+                log.info("retention: kept %s/%s (being promoted or the latest)", exp_uri, v)
+                continue
+            store.delete_prefix(f"{exp_uri}/{v}")
+        finally:
+            store.delete(tomb)
+        deleted.append(v)
         log.info("retention: deleted %s/%s (keeping %d)", exp_uri, v, keep)
-    return doomed
+    return deleted

@@ -353,7 +353,8 @@ def run(args) -> dict:
     }
     atomic.write_text(model_dir / "README.md", model_card.render(record, results, base))
     atomic.write_json(model_dir / "export.json", record)
-    upload = store.upload_dir(str(model_dir), version_uri)
+    # replace: the version's card and export.json are rewritten by a retry or after a lost promotion race
+    upload = store.upload_dir(str(model_dir), version_uri, replace=True)
 
     if decision.promote:  # the pointer moves only with the store's conditional create (concurrent exports)
         final, _ = promotion.promote(
@@ -364,6 +365,7 @@ def run(args) -> dict:
             results,
             exported_at,
             lambda current: promotion.decide(results, base, current, args.margin, **gate),
+            ensure_present=lambda: store.upload_dir(str(model_dir), version_uri, replace=True),  # pruned meanwhile
         )
         if final.promote != decision.promote:  # lost a race to a better model: the card must say so
             log.info("export %s: %s", version, final.reason)
@@ -371,7 +373,7 @@ def run(args) -> dict:
             record["promotion"] = decision.as_dict()
             atomic.write_text(model_dir / "README.md", model_card.render(record, results, base))
             atomic.write_json(model_dir / "export.json", record)
-            upload = store.upload_dir(str(model_dir), version_uri)  # re-sends the two small files only
+            upload = store.upload_dir(str(model_dir), version_uri, replace=True)  # re-sends the two small files
     deleted = promotion.prune(store, exp_uri, args.keep)
 
     if record["mlflow"]:  # the evaluation and the card join the training's metrics in the same MLflow run

@@ -570,7 +570,7 @@ def _run_remote(args) -> dict:
         tb = tracking_run.tensorboard_info(tb_uri) if store.list_names(tb_uri) else None
         out = Path(tmp) / "report"
         summary = _run_local(args, run_dir=local, out=out, shown_dir=uri, tensorboard=tb)
-        upload = store.upload_dir(str(out), f"{uri}/report")
+        upload = store.upload_dir(str(out), f"{uri}/report", replace=True)  # regenerated on re-runs
     report_uri = f"{uri}/report"
     summary.update(
         report=f"{report_uri}/report.md",

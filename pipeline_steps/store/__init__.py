@@ -7,6 +7,7 @@ fills it from a connection, see ``operators/hooks/store.py``)::
 
     store = open_store(uri)
     store.upload_dir(src_dir, dest_uri)     # -> {"uri","uploaded","skipped","bytes_uploaded","files","manifest_sha256"}
+                                            # one content per version; replace=True for a republished output
     store.download_dir(src_uri, dest_dir)   # verifies every file against the manifest
     store.read_manifest(uri)                # None when the version is incomplete
     store.list_versions(prefix_uri); store.delete_prefix(uri); store.read_bytes(uri); store.write_bytes(uri, data)

@@ -7,7 +7,8 @@ and is the commit marker: a prefix without it is incomplete and is never read.
 Backends implement a handful of object primitives (``_head``, ``_put_file``,
 ``_get_file``, ``_get_bytes``, ``_put_bytes``, ``_list``, ``_delete``); the version
 logic (skip what is already there and verifies, repair what does not, write the
-manifest last, verify downloads) lives here once.
+manifest last, verify downloads) lives here once. Concurrent uploads to one version are made safe by a claim
+object created with the store's conditional create (store/claim.py): one content per version.
 
 A file that must be sent is read twice, at the same time: by the SDK sending it and by a
 thread computing its sha256 and native checksum (hashlib, fastcrc and google-crc32c release
@@ -20,6 +21,7 @@ the start of its hashing and the end of its upload is refused.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,6 +37,7 @@ from urllib.parse import urlsplit
 
 from pipeline_steps import atomic, outputs, settings
 from pipeline_steps.errors import TransientError, UserError
+from pipeline_steps.store import claim
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +302,8 @@ def _source_files(src: Path) -> list[tuple[str, Path]]:
                     f"--src {src}: {rel} is not a regular file (FIFO, socket or device); remove it from the source"
                 )
             validate_key(rel, f"file name {rel!r} in --src {src}")
-            if rel == MANIFEST:
-                raise UserError(
-                    f"--src {src} contains {MANIFEST}, the store's reserved commit marker; rename that file"
-                )
+            if rel in (MANIFEST, claim.CLAIM):
+                raise UserError(f"--src {src} contains {rel}, a name the store reserves for itself; rename that file")
             files.append((rel, p))
     if not files:
         raise UserError(f"--src {src}: directory is empty; nothing to upload")
@@ -395,6 +396,10 @@ class Store(abc.ABC):
         validate_key(u.key.lstrip("/"), f"object {uri!r}")
         return self._create_bytes(u.key, data)
 
+    def delete(self, uri: str) -> None:
+        """Delete one object (absent is fine)."""
+        self._delete([self._parse(uri).key])
+
     def list_names(self, prefix_uri: str) -> list[str]:
         """Names of the objects directly under ``prefix_uri`` (not the sub-prefixes)."""
         u = self._parse(prefix_uri)
@@ -438,20 +443,28 @@ class Store(abc.ABC):
         base = u.key.rstrip("/") + "/"
         keys, _ = self._list(base, None)
         manifest = self._join(u.key, MANIFEST)
+        held = self._join(u.key, claim.CLAIM)  # removed last: no new upload starts before the old objects are gone
         n = 0
         if manifest in keys:
             n += self._delete([manifest])
-        n += self._delete([k for k in keys if k != manifest])
+        n += self._delete([k for k in keys if k not in (manifest, held)])
         self._cleanup_incomplete(base)
+        if held in keys:
+            n += self._delete([held])
         return n
 
-    def upload_dir(self, src_dir: str | os.PathLike, dest_uri: str) -> dict:
+    def upload_dir(self, src_dir: str | os.PathLike, dest_uri: str, replace: bool = False) -> dict:
         """Upload ``src_dir`` as the version ``dest_uri``; idempotent and resumable.
 
         Files already stored with the right size and checksum are skipped (nothing
         sent); missing or different ones (an interrupted run, a corrupted object) are
         uploaded; the manifest is written last. Returns
         ``{"uri","uploaded","skipped","bytes_uploaded","files","manifest_sha256"}``.
+
+        A version holds one content (store/claim.py): of concurrent uploads, one owns it; the same content succeeds
+        too, other content is refused (UserError) before any object is written, as is other content once committed.
+        ``replace=True`` is for locations with a single writer that republishes them (a run directory, a report):
+        the last upload's content replaces the version's.
         """
         src = Path(src_dir)
         u = self._parse(dest_uri)
@@ -463,15 +476,51 @@ class Store(abc.ABC):
         cache = _ChecksumCache()
         manifest_key = self._join(u.key, MANIFEST)
         old_raw = self._get_bytes(manifest_key)
-        entries, todo, skipped = [], [], 0
+        entries, found = [], []
         for rel, path in files:
             st = path.stat()  # the file as found: any change until its upload ends is caught
             entry = {"path": rel, "size": st.st_size}
+            found.append((st, path))
             for algo in {"sha256", self.native} - {None}:
                 if value := cache.get(path, st, algo):
                     entry[algo] = value
+            if not replace:  # the claim names the content, so it is hashed before any byte is sent
+                entry.update(file_checksums(path, self.native, cache))
             entries.append(entry)
-            key = self._join(u.key, rel)
+        token = None
+        if replace:
+            self._delete([self._join(u.key, claim.CLAIM)])  # the location is taken over
+        else:
+            manifest_bytes = render_manifest(entries, self.native)
+            if old_raw is not None and old_raw != manifest_bytes:
+                raise claim.other_content(dest_uri, "already holds a committed upload of different content")
+            token = claim.take(self, u.key, hashlib.sha256(manifest_bytes).hexdigest(), dest_uri)
+        try:
+            uploaded, skipped, sent, manifest_bytes = self._send(src, u, entries, found, cache, old_raw, replace)
+        except BaseException:
+            with contextlib.suppress(Exception):  # best effort: the upload's own error is the one to report
+                claim.withdraw(self, u.key, token)
+            raise
+        aborted = self._cleanup_incomplete(self._join(u.key, ""))
+        if aborted:
+            log.info("aborted %d stale multipart upload(s) under %s", aborted, dest_uri)
+        summary = {
+            "uri": str(u),
+            "uploaded": uploaded,
+            "skipped": skipped,
+            "bytes_uploaded": sent,
+            "files": len(entries),
+            "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
+        }
+        log.info("upload %s -> %s: %d uploaded, %d skipped, %d bytes sent", src, u, uploaded, skipped, sent)
+        return summary
+
+    def _send(self, src: Path, u: StoreURI, entries: list[dict], found: list, cache, old_raw, replace: bool):
+        """Upload what is missing or differs, then commit the manifest: (uploaded, skipped, bytes sent, manifest)."""
+        manifest_key = self._join(u.key, MANIFEST)
+        todo, skipped = [], 0
+        for entry, (st, path) in zip(entries, found):
+            key = self._join(u.key, entry["path"])
             info = self._head(key)
             if info is not None and info.size == st.st_size and self.native:
                 if self.native not in entry or "sha256" not in entry:
@@ -515,21 +564,21 @@ class Store(abc.ABC):
                 sent += entry["size"]
         manifest_bytes = render_manifest(entries, self.native)
         if old_raw != manifest_bytes:
-            self._put_bytes(manifest_key, manifest_bytes)
+            if replace:
+                self._put_bytes(manifest_key, manifest_bytes)
+            else:
+                self._commit(u, entries, manifest_key, manifest_bytes)
             sent += len(manifest_bytes)
-        aborted = self._cleanup_incomplete(self._join(u.key, ""))
-        if aborted:
-            log.info("aborted %d stale multipart upload(s) under %s", aborted, dest_uri)
-        summary = {
-            "uri": str(u),
-            "uploaded": uploaded,
-            "skipped": skipped,
-            "bytes_uploaded": sent,
-            "files": len(entries),
-            "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
-        }
-        log.info("upload %s -> %s: %d uploaded, %d skipped, %d bytes sent", src, u, uploaded, skipped, sent)
-        return summary
+        return uploaded, skipped, sent, manifest_bytes
+
+    def _commit(self, u: StoreURI, entries: list[dict], manifest_key: str, manifest_bytes: bytes) -> None:
+        """Create the manifest (conditionally: it never replaces another) once every object is the one it names."""
+        for e in entries:  # a writer outside the claim (a replace, a tamper) may have changed an object since
+            info = self._head(self._join(u.key, e["path"]))
+            if info is None or info.size != e["size"] or (self.native and info.checksum != e[self.native]):
+                raise TransientError(f"{u}/{e['path']}: changed by another writer during the upload; retried")
+        if not self._create_bytes(manifest_key, manifest_bytes) and self._get_bytes(manifest_key) != manifest_bytes:
+            raise claim.other_content(str(u), "another upload committed different content first")
 
     def verify(self, uri: str) -> tuple[dict | None, list[str]]:
         """(manifest, problems): compare every stored object's size and native checksum with the manifest."""

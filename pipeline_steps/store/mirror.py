@@ -112,7 +112,7 @@ def publish(uri: str) -> dict | None:
     from pipeline_steps.store import open_store
 
     store = open_store(uri)
-    summary = store.upload_dir(src, uri)
+    summary = store.upload_dir(src, uri, replace=True)  # an output republished by its one writer (a retry)
     digest = _manifest_digest(store, uri)
     atomic.write_json(src / MARKER, {"uri": uri, "manifest_sha256": digest})
     return summary
