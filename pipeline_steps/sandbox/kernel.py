@@ -12,12 +12,16 @@ pid, IPC and UTS namespaces, in the sandbox's cgroup. It still runs as root ther
 
 Protocol: requests are JSON lines, events JSON lines (the server passes them as this process's stdin and stdout,
 which are moved to higher fds at start); fds 0-2 are ``/dev/null``, so only Python-level ``sys.stdout`` /
-``sys.stderr`` output is captured (output of child processes is dropped). Events use the E2B code interpreter's
-NDJSON shapes (``stdout``, ``stderr``, ``result``, ``error``, ``number_of_executions``) plus ``done``. The output cap
-here only saves work: the server enforces it on what it reads.
+``sys.stderr`` output is captured (output of child processes is dropped). A ``code`` request is a notebook cell:
+events use the E2B code interpreter's NDJSON shapes (``stdout``, ``stderr``, ``result`` with IPython's formats,
+``error``, ``number_of_executions``). An ``argv`` request runs a command (envd's ``commands.run``) as a child of
+this process, so in the same jail, uid, cgroup and limits: ``cmd_start``, ``cmd_data`` (base64), ``cmd_end``. Both
+end with ``done``. The output cap here only saves work: the server enforces it on what it reads.
 """
 
 import ast
+import base64
+import builtins
 import ctypes
 import io
 import json
@@ -101,8 +105,77 @@ class _Stream(io.TextIOBase):
         return len(s)
 
 
+# IPython's rich display methods and the code interpreter's result keys (png/jpeg/pdf travel as base64).
+REPR_METHODS = {"html": "_repr_html_", "markdown": "_repr_markdown_", "svg": "_repr_svg_", "png": "_repr_png_"}
+REPR_METHODS |= {"jpeg": "_repr_jpeg_", "pdf": "_repr_pdf_", "latex": "_repr_latex_", "json": "_repr_json_"}
+REPR_METHODS |= {"javascript": "_repr_javascript_"}
+MIME_KEYS = {"text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg"}
+MIME_KEYS |= {"image/png": "png", "image/jpeg": "jpeg", "application/pdf": "pdf", "text/latex": "latex"}
+MIME_KEYS |= {"application/json": "json", "application/javascript": "javascript"}
+
+
+def _encoded(key, data):
+    if isinstance(data, (bytes, bytearray)):
+        return base64.b64encode(data).decode() if key in ("png", "jpeg", "pdf") else bytes(data).decode()
+    return data
+
+
+def _is_figure(obj):
+    return type(obj).__module__.startswith("matplotlib.") and hasattr(obj, "savefig") and hasattr(obj, "axes")
+
+
+def formats(obj):
+    """What IPython's display formatter makes of ``obj``: ``text`` (repr) and every rich format it defines; a
+    matplotlib figure as PNG, as the inline backend shows it."""
+    out = {"text": repr(obj)}
+    if _is_figure(obj):
+        buf = io.BytesIO()
+        obj.savefig(buf, format="png", bbox_inches="tight")
+        out["png"] = base64.b64encode(buf.getvalue()).decode()
+        return out
+    bundle = getattr(obj, "_repr_mimebundle_", None)
+    if callable(bundle) and not isinstance(obj, type):
+        data = bundle()
+        data = data[0] if isinstance(data, tuple) else data
+        for mime, value in (data or {}).items():
+            if mime in MIME_KEYS and value is not None:
+                out[MIME_KEYS[mime]] = _encoded(MIME_KEYS[mime], value)
+    for key, name in REPR_METHODS.items():
+        method = getattr(obj, name, None)
+        if key not in out and callable(method) and not isinstance(obj, type):
+            value = method()
+            value = value[0] if isinstance(value, tuple) else value  # (data, metadata), as IPython allows
+            if value is not None:
+                out[key] = _encoded(key, value)
+    return out
+
+
+def _publish(events, obj, main):
+    try:
+        data = formats(obj)
+        json.dumps(data)  # a _repr_*_ that returned something JSON cannot carry
+    except Exception as exc:  # a broken _repr_*_ costs its format, not the cell (IPython warns the same way)
+        events.text("stderr", f"[display formatter failed: {type(exc).__name__}: {exc}]\n")
+        data = {"text": repr(obj)}
+    events.emit(type="result", is_main_result=main, **data)
+
+
+def _flush_figures(events, skip=None):
+    """Figures the cell left open through pyplot are shown and closed at its end, as the inline backend does."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    for num in plt.get_fignums():
+        fig = plt.figure(num)
+        if fig is not skip:
+            _publish(events, fig, main=False)
+    plt.close("all")
+
+
 def run_cell(code, namespace, events):
-    """Run ``code`` like a notebook cell: a trailing expression's value is the result."""
+    """Run ``code`` like a notebook cell: a trailing expression's value is the result, ``display(obj)`` and open
+    pyplot figures are display data."""
+    value = None
     try:
         tree = ast.parse(code, "<cell>", "exec")
         last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
@@ -110,13 +183,69 @@ def run_cell(code, namespace, events):
         if last is not None:
             value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace)
             if value is not None:
-                events.emit(type="result", text=repr(value), is_main_result=True)
+                _publish(events, value, main=True)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the interpreter keeps serving
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:  # the cell's frames only
             tb = tb.tb_next
         tb = "".join(traceback.format_exception(type(exc), exc, tb))
         events.emit(type="error", name=type(exc).__name__, value=str(exc), traceback=tb)
+    try:
+        _flush_figures(events, skip=value)
+    except Exception as exc:
+        events.text("stderr", f"[figures not shown: {type(exc).__name__}: {exc}]\n")
+
+
+def install_display(events):
+    """IPython's ``display()`` builtin: each object as display data (not the cell's main result)."""
+
+    def display(*objs, **_ignored):
+        for obj in objs:
+            _publish(events, obj, main=False)
+
+    builtins.display = display
+
+
+def run_command(request, events):
+    """Run ``argv`` to its end, streaming its output; the server kills it (not this process) on a timeout."""
+    import selectors  # here: a sandbox that never runs a command does not pay for them at start or in memory
+    import subprocess
+
+    env = {**os.environ, **{str(k): str(v) for k, v in (request.get("env") or {}).items()}}
+    try:
+        proc = subprocess.Popen(
+            request["argv"],
+            cwd=request.get("cwd") or HOME,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        events.emit(type="cmd_error", message=f"{type(exc).__name__}: {exc}")
+        return
+    events.emit(type="cmd_start", pid=proc.pid)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ, "stdout")
+    sel.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    # Until both pipes close, or the command has exited and its pipes are drained (a child it left in the
+    # background may hold them open: that child dies with the call).
+    while sel.get_map():
+        ready = sel.select(timeout=0.05)
+        for key, _ in ready:
+            chunk = os.read(key.fileobj.fileno(), 65536)
+            if not chunk:
+                sel.unregister(key.fileobj)
+            elif events.sent < events.max_output:
+                events.sent += len(chunk)
+                events.emit(type="cmd_data", stream=key.data, data=base64.b64encode(chunk).decode())
+        if not ready and proc.poll() is not None:
+            break
+    sel.close()
+    proc.stdout.close()
+    proc.stderr.close()
+    events.emit(type="cmd_end", exit_code=proc.wait())
 
 
 def main():
@@ -133,13 +262,18 @@ def main():
         sys.exit(1)
     sys.stdout, sys.stderr = _Stream(events, "stdout"), _Stream(events, "stderr")
     sys.stdin = open(os.devnull)
+    install_display(events)
     namespace = {"__name__": "__main__"}
     count = 0
     events.emit(type="ready")
     for line in os.fdopen(requests_fd, "r", encoding="utf-8"):
         request = json.loads(line)
-        count += 1
         events.sent = events.dropped = 0
+        if "argv" in request:
+            run_command(request, events)
+            events.emit(type="done")
+            continue
+        count += 1
         # The sandbox's envVars and this call's env_vars hold for this cell only, as E2B's run_code(envs=...) does.
         env = {str(k): str(v) for k, v in (request.get("env") or {}).items()}
         saved = {k: os.environ.get(k) for k in env}

@@ -54,6 +54,8 @@ CLEAN_ENV = {
     "OMP_NUM_THREADS": "1",
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
+    "MPLBACKEND": "Agg",  # figures are shown as PNG results; no display exists
+    "MPLCONFIGDIR": "/tmp/.matplotlib",  # its font cache in the private /tmp, not in the user's listing
 }
 
 
@@ -110,6 +112,7 @@ def jail_command(sb: "Sandbox", cfg: dict, expose: list[str], hide: list[str], t
             cmd += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             cmd += ["--ro-bind", top, top]
+    cmd += ["--perms", "0755", "--dir", "/etc"]  # else bwrap makes it 0700: no ld.so.cache, and `bash -l` fails on it
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/alternatives", "/etc/localtime"):
         cmd += ["--ro-bind-try", f, f]
     binds = [p for p in expose if not _under(p, "/usr")]  # the interpreter and its libraries (a venv, a pyenv...)
@@ -142,10 +145,25 @@ class Kernel:
 
     async def run(self, code: str, env: dict | None = None):
         """Yield the events of one execution up to (not including) ``done``; raise EOFError if the process died."""
-        self.proc.stdin.write((json.dumps({"code": code, "env": env or {}}) + "\n").encode())
+        await self.send({"code": code, "env": env or {}})
+        async for event in self.events():
+            yield event
+
+    async def send(self, request: dict):
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
         await self.proc.stdin.drain()
+
+    async def events(self, tick: float | None = None):
+        """Events up to ``done``; with ``tick``, None after each ``tick`` seconds without one."""
         while True:
-            line = await self.proc.stdout.readline()
+            if tick is None:  # run_code's path: no timer per line
+                line = await self.proc.stdout.readline()
+            else:
+                try:  # a cancelled readline leaves a partial line in the buffer, so the next one reads it whole
+                    line = await asyncio.wait_for(self.proc.stdout.readline(), tick)
+                except TimeoutError:
+                    yield None
+                    continue
             if not line:
                 raise EOFError("the interpreter exited")
             event = json.loads(line)

@@ -2,10 +2,12 @@
 SDKs call, served on one port (give the SDK ``E2B_API_URL`` and ``E2B_SANDBOX_URL`` both pointing at it).
 
 Control plane (header ``X-API-KEY``): ``POST /sandboxes`` (the route OpenKruise's sandbox-manager serves too),
-``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``, ``POST /sandboxes/{id}/timeout``.
+``GET /v2/sandboxes`` (``Sandbox.list``; ``GET /sandboxes`` too), ``GET /sandboxes/{id}``, ``DELETE /sandboxes/{id}``,
+``POST /sandboxes/{id}/timeout``, ``POST /sandboxes/{id}/connect`` (``Sandbox.connect``).
 Sandbox plane (headers ``E2b-Sandbox-Id``, ``E2b-Sandbox-Port``, ``X-Access-Token``: with ``E2B_SANDBOX_URL`` set
 the SDK sends every envd and code-interpreter request to that one URL and names the sandbox in these headers):
-``GET /health`` (envd's, ``is_running``) and ``POST /execute`` (the code interpreter's NDJSON stream).
+``GET /health`` (envd's, ``is_running``), ``POST /execute`` (the code interpreter's NDJSON stream), envd's files
+(``envd.py``) and commands (``commands.py``).
 With ``--debug-sandbox`` on port 49999, the SDK's debug mode (``E2B_DEBUG=true``: no control plane, requests to
 ``localhost:49999``) reaches one standing sandbox.
 """
@@ -19,18 +21,21 @@ import hmac
 import json
 import logging
 import time
+import urllib.parse
 
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Mount, Route
 
+from pipeline_steps.sandbox.commands import process_app
+from pipeline_steps.sandbox.envd import file_routes, filesystem_app
 from pipeline_steps.sandbox.pool import RUNNING, Pool
 
 log = logging.getLogger(__name__)
 
-ENVD_VERSION = "0.3.0"  # what envd version the SDK is told; it gates only filesystem/commands features we lack
+ENVD_VERSION = "0.3.0"  # the envd version the SDK is told; it gates features: multipart uploads, no stdin close
 MAX_TIMEOUT = 24 * 3600
 
 
@@ -83,19 +88,45 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
     def authorised(request: Request) -> bool:
         return hmac.compare_digest(request.headers.get("x-api-key", "").encode(), api_key.encode())
 
-    def sandbox_of(request: Request):
+    def sandbox_of(headers):
         """The running sandbox a sandbox-plane request names, or an error response (502 = unknown, as E2B's proxy
         answers; 410 = killed or expired here)."""
-        sandbox_id = request.headers.get("e2b-sandbox-id", "")
+        sandbox_id = headers.get("e2b-sandbox-id", "")
         sb = pool.running.get(sandbox_id)
         if sb is None:
             if sandbox_id in pool.ended:
                 return None, _error(410, f"sandbox {sandbox_id} has ended ({pool.ended[sandbox_id]})")
             return None, _error(502, "sandbox not found or not running")
-        token = request.headers.get("x-access-token", "")
+        token = headers.get("x-access-token", "")
         if not hmac.compare_digest(token.encode(), sb.access_token.encode()):
             return None, _error(401, "invalid access token")
         return sb, None
+
+    def created(sb) -> dict:
+        return {
+            "templateID": sb.template,
+            "sandboxID": sb.sandbox_id,
+            "clientID": "local",
+            "envdVersion": ENVD_VERSION,
+            "envdAccessToken": sb.access_token,
+            "domain": None,
+        }
+
+    def described(sb) -> dict:
+        lim = pool.limits
+        return {
+            "templateID": sb.template,
+            "sandboxID": sb.sandbox_id,
+            "clientID": "local",
+            "startedAt": _iso(sb.started_at),
+            "endAt": _iso(sb.end_at),
+            "envdVersion": ENVD_VERSION,
+            "cpuCount": lim.cpus,
+            "memoryMB": lim.memory_mb,
+            "diskSizeMB": lim.disk_mb,
+            "state": "running",
+            "metadata": sb.metadata,
+        }
 
     async def create(request: Request):
         if not authorised(request):
@@ -111,17 +142,7 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
             )
         except RuntimeError as exc:
             return _error(503, str(exc))
-        return JSONResponse(
-            {
-                "templateID": template,
-                "sandboxID": sb.sandbox_id,
-                "clientID": "local",
-                "envdVersion": ENVD_VERSION,
-                "envdAccessToken": sb.access_token,
-                "domain": None,
-            },
-            status_code=201,
-        )
+        return JSONResponse(created(sb), status_code=201)
 
     async def detail(request: Request):
         if not authorised(request):
@@ -129,22 +150,46 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
         sb = pool.running.get(request.path_params["sandbox_id"])
         if sb is None:
             return _error(404, "sandbox not found")
-        lim = pool.limits
-        return JSONResponse(
-            {
-                "templateID": sb.template,
-                "sandboxID": sb.sandbox_id,
-                "clientID": "local",
-                "startedAt": _iso(sb.started_at),
-                "endAt": _iso(sb.end_at),
-                "envdVersion": ENVD_VERSION,
-                "cpuCount": lim.cpus,
-                "memoryMB": lim.memory_mb,
-                "diskSizeMB": lim.disk_mb,
-                "state": "running",
-                "metadata": sb.metadata,
-            }
-        )
+        return JSONResponse(described(sb))
+
+    async def listing(request: Request):
+        """``Sandbox.list``: running sandboxes (none is ever paused here), filtered by state, template and metadata
+        (the SDK sends ``k=v&...``, each key and value quoted once more), newest first unless ``order=asc``; the page
+        token is the offset of the next page."""
+        if not authorised(request):
+            return _error(401, "Invalid API key")
+        q = request.query_params
+        states = set(filter(None, q.get("state", "").split(",")))
+        pairs = urllib.parse.parse_qsl(q.get("metadata", ""))
+        wanted = {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+        found = [
+            sb
+            for sb in pool.running.values()
+            if (not states or "running" in states)
+            and q.get("template", sb.template) == sb.template
+            and all(sb.metadata.get(k) == v for k, v in wanted.items())
+        ]
+        found.sort(key=lambda sb: sb.started_at, reverse=q.get("order", "desc") != "asc")
+        try:
+            start, limit = int(q.get("nextToken") or 0), max(1, min(int(q.get("limit") or 100), 1000))
+        except ValueError:
+            return _error(400, "nextToken and limit must be integers")
+        page = found[start : start + limit]
+        more = {"x-next-token": str(start + limit)} if start + limit < len(found) else {}
+        return JSONResponse([described(sb) for sb in page], headers=more)
+
+    async def connect(request: Request):
+        """``Sandbox.connect``: a running sandbox's access again; its timeout is only ever extended, as E2B does. A
+        killed or expired sandbox is gone (404), as on E2B once it is not paused."""
+        if not authorised(request):
+            return _error(401, "Invalid API key")
+        sb = pool.running.get(request.path_params["sandbox_id"])
+        if sb is None or sb.state != RUNNING:
+            return _error(404, f"sandbox {request.path_params['sandbox_id']} not found")
+        body = await request.json() if await request.body() else {}
+        timeout = min(int(body.get("timeout") or 300), MAX_TIMEOUT)
+        sb.end_at = max(sb.end_at, time.time() + timeout)
+        return JSONResponse(created(sb), status_code=200)
 
     async def delete(request: Request):
         if not authorised(request):
@@ -166,13 +211,13 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
     async def health(request: Request):
         if "e2b-sandbox-id" not in request.headers:  # the server's own readiness probe
             return JSONResponse({"ok": True, "running": len(pool.running), "warm": len(pool.warm)})
-        _, err = sandbox_of(request)
+        _, err = sandbox_of(request.headers)
         if err is not None and err.status_code == 410:  # the SDK's is_running() reads 502 as "not running"
             return _error(502, "sandbox not running")
         return err or Response(status_code=204)
 
     async def execute(request: Request):
-        sb, err = sandbox_of(request)
+        sb, err = sandbox_of(request.headers)
         if err:
             return err
         body = await request.json()
@@ -223,13 +268,21 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
             value += "; all its processes were killed and its variables are lost (files in its directory remain)"
         return json.dumps({"type": "error", "name": name, "value": value, "traceback": ""}) + "\n"
 
+    read_file, write_file = file_routes(sandbox_of, pool.limits.disk_mb)
     routes = [
         Route("/sandboxes", create, methods=["POST"]),
+        Route("/sandboxes", listing, methods=["GET"]),
+        Route("/v2/sandboxes", listing, methods=["GET"]),
         Route("/sandboxes/{sandbox_id}", detail, methods=["GET"]),
         Route("/sandboxes/{sandbox_id}", delete, methods=["DELETE"]),
         Route("/sandboxes/{sandbox_id}/timeout", set_timeout, methods=["POST"]),
+        Route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/execute", execute, methods=["POST"]),
+        Route("/files", read_file, methods=["GET"]),
+        Route("/files", write_file, methods=["POST"]),
+        Mount("/filesystem.Filesystem", app=filesystem_app(sandbox_of)),
+        Mount("/process.Process", app=process_app(pool, sandbox_of)),
     ]
 
     @contextlib.asynccontextmanager

@@ -85,5 +85,15 @@ def run(args) -> dict:
     )
     pool = Pool(args.state_dir, args.hide, limits, args.warm, args.max_sandboxes, args.uid_base)
     app = build_app(pool, key, set(args.template or ["code-interpreter-v1"]), debug_sandbox=args.debug_sandbox)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    # Idle connections are kept longer than the SDK keeps them pooled (E2B_KEEPALIVE_EXPIRY, 300 s): with uvicorn's
+    # 5 s, a request sent on a pooled connection as the server closed it failed ("connection closed before message
+    # completed"; seen on the kill after `make bench`'s 5 s of run_code).
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=310,
+    )
     return {"host": args.host, "port": args.port}
