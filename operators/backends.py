@@ -16,16 +16,19 @@ import re
 import shlex
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from airflow.sdk.exceptions import AirflowFailException
 
 from operators.failures import JobFailed
-from operators.hooks.rayjob import RayJobHook
 from operators.links import DASHBOARD_XCOM_KEY
 from operators.progress import describe_failure, rayjob_outcome
 from operators.triggers.local_ray import LocalRayJobTrigger
 from operators.triggers.rayjob import RayJobTrigger
 from pipeline_steps.constants import RAYJOB_NAME_MAX
+
+if TYPE_CHECKING:  # the hook module loads the Kubernetes clients: imported where a job is reached, not at DAG parse
+    from operators.hooks.rayjob import RayJobHook
 
 GROUP_LABEL = "verl-pipeline/rayjob-group"  # value: the attempt-0 name; selects every attempt of one task
 ATTEMPT_LABEL = "verl-pipeline/attempt"
@@ -80,6 +83,8 @@ class KubeRayJobs:
 
     @cached_property
     def hook(self) -> RayJobHook:
+        from operators.hooks.rayjob import RayJobHook
+
         return RayJobHook(conn_id=self.op.kubernetes_conn_id, cluster_context=self.op.cluster_context)
 
     def namespace_for(self, body: dict | None = None) -> str:

@@ -10,12 +10,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DAG_FILE = ROOT / "dags" / "verl_grpo_pipeline.py"
 HEAVY = {"torch", "ray", "verl", "pandas", "datasets", "transformers", "vllm", "pyarrow"}
+# clients a DAG processor must not load to parse the file (the jobs' hooks import them when a task reaches a job)
+CLIENTS = {"kubernetes", "kubernetes_asyncio", "kubernetes_validate", "google", "alibabacloud_oss_v2", "aiohttp"}
 
 
 def test_parses_fast_without_heavy_imports():
     code = f"""
 import runpy, sys, time
-import airflow.sdk, airflow.providers.cncf.kubernetes.hooks.kubernetes  # the scheduler has these loaded already
+import airflow.sdk  # the DAG processor has the Task SDK loaded already
 before = set(sys.modules)
 t = time.process_time()  # CPU time: wall time on a loaded 2-core CI box is noise
 runpy.run_path({str(DAG_FILE)!r})
@@ -32,8 +34,8 @@ print(dt, ",".join(sorted({{m.split('.')[0] for m in set(sys.modules) - before}}
     )
     assert out.returncode == 0, out.stderr[-2000:]
     seconds, modules = out.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert not HEAVY & set(modules.split(",")), modules
-    assert float(seconds) < 1.0, f"DAG parse took {seconds}s"
+    assert not (HEAVY | CLIENTS) & set(modules.split(",")), modules
+    assert float(seconds) < 0.5, f"DAG parse took {seconds} s of CPU (0.11 s measured without the Kubernetes clients)"
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,13 @@ submitter pod) from the Ray dashboard's Jobs API when the worker can reach it.
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from operators.hooks.rayjob import RayJobHook
 from operators.progress import describe_failure, rayjob_outcome
 from operators.triggers.base import JobPollTrigger, Poll
+
+if TYPE_CHECKING:  # the hook module loads the Kubernetes clients: imported where a job is reached, not at DAG parse
+    from operators.hooks.rayjob import RayJobHook
 
 
 class RayJobTrigger(JobPollTrigger):
@@ -57,6 +59,8 @@ class RayJobTrigger(JobPollTrigger):
 
     @cached_property
     def hook(self) -> RayJobHook:
+        from operators.hooks.rayjob import RayJobHook
+
         return RayJobHook(conn_id=self.kubernetes_conn_id, cluster_context=self.cluster_context)
 
     def static_fields(self) -> dict:
