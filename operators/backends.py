@@ -266,15 +266,14 @@ def push_job(context, name: str, dashboard_url: str | None) -> None:
 
 
 def complete(op, context, event: dict, dashboard_url: str | None = None) -> None:
-    """Resumed from a trigger: log the last progress and log tail; fail with the job's reason on failure.
+    """Resumed from a trigger: log the last progress; fail with the job's reason on failure.
 
     A spec the API rejected (``ValidationFailed``) fails without retry; any other failure raises
     :class:`JobFailed` so the task's retries apply (the next attempt resumes).
     """
     if event.get("last_progress"):
         op.log.info("last progress %s", event["last_progress"])
-    for line in event.get("log_tail") or []:
-        op.log.info("job log | %s", line)
+    # the job's log is not logged again here: the trigger logged each line as it came, into this task's log
     if dashboard_url and context and context.get("ti") is not None:
         context["ti"].xcom_push(key=DASHBOARD_XCOM_KEY, value=dashboard_url)
     if event.get("status") != "success":

@@ -135,6 +135,7 @@ def test_success_reports_progress_and_returns_xcom(api, tmp_path, capsys):
     assert "progress step 1: critic/score/mean=0.25" in text and "progress step 2: critic/score/mean=0.5" in text
     assert "job log | loading model" in text and text.count("job log | step:1 - score:0.25") == 1  # no repeats
     out = op.execute_complete({}, event)
+    assert "job log |" not in capsys.readouterr().out  # the resumed task does not print the job's log a second time
     assert out["last_step"] == 2 and out["checkpoint_step"] == 2
     assert out["metrics"]["critic/score/mean"] == 0.5 and out["metrics"]["perf/throughput"] == 102.0
     assert out["checkpoint_uri"] == str(tmp_path / "ckpt") and out["backend"] == "kuberay"
