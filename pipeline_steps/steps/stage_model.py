@@ -1,8 +1,8 @@
 """Step ``stage-model``: model weights at a pinned revision -> ``<root>/models/<org>/<name>/<revision>/``.
 
 SOURCE is one of
-- a Hugging Face repo id (``org/name``): ``snapshot_download`` at ``--revision`` (token from
-  ``HF_TOKEN``, read by huggingface_hub itself); the path names the resolved commit;
+- a Hugging Face repo id (``org/name``): streamed file by file at ``--revision`` (steps/hub_stream.py; token from
+  ``HF_TOKEN``, read by huggingface_hub itself); the path names the resolved commit; offline, a cached snapshot;
 - a local directory: staged under ``models/local/<dir name>/<revision>``;
 - ``tiny``: the project's tiny Qwen2-architecture model, built locally
   (pipeline_steps.local.tiny_model) under ``models/local/tiny/<revision>``.
@@ -184,9 +184,22 @@ def run(args):
                 "files": len(manifest["files"]),
                 "bytes_uploaded": 0,
             }
-    from pipeline_steps.steps.download import fetch_snapshot
+    from pipeline_steps.steps.download import _offline, fetch_snapshot
 
-    _check_local_disk(model, revision)
+    if not _offline():
+        # Streamed by default: the worker pod has no disk sized for a model (a 32B one is ~65 GB); one file at a time
+        # needs only the largest file. For a small model a snapshot would be no cheaper: the same bytes cross once.
+        from pipeline_steps.steps import hub_stream
+
+        commit, files = hub_stream.hub_files(model, revision)
+        uri = str(root.child(f"models/{org}/{name}/{commit}"))
+        if _already_staged(store, uri, None):
+            return _skipped(store, uri, commit, model)
+        scratch = Path(tempfile.gettempdir())
+        hub_stream.check_disk(scratch, files, model)
+        summary = hub_stream.stage(store, model, commit, files, uri, str(scratch))
+        return {**summary, "uri": uri, "revision": commit, "source": model, "skipped": False}
+    _check_local_disk(model, revision)  # offline: the snapshot comes from the local Hub cache
     snapshot = fetch_snapshot(model, revision, (), repo_type="model")
     commit = snapshot.name  # snapshot folders are named by the resolved commit
     return _stage(store, snapshot, str(root.child(f"models/{org}/{name}/{commit}")), commit, model)
