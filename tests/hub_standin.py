@@ -1,7 +1,8 @@
-"""A local stand-in for the parts of the Hugging Face Hub API that huggingface_hub's ``model_info(files_metadata=True)``
-and ``hf_hub_download`` call (the real Hub is unreachable here): ``GET /api/models/{repo}/revision/{rev}`` (file list
-with sizes, blob ids, LFS sha256) and ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with ``X-Repo-Commit``,
-``X-Linked-Etag``/``ETag`` and ``X-Linked-Size``. Point ``HF_ENDPOINT`` at ``url``."""
+"""A local stand-in for the parts of the Hugging Face Hub API that huggingface_hub calls for ``model_info(
+files_metadata=True)``, ``hf_hub_download`` and ``snapshot_download`` (the real Hub is unreachable here):
+``GET /api/models/{repo}/revision/{rev}`` (files with sizes, blob ids, LFS sha256), ``/api/models/{repo}/tree/{rev}``
+and ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with ``X-Repo-Commit``, ``X-Linked-Etag``/``ETag`` and
+``X-Linked-Size``. Point ``HF_ENDPOINT`` at ``url``. ``corrupt`` names files whose advertised sha256 is wrong."""
 
 from __future__ import annotations
 
@@ -9,15 +10,19 @@ import hashlib
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import unquote
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 class HubStandIn:
-    def __init__(self, repo: str, files: dict[str, bytes], lfs_min: int = 1 << 20, corrupt: set[str] = frozenset()):
+    def __init__(
+        self, repo: str, files: dict[str, bytes | Path], lfs_min: int = 1 << 20, corrupt: set[str] = frozenset()
+    ):
         self.repo, self.files, self.lfs_min, self.corrupt = repo, files, lfs_min, set(corrupt)
         self.gets: list[str] = []
+        self._metas: dict[str, dict] = {}
         standin = self
 
         class H(BaseHTTPRequestHandler):
@@ -26,11 +31,11 @@ class HubStandIn:
             def log_message(self, *a):
                 pass
 
-            def _send(self, code, headers, body=b""):
+            def _send(self, code, headers, body=b"", size=None):
                 self.send_response(code)
                 for k, v in headers.items():
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(body) if size is None else size))
                 self.end_headers()
                 if self.command == "GET":
                     self.wfile.write(body)
@@ -44,32 +49,60 @@ class HubStandIn:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def _meta(self, name: str, data: bytes) -> dict:
-        m = {"rfilename": name, "size": len(data), "blobId": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
-        if len(data) >= self.lfs_min:
-            sha = hashlib.sha256(data).hexdigest()
-            m["lfs"] = {"sha256": "0" * 64 if name in self.corrupt else sha, "size": len(data), "pointerSize": 130}
+    def _chunks(self, name: str):
+        data = self.files[name]
+        if isinstance(data, bytes):
+            yield data
+            return
+        with open(data, "rb") as f:  # large files (the benchmark) are served from disk, not memory
+            while chunk := f.read(8 << 20):
+                yield chunk
+
+    def _meta(self, name: str) -> dict:
+        if name in self._metas:
+            return self._metas[name]
+        size = sum(len(c) for c in self._chunks(name))
+        sha1, sha = hashlib.sha1(b"blob %d\0" % size), hashlib.sha256()
+        for c in self._chunks(name):
+            sha1.update(c)
+            sha.update(c)
+        m = {"rfilename": name, "size": size, "blobId": sha1.hexdigest()}
+        if size >= self.lfs_min:
+            m["lfs"] = {"sha256": "0" * 64 if name in self.corrupt else sha.hexdigest(), "size": size, "pointerSize": 1}
+        self._metas[name] = m
         return m
 
     def _serve(self, h) -> None:
         path = unquote(h.path.split("?")[0])
         if path.startswith(f"/api/models/{self.repo}/revision/"):
             body = json.dumps(
-                {"id": self.repo, "sha": COMMIT, "siblings": [self._meta(n, d) for n, d in self.files.items()]}
+                {"id": self.repo, "sha": COMMIT, "siblings": [self._meta(n) for n in self.files]}
             ).encode()
             return h._send(200, {"Content-Type": "application/json"}, body)
+        if path.startswith(f"/api/models/{self.repo}/tree/"):  # snapshot_download's file list (the benchmark baseline)
+            tree = []
+            for n in self.files:
+                m = self._meta(n)
+                e = {"type": "file", "path": n, "size": m["size"], "oid": m["blobId"]}
+                if "lfs" in m:
+                    e["lfs"] = {"oid": m["lfs"]["sha256"], "size": m["size"], "pointerSize": 1}
+                tree.append(e)
+            return h._send(200, {"Content-Type": "application/json"}, json.dumps(tree).encode())
         prefix = f"/{self.repo}/resolve/"
         if path.startswith(prefix):
             name = path[len(prefix) :].split("/", 1)[1]
             if name in self.files:
-                data = self.files[name]
-                m = self._meta(name, data)
+                m = self._meta(name)
                 etag = m["lfs"]["sha256"] if "lfs" in m else m["blobId"]
-                if h.command == "GET":
-                    self.gets.append(name)
                 headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "X-Linked-Etag": f'"{etag}"'}
-                headers["X-Linked-Size"] = str(len(data))
-                return h._send(200, headers, data)
+                headers["X-Linked-Size"] = str(m["size"])
+                if h.command == "HEAD":
+                    return h._send(200, headers)
+                self.gets.append(name)
+                h._send(200, headers, size=m["size"])
+                for chunk in self._chunks(name):
+                    h.wfile.write(chunk)
+                return None
         h._send(404, {"X-Error-Code": "EntryNotFound"}, b'{"error": "not found"}')
 
     def close(self):
