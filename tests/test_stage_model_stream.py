@@ -166,3 +166,15 @@ def test_a_disk_smaller_than_the_largest_file_is_refused_in_one_line(hub, tmp_pa
     with pytest.raises(UserError) as e:
         _run(f"file://{tmp_path}/store")
     assert "\n" not in str(e.value) and "largest file" in str(e.value)
+
+
+def test_a_corrupted_staged_object_is_repaired_and_recommitted(hub, tmp_path):
+    hub()
+    dest = f"file://{tmp_path}/store"
+    _run(dest)
+    obj = tmp_path / "store" / "models" / REPO / COMMIT / "model-00001-of-00003.safetensors"
+    obj.write_bytes(b"x" * obj.stat().st_size)
+    out = _run(dest)
+    assert out["skipped"] is False
+    _check_staged(open_store(dest), f"{dest}/models/{REPO}/{COMMIT}")
+    assert obj.read_bytes() == FILES["model-00001-of-00003.safetensors"]

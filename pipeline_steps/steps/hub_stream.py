@@ -86,7 +86,10 @@ def stage(store, model: str, commit: str, files: list[dict], uri: str, scratch_r
     plan = json.dumps({"model": model, "commit": commit, "files": files}, sort_keys=True).encode()
     token = claim.take(store, u.key, hashlib.sha256(plan).hexdigest(), uri)
     progress_key = store._join(u.key, PROGRESS)
+    manifest_key = store._join(u.key, MANIFEST)
     try:
+        if store._get_bytes(manifest_key) is not None:  # committed but no longer verifies: withdraw it before repairs
+            store._delete([manifest_key])
         raw = store._get_bytes(progress_key)
         done = json.loads(raw) if raw else {}
         entries, uploaded, sent = [], 0, 0
@@ -116,8 +119,7 @@ def stage(store, model: str, commit: str, files: list[dict], uri: str, scratch_r
                 uploaded += 1
                 sent += f["size"]
         manifest_bytes = render_manifest(entries, store.native)
-        if store._get_bytes(store._join(u.key, MANIFEST)) != manifest_bytes:
-            store._commit(u, entries, store._join(u.key, MANIFEST), manifest_bytes)
+        store._commit(u, entries, manifest_key, manifest_bytes)
     except BaseException:
         try:
             claim.withdraw(store, u.key, token)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -106,40 +105,6 @@ def _stage(store, src: Path, uri: str, revision: str, source: str) -> dict:
     return {**summary, "uri": uri, "revision": revision, "source": source, "skipped": False}
 
 
-def _check_local_disk(model: str, revision: str) -> None:
-    """Refuse, in one line and before any byte is fetched, a model larger than the free disk of the Hub cache.
-
-    The step downloads the whole snapshot into the worker's Hugging Face cache, then uploads it: Qwen2.5-32B is about
-    65 GB, more than a default task pod's disk. The size is the sum of the Hub's file sizes for that revision; when
-    the Hub does not answer, the download reports the error in its own words.
-    """
-    from pipeline_steps.steps.download import _cache_dir, _offline
-
-    if _offline():
-        return
-    from huggingface_hub import HfApi
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    try:
-        info = HfApi().model_info(model, revision=revision, files_metadata=True)
-    except Exception as exc:  # noqa: BLE001 - the download that follows names the Hub's error
-        log.debug("no file sizes for %s@%s: %s", model, revision, exc)
-        return
-    need = sum(s.size or 0 for s in info.siblings or [])
-    where = Path(_cache_dir() or HF_HUB_CACHE)
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if need > free:
-        raise UserError(
-            f"{model}@{revision} is {need / 1e9:.1f} GB and {where} has {free / 1e9:.1f} GB free: give the "
-            "stage_model task more disk (ephemeral-storage of the Airflow worker pods, k8s/airflow/values.yaml) or "
-            "point HF_HUB_CACHE at a larger volume"
-        )
-    log.info("%s@%s: %.1f GB to download, %.1f GB free at %s", model, revision, need / 1e9, free / 1e9, where)
-
-
 def run(args):
     root = parse_uri(args.dest)
     store = open_store(args.dest)
@@ -199,7 +164,7 @@ def run(args):
         hub_stream.check_disk(scratch, files, model)
         summary = hub_stream.stage(store, model, commit, files, uri, str(scratch))
         return {**summary, "uri": uri, "revision": commit, "source": model, "skipped": False}
-    _check_local_disk(model, revision)  # offline: the snapshot comes from the local Hub cache
+    # offline: the snapshot comes from the local Hub cache (already on this disk)
     snapshot = fetch_snapshot(model, revision, (), repo_type="model")
     commit = snapshot.name  # snapshot folders are named by the resolved commit
     return _stage(store, snapshot, str(root.child(f"models/{org}/{name}/{commit}")), commit, model)
