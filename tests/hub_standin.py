@@ -22,6 +22,8 @@ class HubStandIn:
     ):
         self.repo, self.files, self.lfs_min, self.corrupt = repo, files, lfs_min, set(corrupt)
         self.gets: list[str] = []
+        self.stall: str | None = None  # a GET of this file blocks until ``release`` is set (a test kills the client)
+        self.release = threading.Event()
         self._metas: dict[str, dict] = {}
         standin = self
 
@@ -99,6 +101,8 @@ class HubStandIn:
                 if h.command == "HEAD":
                     return h._send(200, headers)
                 self.gets.append(name)
+                if name == self.stall:
+                    self.release.wait(60)
                 h._send(200, headers, size=m["size"])
                 for chunk in self._chunks(name):
                     h.wfile.write(chunk)

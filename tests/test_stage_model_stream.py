@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,13 +115,13 @@ def test_streams_a_model_larger_than_the_disk(hub, tmp_path, request, backend, m
     assert again["skipped"] is True and sorted(h.gets) == sorted(FILES)
 
 
-def test_a_kill_mid_way_resumes_and_equals_a_clean_run(hub, tmp_path, monkeypatch):
+def test_an_interrupted_run_resumes_and_equals_a_clean_run(hub, tmp_path, monkeypatch):
     h = hub()
     clean = f"file://{tmp_path}/clean"
     _run(clean)
     h.gets.clear()
 
-    class Killed(BaseException):
+    class Killed(BaseException):  # an interrupt in the 4th upload (the SIGKILL test below has no cleanup at all)
         pass
 
     calls = []
@@ -145,6 +148,43 @@ def test_a_kill_mid_way_resumes_and_equals_a_clean_run(hub, tmp_path, monkeypatc
     store = open_store(dest)
     clean_uri = f"{clean}/models/{REPO}/{COMMIT}"
     assert store.read_bytes(f"{uri}/_manifest.json") == open_store(clean).read_bytes(f"{clean_uri}/_manifest.json")
+
+
+def test_a_sigkilled_run_resumes_without_refetching_what_it_stored(hub, tmp_path):
+    """The step in its own process, SIGKILLed while it downloads the 4th file (no cleanup runs, its claim stays)."""
+    h = hub()
+    order = sorted(FILES)
+    h.stall = order[3]
+    dest = f"file://{tmp_path}/store"
+    env = {
+        **os.environ,
+        "HF_ENDPOINT": h.url,
+        "HF_HUB_OFFLINE": "0",
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HUB_CACHE": str(tmp_path / "hf-cache"),
+        "TMPDIR": str(hub.scratch),
+    }
+    args = [sys.executable, "-m", "pipeline_steps", "stage-model", "--model", REPO, "--dest", dest, "--hub-only"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while order[3] not in h.gets and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert order[3] in h.gets, "the step never reached the 4th file"
+    finally:
+        proc.kill()
+        proc.wait()
+        h.release.set()
+    uri = f"{dest}/models/{REPO}/{COMMIT}"
+    store = open_store(dest)
+    assert store.read_manifest(uri) is None and store.read_bytes(f"{uri}/_claim.json") is not None
+    h.gets.clear()
+    h.stall = None
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(h.gets) == order[3:]  # the 3 files stored before the kill are not fetched again
+    _check_staged(store, uri)
+    assert list(hub.scratch.iterdir()) == []  # the killed run's scratch dir was swept
 
 
 def test_a_corrupted_download_fails_in_one_line_and_commits_nothing(hub, tmp_path):

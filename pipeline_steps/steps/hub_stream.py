@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -76,6 +77,18 @@ def _check_content(path: Path, f: dict, sha256: str, model: str) -> None:
         raise TransientError(f"{model}/{f['path']}: downloaded file does not match the Hub's ({bad}); retried")
 
 
+def _sweep(root: Path, prefix: str) -> None:
+    """Remove the scratch dirs a killed run of this version left (its pid is gone): a worker that outlives its
+    tasks would otherwise keep up to one file per kill."""
+    for d in root.glob(f"{prefix}*"):
+        try:
+            os.kill(int(d.name[len(prefix) :].split("-")[0]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, OSError):
+            pass  # not ours to judge (a live process of another user, an odd name)
+
+
 def stage(store, model: str, commit: str, files: list[dict], uri: str, scratch_root: str | None = None) -> dict:
     """Stream ``files`` of ``model@commit`` into the version ``uri``; resumable, committed last."""
     from huggingface_hub import hf_hub_download
@@ -93,7 +106,9 @@ def stage(store, model: str, commit: str, files: list[dict], uri: str, scratch_r
         raw = store._get_bytes(progress_key)
         done = json.loads(raw) if raw else {}
         entries, uploaded, sent = [], 0, 0
-        with tempfile.TemporaryDirectory(prefix="hub-stream-", dir=scratch_root) as scratch:
+        prefix = f"hub-stream-{hashlib.sha256(uri.encode()).hexdigest()[:12]}-"
+        _sweep(Path(scratch_root or tempfile.gettempdir()), prefix)
+        with tempfile.TemporaryDirectory(prefix=f"{prefix}{os.getpid()}-", dir=scratch_root) as scratch:
             for f in files:
                 key = store._join(u.key, f["path"])
                 entry = done.get(f["path"])
