@@ -2,7 +2,8 @@
 files_metadata=True)``, ``hf_hub_download`` and ``snapshot_download`` (the real Hub is unreachable here):
 ``GET /api/models/{repo}/revision/{rev}`` (files with sizes, blob ids, LFS sha256), ``/api/models/{repo}/tree/{rev}``
 and ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with ``X-Repo-Commit``, ``X-Linked-Etag``/``ETag`` and
-``X-Linked-Size``. Point ``HF_ENDPOINT`` at ``url``. ``corrupt`` names files whose advertised sha256 is wrong."""
+``X-Linked-Size`` (LFS files: a 302 to a "CDN" on another host name, as the Hub does). Point ``HF_ENDPOINT`` at
+``url``. ``corrupt`` names files whose advertised sha256 is wrong."""
 
 from __future__ import annotations
 
@@ -74,6 +75,17 @@ class HubStandIn:
         self._metas[name] = m
         return m
 
+    def _content(self, h, name: str, headers: dict) -> None:
+        if h.command == "HEAD":
+            return h._send(200, headers, size=self._meta(name)["size"])
+        self.gets.append(name)
+        if name == self.stall:
+            self.release.wait(60)
+        h._send(200, headers, size=self._meta(name)["size"])
+        for chunk in self._chunks(name):
+            h.wfile.write(chunk)
+        return None
+
     def _serve(self, h) -> None:
         path = unquote(h.path.split("?")[0])
         if path.startswith(f"/api/models/{self.repo}/revision/"):
@@ -96,17 +108,15 @@ class HubStandIn:
             if name in self.files:
                 m = self._meta(name)
                 etag = m["lfs"]["sha256"] if "lfs" in m else m["blobId"]
-                headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"', "X-Linked-Etag": f'"{etag}"'}
-                headers["X-Linked-Size"] = str(m["size"])
+                headers = {"X-Repo-Commit": COMMIT, "X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(m["size"])}
+                if "lfs" in m:  # as the Hub does: LFS files redirect to a CDN host, the metadata is on the redirect
+                    host = f"localhost:{self.server.server_address[1]}"  # another host name: not followed on HEAD
+                    return h._send(302, {**headers, "Location": f"http://{host}/cdn/{name}"})
                 if h.command == "HEAD":
-                    return h._send(200, headers)
-                self.gets.append(name)
-                if name == self.stall:
-                    self.release.wait(60)
-                h._send(200, headers, size=m["size"])
-                for chunk in self._chunks(name):
-                    h.wfile.write(chunk)
-                return None
+                    return h._send(200, {**headers, "ETag": f'"{etag}"'})
+                return self._content(h, name, {**headers, "ETag": f'"{etag}"'})
+        if path.startswith("/cdn/") and path[5:] in self.files:
+            return self._content(h, path[5:], {"ETag": f'"{self._meta(path[5:]).get("lfs", {}).get("sha256")}"'})
         h._send(404, {"X-Error-Code": "EntryNotFound"}, b'{"error": "not found"}')
 
     def close(self):
