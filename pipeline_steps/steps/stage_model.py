@@ -1,8 +1,8 @@
 """Step ``stage-model``: model weights at a pinned revision -> ``<root>/models/<org>/<name>/<revision>/``.
 
 SOURCE is one of
-- a Hugging Face repo id (``org/name``): ``snapshot_download`` at ``--revision`` (token from
-  ``HF_TOKEN``, read by huggingface_hub itself); the path names the resolved commit;
+- a Hugging Face repo id (``org/name``): streamed file by file at ``--revision`` (steps/hub_stream.py; token from
+  ``HF_TOKEN``, read by huggingface_hub itself); the path names the resolved commit; offline, a cached snapshot;
 - a local directory: staged under ``models/local/<dir name>/<revision>``;
 - ``tiny``: the project's tiny Qwen2-architecture model, built locally
   (pipeline_steps.local.tiny_model) under ``models/local/tiny/<revision>``.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -106,40 +105,6 @@ def _stage(store, src: Path, uri: str, revision: str, source: str) -> dict:
     return {**summary, "uri": uri, "revision": revision, "source": source, "skipped": False}
 
 
-def _check_local_disk(model: str, revision: str) -> None:
-    """Refuse, in one line and before any byte is fetched, a model larger than the free disk of the Hub cache.
-
-    The step downloads the whole snapshot into the worker's Hugging Face cache, then uploads it: Qwen2.5-32B is about
-    65 GB, more than a default task pod's disk. The size is the sum of the Hub's file sizes for that revision; when
-    the Hub does not answer, the download reports the error in its own words.
-    """
-    from pipeline_steps.steps.download import _cache_dir, _offline
-
-    if _offline():
-        return
-    from huggingface_hub import HfApi
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    try:
-        info = HfApi().model_info(model, revision=revision, files_metadata=True)
-    except Exception as exc:  # noqa: BLE001 - the download that follows names the Hub's error
-        log.debug("no file sizes for %s@%s: %s", model, revision, exc)
-        return
-    need = sum(s.size or 0 for s in info.siblings or [])
-    where = Path(_cache_dir() or HF_HUB_CACHE)
-    probe = where
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    if need > free:
-        raise UserError(
-            f"{model}@{revision} is {need / 1e9:.1f} GB and {where} has {free / 1e9:.1f} GB free: give the "
-            "stage_model task more disk (ephemeral-storage of the Airflow worker pods, k8s/airflow/values.yaml) or "
-            "point HF_HUB_CACHE at a larger volume"
-        )
-    log.info("%s@%s: %.1f GB to download, %.1f GB free at %s", model, revision, need / 1e9, free / 1e9, where)
-
-
 def run(args):
     root = parse_uri(args.dest)
     store = open_store(args.dest)
@@ -184,9 +149,22 @@ def run(args):
                 "files": len(manifest["files"]),
                 "bytes_uploaded": 0,
             }
-    from pipeline_steps.steps.download import fetch_snapshot
+    from pipeline_steps.steps.download import _offline, fetch_snapshot
 
-    _check_local_disk(model, revision)
+    if not _offline():
+        # Streamed by default: the worker pod has no disk sized for a model (a 32B one is ~65 GB); one file at a time
+        # needs only the largest file. For a small model a snapshot would be no cheaper: the same bytes cross once.
+        from pipeline_steps.steps import hub_stream
+
+        commit, files = hub_stream.hub_files(model, revision)
+        uri = str(root.child(f"models/{org}/{name}/{commit}"))
+        if _already_staged(store, uri, None):
+            return _skipped(store, uri, commit, model)
+        scratch = Path(tempfile.gettempdir())
+        hub_stream.check_disk(scratch, files, model)
+        summary = hub_stream.stage(store, model, commit, files, uri, str(scratch))
+        return {**summary, "uri": uri, "revision": commit, "source": model, "skipped": False}
+    # offline: the snapshot comes from the local Hub cache (already on this disk)
     snapshot = fetch_snapshot(model, revision, (), repo_type="model")
     commit = snapshot.name  # snapshot folders are named by the resolved commit
     return _stage(store, snapshot, str(root.child(f"models/{org}/{name}/{commit}")), commit, model)
