@@ -17,13 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-LEARNING_GAP = (
-    "issue 22 is open: the tiny model does not yet learn the demo's input-dependent task by the targets (held-out "
-    "avg@k 10 points over the best constant answer, non-modal avg@k 10 points over the base); the collapse check "
-    "reports it and the gate refuses such a model"
-)
-
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """One ``make demo`` (scripts.demo, as the Makefile runs it) in a fresh home, shared by the tests below."""
@@ -83,7 +76,6 @@ def test_demo_runs_the_dag_prints_the_baselines_and_leaves_nothing_running(demo)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=LEARNING_GAP)
 def test_demo_model_learns_a_skill_that_depends_on_the_input(demo):
     """The targets of issue 22 against untuned baselines: the reward rises; on the held-out split the model beats the
     best constant answer by 10 points and the base by 10 points on the problems whose answer is not the most common

@@ -9,7 +9,7 @@ rewards them. The test split is a fixed set of questions that no train split of 
 evaluation on it measures what training generalised, not what it memorised.
 
 What the tiny model learns: "Which digit is in k 7 7 m 7 7 b 7 7?" -> 7. The answer is a token the prompt repeats
-six times among three letters, so a 2-layer model with a 100-step warm-up and a few minutes of CPU can learn to
+six times among three letters, so a 2-layer model with a 400-step warm-up and a few minutes of CPU can learn to
 copy it, and it depends on the input: the most common answer, or any fixed one, scores 1 in 10. The answers are
 uniform over the ten digits (the held-out split has ten questions per answer), so the best constant answer scores
 exactly 10% there and a gain cannot come from the prior.
