@@ -144,15 +144,20 @@ def _top_level_imports(module: str) -> set[str]:
 
 @cache
 def project_imports(module: str) -> frozenset[str]:
-    """Every module ``module`` (a pipeline_steps module or a file path) imports, following pipeline_steps modules."""
-    path = Path(module) if module.endswith(".py") else _source(module)
-    found, out = _imports(ast.parse(path.read_text())), set()
-    for name in found:
-        if name.split(".")[0] == "pipeline_steps":
-            if _source(name):
-                out |= project_imports(name)
-        else:
-            out.add(name)
+    """Every module ``module`` (a pipeline_steps module or a file path) imports, following pipeline_steps modules.
+
+    A worklist with a seen set: pipeline_steps modules may import each other in a cycle.
+    """
+    out, seen, todo = set(), {module}, [module]
+    while todo:
+        current = todo.pop()
+        path = Path(current) if current.endswith(".py") else _source(current)
+        for name in _imports(ast.parse(path.read_text())):
+            if name.split(".")[0] != "pipeline_steps":
+                out.add(name)
+            elif name not in seen and _source(name):
+                seen.add(name)
+                todo.append(name)
     return frozenset(out)
 
 
