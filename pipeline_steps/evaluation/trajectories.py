@@ -5,8 +5,8 @@ here too): ``<dir>/<step>.jsonl``, one line per sample with ``input`` and ``outp
 without special tokens), ``gts``, ``score``, ``step`` and one key per reward extra info. The local trainer adds, as
 further extra-info keys, ``uid`` (the prompt's group), ``advantage``, ``num_turns``, ``agent_name`` (the agent loop
 that rolled the sample out), ``turns`` (``[{"role": "assistant"|"tool", "text"}]``, the response split by verl's
-response mask), ``tool_calls`` and ``tool_outputs`` (``[{"text", "error"}]``, plus ``timeout`` and ``seconds`` from
-a loop that records its calls).
+response mask), ``tool_calls`` and ``tool_outputs`` (``[{"text", "error"}]``, plus ``timeout``, ``seconds`` and
+``started`` from a loop that records its calls).
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ class AgentRollout:
                 outputs.append({"text": text, "error": is_tool_error(text)})
         for o, r in zip(outputs, records):
             if isinstance(r, dict):
-                o.update(timeout=bool(r.get("timeout")), seconds=r.get("seconds"))
+                o.update(timeout=bool(r.get("timeout")), seconds=r.get("seconds"), started=r.get("started"))
         return {"agent_name": seen.get("agent_name"), "turns": turns, "tool_calls": calls, "tool_outputs": outputs}
 
     def _turn(self, mask_value: int, ids: list[int]) -> dict:

@@ -1,8 +1,10 @@
 """A user rollout function in the shape of guide 002 (Model Studio's ``CalcXRolloutProcessor``: LangGraph + an MCP
 tool) written as a verl agent loop: what a team ships when verl's ``tool_agent`` is not the rollout it wants.
 
-Registered with verl's ``register`` as ``mcp_math_agent`` and listed in ``mcp_math_loop.yaml`` (verl's
-``agent_loop_config_path`` format), whose entry also holds the loop's settings (Hydra passes them to ``__init__``):
+Registered with verl's ``register`` as ``mcp_math_agent`` (importing the module is enough; an entry of an
+``agent_loop_config_path`` file registered before the import keeps its settings) and listed in
+``mcp_math_loop.yaml`` (verl's ``agent_loop_config_path`` format), whose entry also holds the loop's settings (Hydra
+passes them to ``__init__``):
 
 * ``mcp_servers_config_path``: an ``mcp_server.json`` (``{"mcpServers": {name: {"url", "api_key"}}}``, as the MCP
   tool reads it); ``mcp_tool``: the MCP tool the model may call (its schema is read from the server);
@@ -17,8 +19,8 @@ Each turn: the model answers (verl's server interface), verl's tool parser (``mu
 calls, the loop calls the MCP tool through the ``mcp`` client (streamable HTTP) and appends the answers as tool
 messages; tokens are built by verl's own continuous-token helpers, so masks and prompts are what ``tool_agent``
 would produce. The trajectory (the loop's name, messages, one record per call: arguments, seconds, timeout, error,
-calls in flight when it started) is returned in ``extra_fields["trajectory"]`` as JSON; the CPU trainer writes it
-into ``rollouts/<step>.jsonl`` with the other trajectories.
+calls in flight when it started, its start time) is returned in ``extra_fields["trajectory"]`` as JSON; the CPU
+trainer writes it into ``rollouts/<step>.jsonl`` with the other trajectories.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from datetime import timedelta
 from typing import Any
 from uuid import uuid4
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, _agent_loop_registry, register
 from verl.experimental.agent_loop.tool_parser import ToolParser
 from verl.tools.schemas import OpenAIFunctionToolSchema
 from verl.utils.profiler import simple_timer
@@ -89,7 +91,24 @@ async def _session(server: dict, timeout: float, fn):
             return await fn(session)
 
 
-@register(NAME)
+def register_keeping_config(name: str):
+    """verl's ``register(name)``, except that an entry an ``agent_loop_config_path`` file registered first is kept.
+
+    verl's worker registers the file's entries (with this loop's settings) before anything imports this module; the
+    first rollout's instantiation imports it, and a plain ``@register`` would then replace the entry with a bare
+    ``{_target_}``, so every later rollout would run with the defaults."""
+
+    def decorator(cls):
+        configured = _agent_loop_registry.get(name)
+        register(name)(cls)
+        if configured is not None:
+            _agent_loop_registry[name] = configured
+        return cls
+
+    return decorator
+
+
+@register_keeping_config(NAME)
 class MCPMathAgentLoop(AgentLoopBase):
     def __init__(
         self,
@@ -143,7 +162,7 @@ class MCPMathAgentLoop(AgentLoopBase):
         """One MCP call under the concurrency cap and the timeout; failures come back as the tool's text."""
         record: dict[str, Any] = {"name": call.name, "arguments": call.arguments, "timeout": False, "error": False}
         async with gate(self.name, self.max_concurrent) as in_flight:
-            record["in_flight"] = in_flight
+            record.update(in_flight=in_flight, started=time.time())  # wall clock, to line calls up with others
             start = time.monotonic()
             try:
                 if call.name != self.mcp_tool:
