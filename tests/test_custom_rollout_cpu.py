@@ -27,7 +27,7 @@ pytestmark = [
 TIMEOUT_S = 5.0
 CAP = 2
 SLOW = "import time; time.sleep(60)"
-FAST = "import time as t;a=t.time();t.sleep(.5);print(a,t.time());6*7"  # short: all turns fit response_length
+FAST = "import time as t;a=t.time();t.sleep(1.5);print(a,t.time());6*7"  # short: all turns fit response_length
 
 
 def _rows(n: int) -> list[dict]:
