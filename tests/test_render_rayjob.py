@@ -656,3 +656,47 @@ def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
             build(ags, "dapo_math")
     _, plain = render("gsm8k_qwen2_5_3b")  # no tool agent: no sandbox settings at all
     assert "E2B" not in json.dumps(plain)
+
+
+def test_the_cluster_job_carries_a_presets_agent_loop_file_resolved_in_the_pod(tmp_path):
+    """A preset's own agent loop (``agent_loop_config_path``): the RayJob's entrypoint carries ``pkg:`` as the preset
+    wrote it, ``verl_main`` (what the pod runs first) turns it into the installed file, and what verl composes and
+    registers from it is the shipped loop. A deployment's own path is carried unchanged: it must be in the image."""
+    from importlib.resources import files
+
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import AgentLoopBase
+    from verl.utils.import_utils import resolve_config_path
+
+    from pipeline_steps.training import verl_main
+
+    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    shipped = "pkg:pipeline_steps.rollouts/mcp_math_loop.yaml"
+    _, job = render(
+        "gsm8k_tool_agent_qwen2_5_3b",
+        overrides=[f"{key}={shipped}", "actor_rollout_ref.rollout.agent.default_agent_loop=mcp_math_agent"],
+    )
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python3", "-m", "pipeline_steps.training.verl_main"]
+    assert f'{key}="{shipped}"' in argv  # resolved where the package is installed: in the pod
+    pod_argv = verl_main.resolve_tool_config(argv[3:])
+    installed = str(files("pipeline_steps.rollouts") / "mcp_math_loop.yaml")
+    assert f"{key}={json.dumps(installed)}" in pod_argv
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=pod_argv)
+    GlobalHydra.instance().clear()
+    path = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
+    assert path == installed and cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "mcp_math_agent"
+    # what verl's AgentLoopWorker does with the key
+    [entry] = OmegaConf.load(resolve_config_path(path))
+    assert entry.name == "mcp_math_agent"
+    module, _, cls = entry._target_.rpartition(".")
+    assert issubclass(getattr(__import__(module, fromlist=[cls]), cls), AgentLoopBase)
+
+    own = tmp_path / "loops.yaml"  # a deployment's own file, named by its preset
+    _, job = render("gsm8k_tool_agent_qwen2_5_3b", overrides=[f"{key}={own}"])
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert f"{key}={json.dumps(str(own))}" in verl_main.resolve_tool_config(argv[3:])
