@@ -22,6 +22,13 @@ COUNTS: collections.Counter = collections.Counter()
 WHERE: dict[str, list[str]] = collections.defaultdict(list)
 
 
+def dump() -> None:
+    path = os.environ.get("PIPELINE_CALL_COUNTS")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"counts": dict(COUNTS), "where": WHERE}, f, indent=2, sort_keys=True)
+
+
 def _count(module, attr: str, name: str) -> None:
     original = getattr(module, attr)
 
@@ -30,6 +37,7 @@ def _count(module, attr: str, name: str) -> None:
         COUNTS[name] += 1
         caller = traceback.extract_stack(limit=3)[0]
         WHERE[name].append(f"{caller.filename.rsplit('/', 2)[-1]}:{caller.lineno} {caller.name}")
+        dump()  # as they come: a run stopped half-way still says what it counted
         return original(*args, **kwargs)
 
     setattr(module, attr, counted)
@@ -44,12 +52,6 @@ def install() -> None:
     except ImportError:
         form = importlib.import_module("pipeline_steps.training.plan")
     _count(form, "overrides", "overrides_computations")
-
-    def dump() -> None:
-        path = os.environ.get("PIPELINE_CALL_COUNTS")
-        if path:
-            with open(path, "w") as f:
-                json.dump({"counts": dict(COUNTS), "where": WHERE}, f, indent=2, sort_keys=True)
 
     atexit.register(dump)
 

@@ -64,6 +64,33 @@ def test_form_hyperparameters_become_overrides_user_last():
     assert "trainer.total_training_steps=1" in out and out[-1] == "actor_rollout_ref.rollout.n=4"
 
 
+def test_the_plan_holds_what_later_tasks_read_and_is_written_once(monkeypatch, tmp_path):
+    """Issue 25: the plan keeps the preset as read, the backend, the overrides and the evaluation settings; the
+    experiment an operator rebuilds from it is the one a fresh read would give, and plan.json reads back equal."""
+    import json
+
+    from pipeline_steps.training import experiment
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    monkeypatch.delenv("PIPELINE_STORE_URI", raising=False)
+    params = {"experiment": "local_tiny", "learning_rate": 1e-5, "kl_coef": 0.01, "smoke": True}
+    run = plan.plan(params, None, "manual__1", "d")
+    assert run["backend"] == "local" and run["overrides"] == form.overrides(params)
+    assert run["eval_dataset"] == "aime2024" and run["val_datasets"] == ["gsm8k"] and run["mounts"] == []
+    assert run["evaluation"]["k"] == 4 and run["evaluation"]["tensor_parallel_size"] == 1
+    assert json.loads(json.dumps(run)) == run  # XCom and plan.json carry it as is
+    derived = {"data.train_files": ["/x/train.parquet"], "trainer.default_local_dir": "/x/checkpoints"}
+    fresh = experiment.load("local_tiny", run["overrides"], derived)
+    rebuilt = experiment.from_plan(run, derived)
+    assert (rebuilt.name, rebuilt.spec, rebuilt.verl) == (fresh.name, fresh.spec, fresh.verl)
+    assert list(rebuilt.verl) == list(fresh.verl)  # the same order: the user's overrides applied last
+    assert run["preset_sha256"] == experiment.load("local_tiny").digest()
+    uri = plan.save(run)
+    assert uri == f"{run['run_dir']}/plan.json" and plan.load(run["run_dir"]) == run
+    with pytest.raises(UserError, match="no plan there"):
+        plan.load(f"file://{tmp_path}/elsewhere")
+
+
 def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus():
     """A 32B model does not fit one GPU: the kuberay evaluate job's vLLM gets tensor parallelism over the GPUs the
     job's worker has (the preset's gpus_per_node, or the form's); the local (hf) evaluation gets no such flag."""
