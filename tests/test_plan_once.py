@@ -60,3 +60,33 @@ def test_one_run_reads_the_preset_resolves_the_backend_and_the_overrides_once(tm
         assert lineage["experiment"]["overrides"] == plan["overrides"]
     finally:
         stop_services(home)
+
+
+def test_operators_given_the_plan_read_no_preset_and_resolve_no_backend(monkeypatch, tmp_path):
+    """The train operator and the evaluate/export operator take backend, preset and overrides from the plan (kuberay
+    here: the cluster shape, image and mounts come from the plan's preset)."""
+    from operators.cluster_step import PipelineStepJobOperator
+    from operators.train import GRPOTrainOperator
+    from pipeline_steps import constants
+    from pipeline_steps.planning import plan
+    from pipeline_steps.training import experiment
+
+    monkeypatch.setenv("PIPELINE_MOUNTS", '[{"uri": "oss://verl-store", "claim": "verl-store", "path": "/mnt/store"}]')
+    params = {"experiment": "gsm8k_qwen2_5_3b", "backend": "kuberay", "store_uri": "oss://verl-store/verl"}
+    run = plan.plan({**params, "rollout_n": 2, "verl_overrides": ["trainer.save_freq=7"]}, None, "r", "d")
+    assert run["backend"] == "kuberay" and run["mounts"] == [{"uri": "oss://verl-store", "path": "/mnt/store"}]
+
+    def refused(*args, **kwargs):
+        raise AssertionError("read again after the plan")
+
+    monkeypatch.setattr(experiment, "read", refused)
+    monkeypatch.setattr(constants, "resolve_backend", refused)
+    train = GRPOTrainOperator(task_id="train", plan=run, model_path="oss://verl-store/verl/m", run_dir=run["run_dir"])
+    assert train._backend() == "kuberay"
+    exp = train._load("kuberay")
+    assert exp.verl["actor_rollout_ref.rollout.n"] == 2 and exp.verl["trainer.save_freq"] == 7
+    assert exp.verl["trainer.default_local_dir"] == f"{run['run_dir']}/checkpoints"
+    assert train._overrides() == run["overrides"]
+    step = PipelineStepJobOperator(task_id="evaluate", step="evaluate", plan=run, store_uri=run["store"])
+    assert step._backend() == "kuberay" and step._experiment().spec["cluster"] == exp.spec["cluster"]
+    assert step._mounts().find(f"{run['store']}/runs")
