@@ -47,11 +47,9 @@ def install() -> None:
     experiment = importlib.import_module("pipeline_steps.training.experiment")
     _count(experiment, "read" if hasattr(experiment, "read") else "load", "preset_loads")
     _count(importlib.import_module("pipeline_steps.constants"), "resolve_backend", "backend_resolutions")
-    try:
-        form = importlib.import_module("pipeline_steps.planning.form")
-    except ImportError:
-        form = importlib.import_module("pipeline_steps.training.plan")
-    _count(form, "overrides", "overrides_computations")
+    # where the form becomes overrides: pipeline_steps.planning.form, or (before issue 25) pipeline_steps.training.plan
+    module = "pipeline_steps.planning.form" if hasattr(experiment, "read") else "pipeline_steps.training.plan"
+    _count(importlib.import_module(module), "overrides", "overrides_computations")
 
     atexit.register(dump)
 
