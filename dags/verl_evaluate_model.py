@@ -16,7 +16,7 @@ from airflow.sdk import AssetAlias, Param, dag, task
 
 from operators.cluster_step import PipelineStepJobOperator
 from pipeline_steps import settings
-from pipeline_steps.training import plan as planning
+from pipeline_steps.planning import plan as planning
 from pipeline_steps.uris import strip_file_scheme
 
 STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")

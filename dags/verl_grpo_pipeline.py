@@ -21,8 +21,9 @@ from operators.cluster_step import PipelineStepJobOperator
 from operators.notify import notify_failure
 from operators.step import PipelineStepOperator
 from operators.train import GRPOTrainOperator
+from pipeline_steps.planning import form
+from pipeline_steps.planning import plan as planning
 from pipeline_steps.training import experiment
-from pipeline_steps.training import plan as planning
 from pipeline_steps.uris import strip_file_scheme
 
 PRESETS = experiment.preset_names()
@@ -59,6 +60,15 @@ JSONL_URI = r"^(file:///|(oss|gs)://|hf://datasets/)[A-Za-z0-9._/@%=-]+\.jsonl$"
 
 def _default(what: str) -> str:
     return f"empty = the preset's ({DEFAULT_EXPERIMENT}: {PRESET.get(what) or 'none'})"
+
+
+def _form_fields(*names: str) -> dict[str, Param]:
+    """The form's fields that set verl keys, built from their one table (pipeline_steps/planning/form.py)."""
+    fields = {name: form.FIELDS[name] for name in names}
+    return {
+        name: Param(None, **f.schema, title=f.title, section=f.section, description=f.lead + _default(name))
+        for name, f in fields.items()
+    }
 
 
 # The trigger form. Airflow's form marks a field required unless its schema allows null, so every optional field
@@ -159,48 +169,7 @@ PARAMS = {
         description="Branch, tag or commit; empty = main for a model typed here, else the preset's "
         f"({PRESET.get('model_revision') or 'main'}).",
     ),
-    "learning_rate": Param(
-        None,
-        type=["null", "number"],
-        exclusiveMinimum=0,
-        maximum=1,
-        title="Learning rate",
-        section="Hyperparameters",
-        description="The main GRPO knobs. " + _default("learning_rate"),
-    ),
-    "rollout_n": Param(
-        None,
-        type=["null", "integer"],
-        minimum=1,
-        maximum=1024,
-        title="Rollouts per prompt (GRPO group size)",
-        section="Hyperparameters",
-        description=_default("rollout_n"),
-    ),
-    "train_batch_size": Param(
-        None,
-        type=["null", "integer"],
-        minimum=1,
-        title="Train batch size (prompts)",
-        section="Hyperparameters",
-        description=_default("train_batch_size"),
-    ),
-    "total_training_steps": Param(
-        None,
-        type=["null", "integer"],
-        minimum=1,
-        title="Total training steps",
-        section="Hyperparameters",
-        description=_default("total_training_steps"),
-    ),
-    "kl_coef": Param(
-        None,
-        type=["null", "number"],
-        minimum=0,
-        title="KL loss coefficient (0 = off)",
-        section="Hyperparameters",
-        description=_default("kl_coef"),
-    ),
+    **_form_fields("learning_rate", "rollout_n", "train_batch_size", "total_training_steps", "kl_coef"),
     "verl_overrides": Param(
         None,
         type=["null", "array"],
@@ -209,24 +178,7 @@ PARAMS = {
         section="Hyperparameters",
         description="Free-form KEY=VALUE Hydra overrides, applied last; checked by the plan task and the pre-flight.",
     ),
-    "nnodes": Param(
-        None,
-        type=["null", "integer"],
-        minimum=1,
-        maximum=64,
-        title="Nodes",
-        section="Cluster",
-        description="Where training runs. " + _default("nnodes"),
-    ),
-    "gpus_per_node": Param(
-        None,
-        type=["null", "integer"],
-        minimum=0,
-        maximum=16,
-        title="GPUs per node",
-        section="Cluster",
-        description=_default("gpus_per_node"),
-    ),
+    **_form_fields("nnodes", "gpus_per_node"),
     "store_uri": Param(
         None,
         type=["null", "string"],
@@ -254,11 +206,15 @@ PARAMS = {
 def verl_grpo_pipeline():
     @task(task_id="plan", multiple_outputs=True, **retrying(timedelta(minutes=5)))
     def plan(params=None, logical_date=None, run_id=None, dag=None) -> dict:
-        """Resolve dataset revisions (pinned, or as of the logical date) and every location of this run."""
+        """The run's plan, made once: the preset read, the backend resolved, the form's overrides, dataset revisions
+        (pinned, or as of the logical date) and every location. Later tasks read it from here (XCom) or plan.json."""
         from operators.failures import user_errors
+        from operators.hooks.store import store_environment
 
         with user_errors():
             run = planning.plan(dict(params), logical_date, run_id, dag.dag_id)
+        with store_environment(STORE_CONN_ID, run["store"]), user_errors():  # the worker opens the store itself
+            planning.save(run)
         return {"run": run, "datasets": run["datasets"], "store": run["store"], "model": run["model"]}
 
     @task(task_id="download_requests", **retrying(timedelta(minutes=5)))
@@ -302,7 +258,7 @@ def verl_grpo_pipeline():
     )
 
     @task(task_id="collect_inputs", multiple_outputs=True, **retrying(timedelta(minutes=10)))
-    def collect_inputs(uploaded, staged, run, params=None) -> dict:
+    def collect_inputs(uploaded, staged, run) -> dict:
         """Training and evaluation inputs, and the run's lineage (stored with the run for the model card)."""
         import json
 
@@ -311,7 +267,7 @@ def verl_grpo_pipeline():
         from pipeline_steps.store import open_store
 
         with user_errors():
-            inputs = planning.collect(list(uploaded), staged, dict(params), run)
+            inputs = planning.collect(list(uploaded), staged, run)
         lineage_uri = f"{run['run_dir']}/lineage.json"
         with store_environment(STORE_CONN_ID, run["store"]), user_errors():  # the worker opens the store itself
             store = open_store(run["store"])
@@ -325,9 +281,7 @@ def verl_grpo_pipeline():
     inputs = collect_inputs(upload_dataset.output, stage_model.output, planned["run"])
     train = GRPOTrainOperator(
         task_id="train",
-        experiment="{{ params.experiment }}",
-        backend="{{ params.backend }}",
-        overrides=inputs["overrides"],
+        plan=inputs["run"],  # the preset, backend and overrides as planned
         train_files=inputs["train_files"],
         val_files=inputs["val_files"],
         model_path=inputs["model_uri"],
@@ -341,8 +295,8 @@ def verl_grpo_pipeline():
     )
 
     @task(task_id="evaluate_request", **retrying(timedelta(minutes=5)))
-    def evaluate_request(inputs, trained, params=None) -> dict:
-        return planning.evaluate_request(inputs, trained, inputs["run"], params["backend"])
+    def evaluate_request(inputs, trained) -> dict:
+        return planning.evaluate_request(inputs, trained, inputs["run"])
 
     @task(task_id="export_request", **retrying(timedelta(minutes=5)))
     def export_request(inputs, trained, evaluated) -> dict:
@@ -370,9 +324,7 @@ def verl_grpo_pipeline():
 
     # local backend: in the worker; kuberay: as a RayJob next to the checkpoint (GPU for evaluate)
     on_backend = {
-        "backend": "{{ params.backend }}",
-        "experiment": "{{ params.experiment }}",
-        "overrides": inputs["overrides"],
+        "plan": planned["run"],  # the backend, the preset (cluster shape, image, mounts) and overrides as planned
         "store_uri": planned["store"],
         "store_conn_id": STORE_CONN_ID,
         "poll_interval": POLL_SECONDS,

@@ -118,6 +118,9 @@ class PipelineStepJobOperator(PipelineStepOperator):
 
     :param step: step name, as in ``python -m pipeline_steps --help``.
     :param request: ``{"args": [...], "carry": {...}}`` as for :class:`operators.step.PipelineStepOperator`.
+    :param plan: the run's plan (:func:`pipeline_steps.planning.plan.plan`, the ``plan`` task's XCom): the backend,
+        the preset as read and the overrides come from it (no preset is read again); ``backend``, ``experiment``
+        and ``overrides`` are then not used.
     :param backend: ``"local"`` or ``"kuberay"``; ``None``/``"auto"``: the preset's (``backend: local`` or not).
     :param experiment: preset name or file: the cluster shape, image, secrets and mounts of the RayJob.
     :param overrides: verl overrides (list, JSON list or one per line) applied to the preset, e.g. the form's
@@ -145,6 +148,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
     template_fields: Sequence[str] = (
         "request",
         "store_uri",
+        "plan",
         "backend",
         "experiment",
         "overrides",
@@ -159,6 +163,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         self,
         *,
         step: str,
+        plan: dict | None = None,
         backend: str | None = "local",
         experiment: str | None = None,
         overrides=(),
@@ -183,7 +188,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         self.metrics_uri = self.metrics_reader = None  # a step reports no training progress
         self.resume_args: tuple[str, ...] = ()  # a retry re-runs the same step
         self.rayjob: dict | None = None
-        self.backend, self.experiment, self.overrides = backend, experiment, overrides
+        self.plan, self.backend, self.experiment, self.overrides = plan, backend, experiment, overrides
         self.uri_args, self.output_args, self.job_kind = tuple(uri_args), tuple(output_args), job_kind or step
         self._published: list[str] = []  # local backend on a cloud store: the output URIs to upload at the end
         self.gpu = self.job_kind in GPU_KINDS if gpu is None else gpu
@@ -194,6 +199,8 @@ class PipelineStepJobOperator(PipelineStepOperator):
     def _backend(self) -> str:
         from pipeline_steps.constants import resolve_backend
 
+        if self.plan:
+            return self.plan["backend"]
         try:
             return resolve_backend(self.backend, self._experiment().spec.get("backend") if self.experiment else None)
         except ValueError as exc:
@@ -239,6 +246,9 @@ class PipelineStepJobOperator(PipelineStepOperator):
         from operators.train import normalize_overrides
         from pipeline_steps.training import experiment
 
+        if self.plan:  # the preset the plan read, and its overrides
+            with user_errors():
+                return experiment.from_plan(self.plan)
         if not self.experiment:
             raise AirflowFailException(
                 f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)"

@@ -78,7 +78,10 @@ def as_list(value) -> list[str]:
 class GRPOTrainOperator(BaseOperator):
     """Pre-flight, then GRPO training with verl on the local Ray backend or as a KubeRay RayJob.
 
-    :param experiment: preset name (``pipeline_steps/training/presets/NAME.yaml``, or a deployment's
+    :param plan: the run's plan (:func:`pipeline_steps.planning.plan.plan`, the ``plan`` task's XCom): the preset as
+        read, the backend and the overrides come from it (no preset is read again); ``experiment``, ``overrides``
+        and ``backend`` are then not used.
+    :param experiment: without a plan: preset name (``pipeline_steps/training/presets/NAME.yaml``, or a deployment's
         ``$VERL_PIPELINE_PRESETS_DIR``) or a preset file.
     :param overrides: verl Hydra overrides (``KEY=VALUE``): a list, a JSON list, or one per line.
         Untrusted: checked by :mod:`pipeline_steps.training.overrides`, and they only ever travel as single argv
@@ -105,6 +108,7 @@ class GRPOTrainOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = (
+        "plan",
         "experiment",
         "overrides",
         "backend",
@@ -121,7 +125,8 @@ class GRPOTrainOperator(BaseOperator):
     def __init__(
         self,
         *,
-        experiment: str,
+        plan: dict | None = None,
+        experiment: str | None = None,
         overrides=(),
         backend: str | None = None,
         train_files=(),
@@ -143,6 +148,7 @@ class GRPOTrainOperator(BaseOperator):
     ):
         super().__init__(**kwargs)
         self.mlflow_conn_id = mlflow_conn_id
+        self.plan = plan
         self.experiment, self.overrides, self.backend = experiment, overrides, backend
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
         self.run_dir, self.ray_address, self.check_store = run_dir, ray_address, check_store
@@ -174,7 +180,10 @@ class GRPOTrainOperator(BaseOperator):
             "trainer.default_local_dir": self.checkpoint_uri,
         }
         with user_errors():
-            exp = experiment.load(self.experiment, normalize_overrides(self.overrides), derived=derived)
+            if self.plan:  # the preset the plan read, and its overrides
+                exp = experiment.from_plan(self.plan, derived)
+            else:
+                exp = experiment.load(self.experiment, normalize_overrides(self.overrides), derived=derived)
         exp.spec["backend"] = "local" if backend == "local" else "cluster"
         return exp
 
@@ -182,6 +191,8 @@ class GRPOTrainOperator(BaseOperator):
         from pipeline_steps.constants import resolve_backend
         from pipeline_steps.training import experiment
 
+        if self.plan:
+            return self.plan["backend"]
         try:
             preset = experiment.load(self.experiment).spec.get("backend")
             return resolve_backend(self.backend, preset)
@@ -287,9 +298,9 @@ class GRPOTrainOperator(BaseOperator):
             local_run = mirror.local_for(run_dir)
             if mirror.is_remote(run_dir) and not local_run.exists():  # another worker's run: resume from the store
                 mirror.fetch(run_dir)
-        argv = ["train-local", "--experiment", self.experiment]
+        argv = ["train-local", "--experiment", self.plan["experiment"] if self.plan else self.experiment]
         # "--override=K=V" keeps a value that starts with '-' from being read as an option
-        argv += [f"--override={o}" for o in normalize_overrides(self.overrides)]
+        argv += [f"--override={o}" for o in self._overrides()]
         argv += ["--train-files", *train]
         if val:
             argv += ["--val-files", *val]
@@ -300,6 +311,9 @@ class GRPOTrainOperator(BaseOperator):
         env.update(local_tracking_env(exp, self.mlflow_conn_id, base))
         self._local = LocalRayJobs(self)
         return self._local.submit(context, base, ray_cluster.job_argv(None, *argv), env)
+
+    def _overrides(self) -> list[str]:
+        return list(self.plan["overrides"]) if self.plan else normalize_overrides(self.overrides)
 
     def on_kill(self) -> None:
         if self._local is not None:

@@ -68,7 +68,7 @@ def test_preflight_cli_refuses_in_one_line_and_runs_nothing(template, needle, se
 
 
 def test_the_plan_task_refuses_form_overrides_before_any_step_runs(sentinel):
-    from pipeline_steps.training import plan
+    from pipeline_steps.planning import plan
 
     params = {
         "experiment": "local_tiny",
@@ -96,7 +96,7 @@ FORM_CODE = [
 
 @pytest.mark.parametrize("template,needle", FORM_CODE, ids=[h[0][:40] for h in FORM_CODE])
 def test_the_form_may_not_name_code_for_verl_to_import(template, needle, sentinel):
-    from pipeline_steps.training import plan
+    from pipeline_steps.planning import plan
 
     params = {"experiment": "local_tiny", "verl_overrides": [template.format(s=sentinel)]}
     with pytest.raises(UserError, match=needle) as err:
@@ -105,7 +105,7 @@ def test_the_form_may_not_name_code_for_verl_to_import(template, needle, sentine
 
 
 def test_the_form_may_name_code_the_package_ships():
-    from pipeline_steps.training import plan
+    from pipeline_steps.planning import plan
 
     for shipped in (
         "+reward.custom_reward_function.path=pkg:pipeline_steps.rewards/retool.py",

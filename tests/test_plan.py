@@ -6,7 +6,7 @@ import pytest
 
 from pipeline_steps.data import revisions
 from pipeline_steps.errors import UserError
-from pipeline_steps.training import plan
+from pipeline_steps.planning import form, plan
 
 
 def at(day: str) -> datetime:
@@ -51,7 +51,7 @@ def test_plan_resolves_pins_and_smoke(offline_hub, monkeypatch, tmp_path):
 
 
 def test_form_hyperparameters_become_overrides_user_last():
-    out = plan.overrides(
+    out = form.overrides(
         {
             "learning_rate": 1e-6,
             "rollout_n": 8,
@@ -62,6 +62,33 @@ def test_form_hyperparameters_become_overrides_user_last():
     )
     assert out[0] == "actor_rollout_ref.actor.optim.lr=1e-06" and "actor_rollout_ref.actor.use_kl_loss=true" in out
     assert "trainer.total_training_steps=1" in out and out[-1] == "actor_rollout_ref.rollout.n=4"
+
+
+def test_the_plan_holds_what_later_tasks_read_and_is_written_once(monkeypatch, tmp_path):
+    """Issue 25: the plan keeps the preset as read, the backend, the overrides and the evaluation settings; the
+    experiment an operator rebuilds from it is the one a fresh read would give, and plan.json reads back equal."""
+    import json
+
+    from pipeline_steps.training import experiment
+
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    monkeypatch.delenv("PIPELINE_STORE_URI", raising=False)
+    params = {"experiment": "local_tiny", "learning_rate": 1e-5, "kl_coef": 0.01, "smoke": True}
+    run = plan.plan(params, None, "manual__1", "d")
+    assert run["backend"] == "local" and run["overrides"] == form.overrides(params)
+    assert run["eval_dataset"] == "aime2024" and run["val_datasets"] == ["gsm8k"] and run["mounts"] == []
+    assert run["evaluation"]["k"] == 4 and run["evaluation"]["tensor_parallel_size"] == 1
+    assert json.loads(json.dumps(run)) == run  # XCom and plan.json carry it as is
+    derived = {"data.train_files": ["/x/train.parquet"], "trainer.default_local_dir": "/x/checkpoints"}
+    fresh = experiment.load("local_tiny", run["overrides"], derived)
+    rebuilt = experiment.from_plan(run, derived)
+    assert (rebuilt.name, rebuilt.spec, rebuilt.verl) == (fresh.name, fresh.spec, fresh.verl)
+    assert list(rebuilt.verl) == list(fresh.verl)  # the same order: the user's overrides applied last
+    assert run["preset_sha256"] == experiment.load("local_tiny").digest()
+    uri = plan.save(run)
+    assert uri == f"{run['run_dir']}/plan.json" and plan.load(run["run_dir"]) == run
+    with pytest.raises(UserError, match="no plan there"):
+        plan.load(f"file://{tmp_path}/elsewhere")
 
 
 def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus():
@@ -84,8 +111,9 @@ def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus():
     }
     trained = {"checkpoint_uri": "oss://verl-store/runs/x/r/checkpoints"}
     for params, want in (({"eval_dataset": "gsm8k"}, "8"), ({"eval_dataset": "gsm8k", "gpus_per_node": 4}, "4")):
-        inputs = plan.collect([done], staged, params, run)
-        argv = plan.evaluate_request(inputs, trained, run, "kuberay")["args"]
+        planned = {**run, **plan.preset_settings({"experiment": run["experiment"], **params})[1]}
+        inputs = plan.collect([done], staged, planned)
+        argv = plan.evaluate_request(inputs, trained, planned, "kuberay")["args"]
         assert argv[argv.index("--generator") + 1] == "vllm"
         assert argv[argv.index("--tensor-parallel-size") + 1] == want
         assert argv[argv.index("--name") + 1] == "gsm8k"  # the registry's name, not the scorer's data_source
@@ -165,13 +193,15 @@ def test_vl_evaluation_is_geometry3ks_test_split_with_the_trainings_pixel_limits
             {"max_pixels": 200704, "min_pixels": 3136},
         ),
     ):
-        inputs = plan.collect([done], staged, params, run)
+        planned = {**run, **plan.preset_settings({"experiment": run["experiment"], **params})[1]}
+        inputs = plan.collect([done], staged, planned)
         assert inputs["eval_file"] == f"{uri}/test.parquet" and inputs["val_files"] == [f"{uri}/test.parquet"]
         argv = plan.evaluate_request(inputs, trained, run, "kuberay")["args"]
         assert argv[argv.index("--name") + 1] == "geometry3k" and argv[argv.index("--generator") + 1] == "vllm"
         assert json.loads(argv[argv.index("--mm-processor-kwargs") + 1]) == want
     # a text preset passes no processor settings
     run_text = {**run, "experiment": "gsm8k_qwen2_5_3b"}
-    inputs = plan.collect([done], staged, {"eval_dataset": "geometry3k"}, run_text)
+    run_text.update(plan.preset_settings({"experiment": "gsm8k_qwen2_5_3b", "eval_dataset": "geometry3k"})[1])
+    inputs = plan.collect([done], staged, run_text)
     argv = plan.evaluate_request(inputs, trained, run_text, "kuberay")["args"]
     assert "--mm-processor-kwargs" not in argv

@@ -3,7 +3,7 @@
 The run directory is built with the real writers where they are cheap: metrics lines by verl's own
 ``FileLogger`` (the writer both backends use), evaluation results by :func:`pipeline_steps.steps.evaluate.score`
 (verl's reward code on crafted generations). The lineage file is crafted in the shape
-:mod:`pipeline_steps.training.plan` writes. Expected figures are computed from those inputs in the test.
+:mod:`pipeline_steps.planning.plan` writes. Expected figures are computed from those inputs in the test.
 """
 
 from __future__ import annotations

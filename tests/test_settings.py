@@ -7,8 +7,8 @@ from pathlib import Path
 
 def test_every_reader_of_the_home_agrees_when_it_is_unset(monkeypatch, tmp_path):
     from pipeline_steps.local import mlflow_server
+    from pipeline_steps.planning import plan
     from pipeline_steps.store import mirror
-    from pipeline_steps.training import plan
 
     for var in ("PIPELINE_HOME", "PIPELINE_STORE_URI", "PIPELINE_MIRROR_DIR", "PIPELINE_MLFLOW_DIR"):
         monkeypatch.delenv(var, raising=False)

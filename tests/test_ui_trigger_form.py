@@ -214,7 +214,7 @@ def test_a_smoke_run_triggered_from_the_form_succeeds_and_reports(ui):
     page.close()
     assert run["state"] == "success", Path(ui["log"]).read_text()[-4000:]
     # what the report task produced, read where the run wrote it (the store's run directory)
-    from pipeline_steps.training.plan import run_key
+    from pipeline_steps.planning.plan import run_key
 
     run_dir = Path(ui["home"]) / "store" / "runs" / "local_tiny" / run_key(run_id)
     report = run_dir / "report" / "report.md"

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_steps.errors import UserError
-from pipeline_steps.training import plan
+from pipeline_steps.planning import plan
 from tests.conftest import assert_refused, run_step
 from tests.storage_servers import gcs_server, oss_server  # noqa: F401  (fixtures)
 
@@ -208,12 +208,13 @@ def test_collect_uses_the_validation_file_as_validation_data():
         "store": "file:///s",
     }
     mine = done("mine", ["train", "validation"], {"train": "file:///a.jsonl", "validation": "file:///b.jsonl"})
-    inputs = plan.collect([mine], staged, {}, run)
+    run.update(plan.preset_settings({"experiment": "local_tiny"})[1])
+    inputs = plan.collect([mine], staged, run)
     base = f"file:///s/datasets/mine/{'a' * 16}/{'c' * 16}"
     assert inputs["train_files"] == [f"{base}/train.parquet"] and inputs["val_files"] == [f"{base}/validation.parquet"]
     assert inputs["lineage"]["datasets"][0]["files"] == {"train": {"uri": "u"}}
     no_val = done("mine", ["train"], {"train": "file:///a.jsonl"})
-    assert plan.collect([no_val], staged, {}, run)["val_files"] == []
+    assert plan.collect([no_val], staged, run)["val_files"] == []
 
 
 PLAN_BAD = [

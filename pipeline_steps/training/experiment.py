@@ -52,24 +52,19 @@ def preset_summary(name: str) -> dict[str, str]:
         spec = yaml.safe_load(resolve_path(name).read_text(encoding="utf-8")) or {}
     except Exception:  # the form must render even if a deployment's preset is broken; plan reports it
         return {}
+    from pipeline_steps.planning.form import FIELDS
+
     verl = spec.get("verl") or {}
     model = spec.get("model") or {}
-    cluster = spec.get("cluster") or {}
-    kl = verl.get("actor_rollout_ref.actor.kl_loss_coef") if verl.get("actor_rollout_ref.actor.use_kl_loss") else 0
     values = {
         "datasets": ", ".join((spec.get("datasets") or {}).get("train") or []),
         "eval_dataset": (spec.get("evaluation") or {}).get("dataset"),
         "model": model.get("source") or model.get("repo_id"),
         "model_revision": model.get("revision"),
-        "learning_rate": verl.get("actor_rollout_ref.actor.optim.lr"),
-        "rollout_n": verl.get("actor_rollout_ref.rollout.n"),
-        "train_batch_size": verl.get("data.train_batch_size"),
-        "total_training_steps": verl.get("trainer.total_training_steps")
-        or "epochs: " + str(verl.get("trainer.total_epochs", "verl's default")),
-        "kl_coef": kl,
-        "nnodes": cluster.get("nnodes"),
-        "gpus_per_node": cluster.get("gpus_per_node"),
+        **{name: field.preset_value(spec, verl) for name, field in FIELDS.items()},  # the form's verl fields
     }
+    if values["total_training_steps"] is None:
+        values["total_training_steps"] = "epochs: " + str(verl.get("trainer.total_epochs", "verl's default"))
     return {k: str(v) for k, v in values.items() if v not in (None, "")}
 
 
@@ -221,6 +216,11 @@ def resolve_path(name_or_file: str) -> Path:
 
 def load(name_or_file: str, overrides: list[str] | None = None, derived: dict | None = None) -> Experiment:
     """Load a preset and merge pipeline-derived keys and user overrides (user wins)."""
+    return merged(read(name_or_file), overrides, derived)
+
+
+def read(name_or_file: str) -> Experiment:
+    """A preset as written (its verl keys checked, its cluster shape's keys merged): the one read of its file."""
     path = resolve_path(name_or_file)
     try:
         spec = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
@@ -233,15 +233,33 @@ def load(name_or_file: str, overrides: list[str] | None = None, derived: dict | 
         if not KEY_RE.match(str(key)):
             raise UserError(f"experiment {path}: verl key {key!r} is not a dotted config key")
         override_rules.check(str(key), value, f"experiment {path}", user=False)
-    for k, v in {**cluster_keys(spec), **(derived or {})}.items():
+    for k, v in cluster_keys(spec).items():
+        verl.pop(k, None)  # later sources win and are applied later
+        verl[k] = v
+    spec.setdefault("name", path.stem)
+    return Experiment(name=str(spec["name"]), spec=copy.deepcopy(spec), verl=verl)
+
+
+def merged(base: Experiment, overrides: list[str] | None = None, derived: dict | None = None) -> Experiment:
+    """``base`` (a preset as :func:`read` gives it, or as a run plan holds it) with pipeline-derived keys and then
+    user overrides merged (user wins); reads no file."""
+    verl = dict(base.verl)
+    for k, v in (derived or {}).items():
         verl.pop(k, None)  # later sources win and are applied later
         verl[k] = v
     for text in overrides or []:
         k, v = parse_override(text)
         verl.pop(k, None)  # re-insert so the user's value is applied last
         verl[k] = v
-    spec.setdefault("name", path.stem)
-    return Experiment(name=str(spec["name"]), spec=copy.deepcopy(spec), verl=verl)
+    return Experiment(name=base.name, spec=copy.deepcopy(base.spec), verl=verl)
+
+
+def from_plan(run: dict, derived: dict | None = None) -> Experiment:
+    """The run's experiment from its plan (:func:`pipeline_steps.planning.plan.plan`): the preset the plan read, the
+    run's derived keys, then the run's overrides. Reads no preset file."""
+    preset = run["preset"]
+    base = Experiment(name=preset["name"], spec=preset["spec"], verl=preset["verl"])
+    return merged(base, run.get("overrides") or [], derived)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,5 +1,10 @@
 """Plan one pipeline run from its parameters: which dataset revisions, which paths, which store locations.
 
+The plan is made once, by the ``plan`` task (:func:`plan`): the preset is read, the backend resolved and the form's
+overrides derived there, and the plan holds them (``preset``, ``preset_sha256``, ``backend``, ``overrides``, ``mounts``,
+``evaluation``, every location). Every later task and operator reads the plan (its XCom, or ``plan.json`` in the run
+directory) instead of deriving any of it from the form again.
+
 Every location is derived from the inputs (dataset, commit, variant, content hash, run id), so a re-run or a
 backfill over an unchanged revision finds its outputs already there and skips the work. Each function returns
 ``{"args": [...], "carry": {...}}`` for :class:`operators.step.PipelineStepOperator`; ``carry`` travels with a
@@ -19,6 +24,7 @@ from pathlib import Path
 from pipeline_steps import settings
 from pipeline_steps.data import registry
 from pipeline_steps.errors import UserError
+from pipeline_steps.planning import form
 from pipeline_steps.store import parse_uri
 from pipeline_steps.training import experiment
 from pipeline_steps.training import overrides as override_rules
@@ -37,18 +43,24 @@ def run_key(run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_")[:120] or "run"
 
 
-def _check_store_reaches_the_pods(params: dict, spec: dict, store: str) -> None:
-    """A kuberay run reads and writes the store through the Ray pods' bucket mounts: refuse, in one line, a store
-    that is on none of them (a file:// store on the worker's disk, another bucket) before anything is downloaded."""
+def _backend(params: dict, spec: dict) -> str:
+    """The run's backend: the form's, else the preset's (resolved here once; the plan holds it)."""
     from pipeline_steps.constants import resolve_backend
-    from pipeline_steps.training.mounts import MountMap
 
     try:
-        backend = resolve_backend(params.get("backend"), spec.get("backend"))
+        return resolve_backend(params.get("backend"), spec.get("backend"))
     except ValueError as exc:
         raise UserError(str(exc)) from None
+
+
+def _check_store_reaches_the_pods(backend: str, spec: dict, store: str) -> list[dict]:
+    """A kuberay run reads and writes the store through the Ray pods' bucket mounts: refuse, in one line, a store
+    that is on none of them (a file:// store on the worker's disk, another bucket) before anything is downloaded.
+    Returns the pods' mounts (``uri``, ``path``; none for the local backend)."""
+    from pipeline_steps.training.mounts import MountMap
+
     if backend != "kuberay":
-        return
+        return []
     mounts = MountMap.for_experiment(spec)
     if not mounts.find(store):
         where = ", ".join(m.uri for m in mounts.mounts) or "none configured"
@@ -56,6 +68,7 @@ def _check_store_reaches_the_pods(params: dict, spec: dict, store: str) -> None:
             f"store_uri {store}: the kuberay backend reaches the store through the pods' bucket mounts, and this "
             f"store is on none of them (mounts: {where}); use a mounted bucket or the local backend"
         )
+    return [{"uri": m.uri, "path": m.path} for m in mounts.mounts]
 
 
 def _form_file_dataset(params: dict) -> registry.DatasetSpec | None:
@@ -117,13 +130,42 @@ def _check_modalities(spec: dict, preset: str, params: dict, known: dict, used: 
             )
 
 
-def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) -> dict:
-    from pipeline_steps.data import revisions
-
+def preset_settings(params: dict) -> tuple[experiment.Experiment, dict]:
+    """The run's experiment (its preset read once, with the form's overrides) and what the plan keeps of it: the
+    preset as read, its hash, the backend, the overrides, the evaluation settings and the datasets it names."""
     # every override parsed and checked now (one line in the plan task's log), not minutes later in pre-flight
     for text in params.get("verl_overrides") or []:
         override_rules.check_form(*experiment.parse_override(text), f"verl_overrides {text[:80]!r}")
-    exp = experiment.load(params.get("experiment") or "local_tiny", overrides(params))
+    preset = experiment.read(params.get("experiment") or "local_tiny")  # the run's one read of its preset
+    run_overrides = form.overrides(params)  # the form's fields and free-form overrides, as verl overrides
+    exp = experiment.merged(preset, run_overrides)
+    spec = exp.spec
+    evaluation = dict(spec.get("evaluation") or {})
+    # the evaluate job gets one worker with all of a node's GPUs: vLLM shards the model over them
+    gpus = params.get("gpus_per_node") or (spec.get("cluster") or {}).get("gpus_per_node") or 1
+    evaluation.setdefault("tensor_parallel_size", int(gpus))
+    # the figures' pixel limits of training (the preset's, or the form's overrides) hold for its evaluation too
+    mm = experiment.mm_processor_kwargs(exp.verl)
+    if mm:
+        evaluation.setdefault("mm_processor_kwargs", mm)
+    return exp, {
+        "experiment": exp.name,
+        # the preset as read (JSON types: the plan travels as XCom and plan.json), and what else the run derives
+        "preset": json.loads(json.dumps({"name": preset.name, "spec": preset.spec, "verl": preset.verl}, default=str)),
+        "preset_sha256": preset.digest(),
+        "backend": _backend(params, spec),
+        "overrides": run_overrides,
+        "evaluation": evaluation,
+        "eval_dataset": params.get("eval_dataset") or (spec.get("evaluation") or {}).get("dataset"),
+        "val_datasets": list((spec.get("datasets") or {}).get("val") or []),
+    }
+
+
+def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) -> dict:
+    """The run's plan, made once: every later task reads it (XCom, or ``plan.json`` in the run directory)."""
+    from pipeline_steps.data import revisions
+
+    exp, planned = preset_settings(params)
     spec = exp.spec
     store = (params.get("store_uri") or default_store()).rstrip("/")
     parse_uri(store)  # file:// needs an absolute path, buckets a valid name: one line naming the URI otherwise
@@ -138,14 +180,14 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     if file_set:
         known[file_set.name] = file_set
         train_sets = list(dict.fromkeys([*train_sets, file_set.name]))
-    eval_set = params.get("eval_dataset") or (spec.get("evaluation") or {}).get("dataset")
+    eval_set = planned["eval_dataset"]
     pins = dict(params.get("dataset_revisions") or {})
     # a tool-agent preset names its row variant (datasets.variant); the form's choice wins unless left at default
     variant = params.get("variant") or "default"
     if variant == "default":
         variant = (spec.get("datasets") or {}).get("variant") or "default"
     _check_modalities(spec, exp.name, params, known, train_sets + ([eval_set] if eval_set else []))
-    _check_store_reaches_the_pods(params, spec, store)
+    mounts = _check_store_reaches_the_pods(planned["backend"], spec, store)
     items = []
     extra_sets = list(params.get("prepare_datasets") or [])
     selected = list(dict.fromkeys(train_sets + ([eval_set] if eval_set else []) + extra_sets))
@@ -205,7 +247,8 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
         model_revision = params.get("model_revision") or preset_model.get("revision") or "main"
     key = run_key(run_id)
     return {
-        "experiment": exp.name,
+        **planned,
+        "mounts": mounts,  # the pods' bucket mounts (kuberay)
         "datasets": items,
         "model": {
             "args": ["--model", model, "--revision", model_revision, "--dest", store, "--hub-only"],
@@ -272,30 +315,6 @@ def upload_request(done: dict) -> dict:
 
 
 # -- after the data is in the store ------------------------------------------------------------------------
-HYPERPARAMETERS = {  # trigger-form field -> verl key
-    "learning_rate": "actor_rollout_ref.actor.optim.lr",
-    "rollout_n": "actor_rollout_ref.rollout.n",
-    "train_batch_size": "data.train_batch_size",
-    "total_training_steps": "trainer.total_training_steps",
-    "nnodes": "trainer.nnodes",
-    "gpus_per_node": "trainer.n_gpus_per_node",
-}
-
-
-def overrides(params: dict) -> list[str]:
-    """The form's hyperparameters as verl overrides, then the free-form ones (applied last, so they win)."""
-    out = [f"{key}={params[field]}" for field, key in HYPERPARAMETERS.items() if params.get(field) is not None]
-    if params.get("kl_coef") is not None:
-        use = float(params["kl_coef"]) > 0
-        out += [
-            f"actor_rollout_ref.actor.use_kl_loss={'true' if use else 'false'}",
-            f"actor_rollout_ref.actor.kl_loss_coef={params['kl_coef']}",
-        ]
-    if params.get("smoke"):
-        out += ["trainer.total_training_steps=1", "trainer.save_freq=1"]
-    return out + list(params.get("verl_overrides") or [])
-
-
 def _split_uri(done: dict, *preferred: str) -> str | None:
     splits = done["preprocess"]["splits"]
     for split in preferred:
@@ -304,10 +323,10 @@ def _split_uri(done: dict, *preferred: str) -> str | None:
     return None
 
 
-def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict:
-    """Training and evaluation inputs (store URIs) and the run's lineage, from what the upstream tasks produced."""
-    exp = experiment.load(run["experiment"])
-    val_names = set((exp.spec.get("datasets") or {}).get("val") or [])
+def collect(uploaded: list[dict], staged: dict, run: dict) -> dict:
+    """Training and evaluation inputs (store URIs) and the run's lineage, from what the upstream tasks produced and
+    the run's plan."""
+    val_names = set(run["val_datasets"])
     train = [d for d in uploaded if d["role"] == "train"]
     train_files = [u for d in train if (u := _split_uri(d, "train"))]
     val_files = [
@@ -319,11 +338,7 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
         for d in train
         if (d.get("files") or {}).get("validation") and (u := _split_uri(d, "validation")) and u not in val_files
     ]
-    evals = [
-        d
-        for d in uploaded
-        if d["dataset"] == (params.get("eval_dataset") or (exp.spec.get("evaluation") or {}).get("dataset"))
-    ]
+    evals = [d for d in uploaded if d["dataset"] == run["eval_dataset"]]
     eval_file = _split_uri(evals[0], "test", "validation", "train") if evals else None
     if not train_files:
         raise UserError("no training split among the processed datasets; add a dataset with a train split")
@@ -344,37 +359,30 @@ def collect(uploaded: list[dict], staged: dict, params: dict, run: dict) -> dict
             for d in uploaded
         ],
         "experiment": {
-            "name": exp.name,
-            "preset_sha256": exp.digest(),
-            "overrides": overrides(params),
-            "overrides_sha256": hashlib.sha256(json.dumps(overrides(params)).encode()).hexdigest(),
+            "name": run["experiment"],
+            "preset_sha256": run["preset_sha256"],
+            "overrides": run["overrides"],
+            "overrides_sha256": hashlib.sha256(json.dumps(run["overrides"]).encode()).hexdigest(),
         },
         "dag_id": run["dag_id"],
         "run_id": run["run_id"],
         "run_uri": run["run_dir"],
     }
-    evaluation = dict(exp.spec.get("evaluation") or {})
-    # the evaluate job gets one worker with all of a node's GPUs: vLLM shards the model over them
-    gpus = params.get("gpus_per_node") or (exp.spec.get("cluster") or {}).get("gpus_per_node") or 1
-    evaluation.setdefault("tensor_parallel_size", int(gpus))
-    # the figures' pixel limits of training (the preset's, or the form's overrides) hold for its evaluation too
-    mm = experiment.mm_processor_kwargs(experiment.load(run["experiment"], overrides(params)).verl)
-    if mm:
-        evaluation.setdefault("mm_processor_kwargs", mm)
     return {
         "train_files": train_files,
         "val_files": val_files,
         "eval_file": eval_file,
         "eval_name": evals[0]["dataset"] if evals else None,
         "model_uri": model["uri"],
-        "overrides": overrides(params),
-        "evaluation": evaluation,
+        "overrides": run["overrides"],
+        "evaluation": run["evaluation"],
         "lineage": lineage,
     }
 
 
-def evaluate_request(inputs: dict, trained: dict, run: dict, backend: str = "local") -> dict:
-    """argv for the evaluate step; on the cluster it generates with vLLM on GPU."""
+def evaluate_request(inputs: dict, trained: dict, run: dict, backend: str | None = None) -> dict:
+    """argv for the evaluate step; on the cluster it generates with vLLM on GPU (backend: the plan's by default)."""
+    backend = backend or run.get("backend") or "local"
     ev = inputs["evaluation"]
     if not inputs.get("eval_file"):
         raise UserError("no evaluation set was processed; set eval_dataset or the preset's evaluation.dataset")
@@ -450,3 +458,27 @@ def report_request(
     if exported and exported.get("export", {}).get("uri"):
         args += ["--exported-uri", exported["export"]["uri"]]
     return {"args": args, "carry": {}}
+
+
+PLAN_FILE = "plan.json"
+
+
+def save(run: dict) -> str:
+    """Write the plan to ``plan.json`` in the run directory (one atomic write: a reader sees all of it or none);
+    returns its URI. The store is opened as every step opens it (its environment: the caller's connection)."""
+    from pipeline_steps.store import open_store
+
+    uri = f"{run['run_dir']}/{PLAN_FILE}"
+    open_store(run["store"]).write_bytes(uri, json.dumps(run, indent=2, sort_keys=True).encode())
+    return uri
+
+
+def load(run_dir: str) -> dict:
+    """The plan a run's ``plan`` task wrote to its run directory."""
+    from pipeline_steps.store import open_store
+
+    uri = f"{run_dir.rstrip('/')}/{PLAN_FILE}"
+    data = open_store(uri).read_bytes(uri)
+    if data is None:
+        raise UserError(f"{uri}: no plan there; the run's plan task writes it first")
+    return json.loads(data)
