@@ -174,12 +174,12 @@ def jsonl_revisions() -> list[dict]:
 # about 1 in 10^5 times), while `print(347 * 812)` in the code sandbox answers it exactly. The tool run
 # (preset local_tool_learning) and its control (the same run with no tool) train on these rows.
 MULTIPLY_SEED = 26
-MULTIPLY_RANGE = (100, 999)
+MULTIPLY_RANGE = (317, 999)  # three digits each, products of six (100489..998001): answers of one length
 MULTIPLY_TEST_ROWS = 64
 
 
 def multiply_items(n: int, seed: int = MULTIPLY_SEED) -> list[tuple[int, int]]:
-    """``n`` distinct (a, b) pairs of three-digit numbers, seeded."""
+    """``n`` distinct (a, b) pairs of three-digit numbers in MULTIPLY_RANGE, seeded."""
     rng, seen = random.Random(seed), {}
     while len(seen) < n:
         pair = (rng.randint(*MULTIPLY_RANGE), rng.randint(*MULTIPLY_RANGE))

@@ -46,24 +46,28 @@ TOOL_CHAT_TEMPLATE = (
     '{%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
     '(message.role == "assistant" and not message.tool_calls) %}'
     "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-    '{%- elif message.role == "assistant" %}{{- \'<|im_start|>\' + message.role }}'
+    "{%- elif message.role == \"assistant\" %}{{- '<|im_start|>' + message.role }}"
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
     "{%- endif %}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     '{%- elif message.role == "tool" %}'
-    '{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- \'<|im_start|>user\' }}{%- endif %}'
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != \"tool\") %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
-    '{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- \'<|im_end|>\\n\' }}{%- endif %}'
+    "{%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 TOOL_NAME = "code_interpreter"  # pipeline_steps/tools/code_sandbox.yaml
 TOOL_SHARE = 0.2  # first turns that call the tool after the warm-up: sometimes, so GRPO's groups can compare
-WARMUP_STEPS = 500
-WARMUP_LR = 2e-3
+# share of warm-up examples that hold a tool call and its answer (the forms to learn: copying the operands into the
+# code, the tool's answer into `#### N`); only so many of them train the first token (call or answer at once) that
+# the first tokens trained are calls in TOOL_SHARE of cases
+FORM_SHARE = 0.75
+WARMUP_STEPS = 400
+WARMUP_LR = 3e-3
 VOCAB_SIZE = 1024
 CARD_WARMUP = """{steps} steps of supervised warm-up on the synthetic `multiply` task ("What is 347 * 812?", GSM8K's
 instruction, the code tool's schema in the system turn): {share_pct}% of the targets call the code tool
@@ -203,21 +207,21 @@ def _examples(tokenizer, schemas, seed: int, tool_share: float):
     def encode(text):
         return tokenizer.encode(text, add_special_tokens=False)
 
+    from pipeline_steps.local import synthetic
+
+    # P(first token trained | call example) such that calls are TOOL_SHARE of the first tokens trained
+    decide = tool_share * (1 - FORM_SHARE) / (FORM_SHARE * (1 - tool_share)) if tool_share < 1 else 1.0
     while True:
-        a, b = rng.randint(100, 999), rng.randint(100, 999)  # any pair: the RL rows' test pairs are never chosen
+        a, b = rng.randint(*synthetic.MULTIPLY_RANGE), rng.randint(*synthetic.MULTIPLY_RANGE)
         messages = prompt_messages(a, b)
         ids = builder.build_initial_tokens(messages, tools=schemas)
         mask = [0] * len(ids)
-        if rng.random() < tool_share:
+        if rng.random() < FORM_SHARE:
             call = encode(call_text(a, b)) + [eos]
-            ids, mask = ids + call, mask + [1] * len(call)
-            assistant = {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {"type": "function", "function": {"name": TOOL_NAME, "arguments": f'{{"code": "print({a} * {b})"}}'}}
-                ],
-            }
+            ids, mask = ids + call, mask + [int(rng.random() < decide)] + [1] * (len(call) - 1)
+            arguments = json.dumps({"code": f"print({a} * {b})"})
+            function = {"name": TOOL_NAME, "arguments": arguments}
+            assistant = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]}
             before = [*messages, assistant]
             delta = builder.tokenize_context_incremental_messages(
                 before, [*before, {"role": "tool", "content": str(a * b)}], tools=schemas
@@ -225,7 +229,7 @@ def _examples(tokenizer, schemas, seed: int, tool_share: float):
             ids, mask = ids + delta, mask + [0] * len(delta)
             final = encode(f"#### {a * b}") + [eos]
         else:
-            final = encode(f"#### {rng.randint(10**4, 10**6)}") + [eos]
+            final = encode(f"#### {rng.randint(10**5, 10**6 - 1)}") + [eos]
         yield ids + final, mask + [1] * len(final)
 
 
@@ -269,3 +273,49 @@ def warmup(model, tokenizer, schemas, steps: int, seed: int, tool_share: float, 
             log.info("tool format warm-up: step %d/%d, loss %.3f", step, steps, float(loss.detach()))
     model.eval()
     log.info("tool format warm-up: %d steps, last loss %.3f", steps, float(loss.detach()))
+
+
+def _build_inputs() -> str:
+    """A digest of everything the build reads (this code, the tiny model's, the task, the row shape, the tool's
+    schema, the corpus, the libraries): same digest, same files."""
+    import hashlib
+    from importlib.metadata import version
+
+    from pipeline_steps.data.preprocessors import base, gsm8k
+    from pipeline_steps.local import synthetic
+    from pipeline_steps.tools import resolve_config_path
+
+    h = hashlib.sha256()
+    files = [Path(__file__), Path(tiny_model.__file__), Path(synthetic.__file__), Path(gsm8k.__file__)]
+    files += [Path(base.__file__), Path(resolve_config_path("pkg:pipeline_steps.tools/code_sandbox.yaml"))]
+    for f in [*files, *sorted(tiny_model.FIXTURES.rglob("*.jsonl"))]:
+        h.update(f.read_bytes())
+    h.update(" ".join(f"{d}=={version(d)}" for d in ("torch", "transformers", "tokenizers", "verl")).encode())
+    return h.hexdigest()[:16]
+
+
+def build_cached(cache_root: Path, tmp: Path) -> Path:
+    """The tiny tool model, built once per cache (``PIPELINE_CACHE_DIR``), as :func:`tiny_model.build_cached`."""
+    import os
+    import shutil
+    import tempfile
+
+    entry = Path(cache_root) / "tiny-tool-model" / _build_inputs()
+    if (entry / "config.json").exists() and (entry / "tokenizer.json").exists():
+        log.info("tiny tool model from the build cache %s", entry)
+        return entry
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}.", dir=entry.parent))
+    except OSError as exc:
+        log.warning("tiny tool model build cache %s not writable (%s): building without it", entry.parent, exc)
+        return build(Path(tmp) / "tiny-tool")
+    try:
+        build(work / "tiny-tool")
+        try:
+            os.rename(work / "tiny-tool", entry)
+        except OSError:  # another builder got there first: same inputs, same files
+            pass
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return entry
