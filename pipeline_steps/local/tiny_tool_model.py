@@ -66,7 +66,7 @@ TOOL_SHARE = 0.2  # first turns that call the tool after the warm-up: sometimes,
 # code, the tool's answer into `#### N`); only so many of them train the first token (call or answer at once) that
 # the first tokens trained are calls in TOOL_SHARE of cases
 FORM_SHARE = 0.75
-WARMUP_STEPS = 400
+WARMUP_STEPS = 700
 WARMUP_LR = 3e-3
 VOCAB_SIZE = 1024
 CARD_WARMUP = """{steps} steps of supervised warm-up on the synthetic `multiply` task ("What is 347 * 812?", GSM8K's
@@ -129,7 +129,7 @@ def build(
     seed: int = 0,
     warmup_steps: int = WARMUP_STEPS,
     tool_share: float = TOOL_SHARE,
-    hidden_size: int = 64,
+    hidden_size: int = 128,
     layers: int = 2,
 ) -> Path:
     import torch
@@ -233,7 +233,7 @@ def _examples(tokenizer, schemas, seed: int, tool_share: float):
         yield ids + final, mask + [1] * len(final)
 
 
-def warmup(model, tokenizer, schemas, steps: int, seed: int, tool_share: float, batch_size: int = 16) -> None:
+def warmup(model, tokenizer, schemas, steps: int, seed: int, tool_share: float, batch_size: int = 32) -> None:
     """Supervised steps on ``_examples``; the loss covers the model's turns only.
 
     Every example starts with the same system turn (the instruction and the tool's schema, most of its tokens): it is
