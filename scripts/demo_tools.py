@@ -8,8 +8,8 @@ tool on the local sandbox server, verl's GSM8K reward), from the same tiny tool 
   gets verl's "Unknown function" answer).
 
 Prints, per run, the tool-call rate (share of trajectories that call a tool), the tool success rate (calls whose
-answer is not an error) and the mean reward of the first and last steps, and the wall time; writes the per-step
-figures (``tool_learning.json``) and a plot (``tool_learning.png``) into the output directory. Needs root (the
+answer is the question's product) and the mean reward of the first and last steps, and the wall time; writes the
+per-step figures (``tool_learning.json``) and a plot (``tool_learning.png``) into the output directory. Needs root (the
 sandbox server) unless ``E2B_*`` points at an E2B service.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "local_tool_learning"
-K = 5  # steps averaged at each end of a run
+K = 4  # steps averaged at each end of a run
 CONTROL = ["actor_rollout_ref.rollout.multi_turn.tool_config_path=null"]
 
 
@@ -44,19 +44,28 @@ def write_rows(path: Path, train_rows: int = 512) -> Path:
     return path
 
 
-def per_step(metrics_path: Path) -> list[dict]:
+def per_step(run_dir: Path) -> list[dict]:
+    """Per step: tool-call rate (trajectories with a call), tool success rate (calls whose answer is the question's
+    product: the call computed what was asked; from the step's trajectories in ``rollouts/``), reward (mean score)."""
     from pipeline_steps.local import grpo_cpu
 
     out = []
-    for row in grpo_cpu.read_metrics(metrics_path):
+    for row in grpo_cpu.read_metrics(run_dir / "metrics.jsonl"):
         m = row["data"]
-        calls = m.get("tool/calls", 0.0)
+        calls = right = 0
+        trajectories = run_dir / "rollouts" / f"{row['step']}.jsonl"
+        for line in trajectories.read_text().splitlines() if trajectories.exists() else []:
+            t = json.loads(line)
+            for answer in t.get("tool_outputs") or []:
+                calls += 1
+                right += answer["text"].strip() == str(t["gts"]).strip()
         out.append(
             {
                 "step": row["step"],
                 "tool_call_rate": m.get("tool/call_rate", 0.0),
-                "tool_success_rate": (1.0 - m.get("tool/error_rate", 0.0)) if calls else 0.0,
+                "tool_success_rate": right / calls if calls else 0.0,
                 "tool_calls": calls,
+                "tool_errors": m.get("tool/errors", 0.0),
                 "reward": m["critic/score/mean"],
             }
         )
@@ -79,7 +88,7 @@ def _plot(runs: dict, path: Path) -> None:
     for ax, key, title in zip(
         axes,
         ("tool_call_rate", "tool_success_rate", "reward"),
-        ("tool-call rate", "tool success rate (calls without error)", "mean reward"),
+        ("tool-call rate", "tool success rate (calls that computed the product)", "mean reward"),
     ):
         for name, r in runs.items():
             ax.plot([s["step"] for s in r["steps"]], [s[key] for s in r["steps"]], marker=".", label=name)
@@ -119,6 +128,12 @@ def run(out: Path, model: Path | None = None, overrides: list[str] = (), control
         log = open(out / f"{name}.log", "w")  # noqa: SIM115 (closed below)
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         procs[name] = (proc, log, time.monotonic())
+    ended: dict[str, float] = {}
+    while len(ended) < len(procs):  # each run's own wall time
+        for name, (proc, _, _) in procs.items():
+            if name not in ended and proc.poll() is not None:
+                ended[name] = time.monotonic()
+        time.sleep(0.5)
     runs = {}
     for name, (proc, log, t0) in procs.items():
         rc = proc.wait()
@@ -127,7 +142,7 @@ def run(out: Path, model: Path | None = None, overrides: list[str] = (), control
             tail = (out / f"{name}.log").read_text(errors="replace").splitlines()[-15:]
             what = f"the {name} run failed (exit {rc}); its log {out / f'{name}.log'} ends:"
             raise SystemExit("\n".join([what, *tail]))
-        runs[name] = {"steps": per_step(out / name / "metrics.jsonl"), "wall_s": time.monotonic() - t0}
+        runs[name] = {"steps": per_step(out / name), "wall_s": ended[name] - t0}
     result = {
         "preset": PRESET,
         "k": K,
