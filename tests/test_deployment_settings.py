@@ -36,8 +36,8 @@ def test_the_gpu_pool_holds_a_tasks_slots_and_counts_deferred_tasks():
     assert m, "the values must say how the gpu pool is created"
     assert int(m.group(1)) >= int(_env()["VERL_PIPELINE_GPU_SLOTS"]), "a task would ask for more slots than the pool"
     assert m.group(2), "without --include-deferred a deferred train frees its slots (tests/test_postgres_profile.py)"
-    readme = (ROOT / "README.md").read_text()
-    assert m.group(0) in readme  # the README tells the same command
+    guide = (ROOT / "docs" / "cluster.md").read_text()
+    assert m.group(0) in guide  # the deployment guide tells the same command
 
 
 def test_both_images_install_the_package_not_a_path():

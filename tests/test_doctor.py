@@ -242,8 +242,8 @@ def test_checks_the_identity_may_not_make_are_reported_not_failed(cluster):
 
 def test_the_targeted_kuberay_version_is_the_vendored_crds_and_the_readmes():
     assert (ROOT / "k8s" / "crds" / f"ray.io_rayjobs.v{KUBERAY_VERSION}.yaml").is_file()
-    readme = (ROOT / "README.md").read_text()
-    assert f"kuberay/kuberay-operator --version {KUBERAY_VERSION}" in readme
+    guide = (ROOT / "docs" / "cluster.md").read_text()
+    assert f"kuberay/kuberay-operator --version {KUBERAY_VERSION}" in guide
 
 
 def test_the_stand_in_answers_like_the_crd_it_serves():

@@ -80,19 +80,21 @@ def services(cluster, tmp_path, mlflow_uri, oss_server):  # noqa: F811 - the imp
     presets.mkdir()
     src = ROOT / "pipeline_steps" / "training" / "presets" / "gsm8k_tool_agent_qwen2_5_3b.yaml"
 
-    def write_preset(api_url: str) -> None:
+    def write_preset(service: str | None = None) -> None:
         spec = yaml.safe_load(src.read_text())
         spec["name"] = PRESET
-        spec["cluster"]["env"]["E2B_API_URL"] = api_url
+        if service:
+            spec["cluster"]["sandbox_service"] = service
         spec["verl"]["trainer.logger"] = ["console", "file", "mlflow"]
         (presets / f"{PRESET}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
 
-    write_preset(sandbox.url)
+    write_preset()
     env = {
         "PIPELINE_MOUNTS": (ROOT / "k8s" / "overlays" / "ack" / "mounts.json").read_text(),
         "KUBERNETES_SERVICE_HOST": "",
         "VERL_PIPELINE_PRESETS_DIR": str(presets),
-        "PIPELINE_E2B_DOMAIN": "",
+        "PIPELINE_E2B_DOMAIN": "sandbox.example.com",  # the deployment's default service (Helm values)
+        "E2B_API_URL": sandbox.url,  # ...which the stand-in serves (the E2B SDK's own override of api.<domain>)
         "E2B_API_KEY": "",
         "MLFLOW_TRACKING_URI": mlflow_uri,
         "PIPELINE_STORE_CONN_ID": "pipeline_store",
@@ -159,17 +161,38 @@ def test_the_sandbox_service_refuses_the_key(services):
 
 
 def test_the_sandbox_service_does_not_answer(services):
-    api, config, env, sandbox, write_preset = services
+    api, config, env, sandbox, _ = services
     gone = f"http://127.0.0.1:{free_port()}"
-    write_preset(gone)
     _fails(
         config,
-        env,
+        {**env, "E2B_API_URL": gone},
         f"[FAIL] sandbox service for {PRESET}: {gone} does not answer (ConnectionRefusedError: [Errno 111] "
         "Connection refused)\n"
-        "       fix: check $PIPELINE_E2B_DOMAIN (Helm values) or the preset's cluster.env.E2B_DOMAIN / E2B_API_URL "
-        f"and that the service is up (curl {gone}/health)\n",
+        f"       fix: check $PIPELINE_E2B_DOMAIN (Helm values) and that the service is up (curl {gone}/health)\n",
     )
+
+
+def test_a_named_sandbox_service_is_checked_with_its_own_secret(services):
+    """A preset naming a service of $PIPELINE_SANDBOX_SERVICES is checked with that service's Secret, and a name the
+    deployment does not map is a failure naming the fix."""
+    api, config, env, sandbox, write_preset = services
+    api.secrets[(NS, "ags-api-key")] = {"apiKey": b64("not-the-ags-key")}  # the stand-in accepts API_KEY only
+    services_env = {"ags-shanghai": {"domain": "ap-shanghai.tencentags.com", "secret": "ags-api-key"}}
+    write_preset("ags-shanghai")
+    _fails(
+        config,
+        {**env, "PIPELINE_SANDBOX_SERVICES": json.dumps(services_env)},
+        f"[FAIL] sandbox service for {PRESET} (ags-shanghai): {sandbox.url} refused the API key from Secret "
+        "ags-api-key key apiKey (HTTP 401)\n",
+    )
+    err = _fails(
+        config,
+        env,
+        f"[FAIL] sandbox service for {PRESET}: no sandbox service configured\n"
+        "       fix: cluster.sandbox_service='ags-shanghai': not a sandbox service of this deployment (known: none); "
+        "add it to $PIPELINE_SANDBOX_SERVICES in the Helm values or name one of those\n",
+    )
+    assert "not-the-ags-key" not in err
 
 
 def test_the_mlflow_server_does_not_answer(services):

@@ -11,6 +11,7 @@ from pipeline_steps.training import experiment
 PRESETS = [
     "local_tiny",
     "local_tiny_tool_agent",
+    "local_tiny_custom_rollout",
     "local_arithmetic",
     "local_tool_learning",
     "gsm8k_qwen2_5_3b",

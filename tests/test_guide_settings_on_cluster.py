@@ -1,7 +1,7 @@
 """Guide settings that reach the cluster as the guides wrote them (issue 24, faults 6 and 7).
 
-- A preset that names its own sandbox service (guide 003's Tencent AGS domain) keeps it when the deployment sets
-  ``PIPELINE_E2B_DOMAIN`` for another (guide 000's sandbox-manager): both run from one Airflow.
+- A preset that names its own sandbox service (guide 003's Tencent AGS, ``cluster.sandbox_service``) gets it when the
+  deployment sets ``PIPELINE_E2B_DOMAIN`` for another (guide 000's sandbox-manager): both run from one Airflow.
 - Guide 003's ``LD_LIBRARY_PATH=/usr/local/cuda/compat:$LD_LIBRARY_PATH`` goes into Ray's runtime env and is expanded
   by Ray's own function (``ray._private.utils.update_envs``) from the image's value.
 - Guide 004's worker ``rayStartParams.num-cpus: "220"`` is rendered, and KubeRay's validation (the stand-in's copy of
@@ -34,6 +34,7 @@ def test_each_preset_keeps_its_sandbox_service_beside_the_deployment_default(mon
 
     monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     monkeypatch.setenv(rayjob.SANDBOX_DOMAIN_ENV, "sandbox.example.com")  # the deployment's sandbox-manager
+    # (and, from the shipped Helm values, $PIPELINE_SANDBOX_SERVICES mapping the AGS preset's ags-shanghai)
     _, ags = render("dapo_retool_qwen3_4b", ACK, "oss://verl-store", "dapo_math")
     assert _env_vars(ags)["E2B_DOMAIN"] == AGS and _container_env(ags)["E2B_DOMAIN"] == AGS
     _, ack = render("gsm8k_tool_agent_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k")

@@ -86,6 +86,8 @@ FORM_CODE = [
     ("+reward.custom_reward_function.path={s}", "names code"),
     ("+reward={{custom_reward_function: {{path: {s}, name: main}}}}", "names code"),
     ("actor_rollout_ref.rollout.multi_turn.tool_config_path={s}", "names code"),
+    ("actor_rollout_ref.rollout.agent.agent_loop_config_path={s}", "names code"),
+    ("+actor_rollout_ref.rollout.agent={{agent_loop_config_path: {s}}}", "names code"),
     ("+data.custom_cls={{path: {s}, name: X}}", "names code"),
     ("actor_rollout_ref.model.external_lib=os", "names a module or class"),
     ("+trainer.checkpoint_callback_class=builtins.open", "names a module or class"),
@@ -105,9 +107,41 @@ def test_the_form_may_not_name_code_for_verl_to_import(template, needle, sentine
 def test_the_form_may_name_code_the_package_ships():
     from pipeline_steps.training import plan
 
-    shipped = "+reward.custom_reward_function.path=pkg:pipeline_steps.rewards/retool.py"
-    out = plan.plan({"experiment": "local_tiny", "verl_overrides": [shipped]}, None, "manual__1", "verl_grpo_pipeline")
-    assert out["experiment"] == "local_tiny"  # planned: the train task takes the overrides from the form
+    for shipped in (
+        "+reward.custom_reward_function.path=pkg:pipeline_steps.rewards/retool.py",
+        "actor_rollout_ref.rollout.agent.agent_loop_config_path=pkg:pipeline_steps.rollouts/mcp_math_loop.yaml",
+    ):
+        params = {"experiment": "local_tiny", "verl_overrides": [shipped]}
+        out = plan.plan(params, None, "manual__1", "verl_grpo_pipeline")
+        assert out["experiment"] == "local_tiny"  # planned: the train task takes the overrides from the form
+
+
+LOOPS = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+# pkg: names that no installed package ships: the form would hand verl a loop file of its choosing
+UNSHIPPED = [
+    (LOOPS + "=pkg:pipeline_steps.rollouts/missing.yaml", "no file 'missing.yaml'"),
+    (LOOPS + "=pkg:pipeline_steps.rollouts/{up}{s}", "without '..'"),  # out of the package to any file
+    (LOOPS + "=pkg:pipeline_steps.rollouts/../tools/mcp_tool.yaml", "without '..'"),  # a file, not a loop config
+    (LOOPS + "=pkg:pipeline_steps.rollouts//{s}", "without '..'"),
+    (LOOPS + "=pkg:no_such_package_xyz/loops.yaml", "not an installed package"),
+    (LOOPS + "=pkg:os/loops.yaml", "not an installed package"),  # a module, not a package
+    ("+actor_rollout_ref.rollout.agent={{agent_loop_config_path: 'pkg:pipeline_steps.rollouts/{up}{s}'}}", "'..'"),
+    ("+reward.custom_reward_function.path=pkg:pipeline_steps.rewards/{up}{s}", "without '..'"),
+]
+
+
+@pytest.mark.parametrize("template,needle", UNSHIPPED, ids=[u[0][-40:] for u in UNSHIPPED])
+def test_the_form_may_not_name_a_file_no_package_ships(template, needle, sentinel):
+    from pipeline_steps.training import plan
+
+    override = template.format(s=str(sentinel).lstrip("/"), up="../" * 30)
+    params = {"experiment": "local_tiny", "verl_overrides": [override]}
+    with pytest.raises(UserError, match="not a file the package or the deployment ships") as err:
+        plan.plan(params, None, "manual__1", "verl_grpo_pipeline")
+    message = str(err.value)
+    assert "\n" not in message and needle in message and "verl_overrides" in message, message
+    assert "choose an existing pkg: file or set it in a preset" in message
+    assert sentinel.read_text() == SENTINEL_TEXT
 
 
 def test_a_deployment_preset_cannot_smuggle_instantiation_either(tmp_path, monkeypatch, sentinel):

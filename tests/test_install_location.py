@@ -78,14 +78,16 @@ def test_package_and_its_data_come_from_the_install_not_the_checkout(installed):
         import json, pipeline_steps, operators
         from pipeline_steps.training import experiment, rayjob
         from pipeline_steps.local import offline_hub
+        from pipeline_steps.tools import resolve_config_path
         hub = sorted(p.name for p in offline_hub.FIXTURES.iterdir())
-        print(json.dumps({"pkg": pipeline_steps.__file__, "ops": operators.__file__,
+        loops = resolve_config_path("pkg:pipeline_steps.rollouts/mcp_math_loop.yaml")
+        print(json.dumps({"pkg": pipeline_steps.__file__, "ops": operators.__file__, "loops": loops,
                           "presets": experiment.preset_names(), "template": str(rayjob.TEMPLATE), "hub": hub}))
     """),
     )
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    for key in ("pkg", "ops", "template"):
+    for key in ("pkg", "ops", "template", "loops"):
         assert got[key].startswith(str(installed["site"])), (key, got[key])
         assert not got[key].startswith(str(ROOT))
     assert {"local_tiny", "gsm8k_qwen2_5_3b", "dapo_qwen3_4b"} <= set(got["presets"])

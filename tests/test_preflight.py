@@ -29,15 +29,19 @@ def check(name="local_tiny", overrides=(), derived=None, check_store=False):
     )
 
 
-@pytest.mark.parametrize("name", ["local_tiny", "local_tiny_tool_agent", "local_arithmetic"] + CLUSTER_PRESETS)
+@pytest.mark.parametrize(
+    "name", ["local_tiny", "local_tiny_tool_agent", "local_tiny_custom_rollout", "local_arithmetic"] + CLUSTER_PRESETS
+)
 def test_every_preset_passes(name):
     out = check(name)
     exp = experiment.load(name)
     assert out["experiment"] == name and out["digest"] == exp.digest()
     assert out["n_gpus"] == exp.verl["trainer.nnodes"] * exp.verl["trainer.n_gpus_per_node"]
     assert out["train_batch_size"] == exp.verl["data.train_batch_size"]
-    if exp.verl.get("actor_rollout_ref.rollout.multi_turn.enable"):  # the tool config was read and checked
+    if exp.verl.get("actor_rollout_ref.rollout.multi_turn.tool_config_path"):  # the tool config was read, checked
         assert out["tools"] == ["code_interpreter"], out
+    if exp.verl.get("actor_rollout_ref.rollout.agent.agent_loop_config_path"):  # so was a preset's own agent loop
+        assert out["agent_loops"] == ["mcp_math_agent"], out
 
 
 @pytest.mark.parametrize(

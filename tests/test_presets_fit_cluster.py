@@ -75,7 +75,7 @@ def fits(pod: dict, pool: dict) -> str | None:
 def _env(monkeypatch):
     from pipeline_steps.training import rayjob
 
-    for var in (rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS", rayjob.SANDBOX_DOMAIN_ENV):
+    for var in (rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS", rayjob.SANDBOX_DOMAIN_ENV, rayjob.SANDBOX_SERVICES_ENV):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
 

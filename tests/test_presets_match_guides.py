@@ -9,6 +9,8 @@ comment. The vision-language presets (issue 30) follow verl's own geometry3k exa
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pipeline_steps.training import experiment
@@ -318,15 +320,19 @@ def test_tool_agent_presets_reach_their_sandbox_service(preset):
     assert (cfg["e2b_template"], cfg["sandbox_timeout"], cfg["default_timeout"]) == ("code-interpreter-v1", 300, 30)
     assert "e2b_api_key" not in cfg and "e2b_domain" not in cfg  # per deployment, from the environment
     cluster = exp.spec["cluster"]
-    # AGS's region domain is the guide's; sandbox-manager's is the deployment's ($PIPELINE_E2B_DOMAIN, no placeholder)
-    assert bool(cluster["env"].get("E2B_DOMAIN")) is (preset == "dapo_retool_qwen3_4b")
-    assert {"env": "E2B_API_KEY", "secret": "sandbox-api-key", "key": "apiKey"} in cluster["secrets"]
+    # the AGS preset names the guide's service; sandbox-manager's is the deployment's default ($PIPELINE_E2B_DOMAIN)
+    assert cluster.get("sandbox_service") == ("ags-shanghai" if preset == "dapo_retool_qwen3_4b" else None)
+    assert "E2B_DOMAIN" not in cluster["env"]  # an endpoint and its key come with the service, never the preset
+    assert all(s["env"] != "E2B_API_KEY" for s in cluster["secrets"])
     assert exp.spec["datasets"]["variant"] == "tool_agent"
 
 
 def test_retool_preset_uses_the_guides_region_and_reward():
+    from tests.test_render_rayjob import helm_env
+
     exp = experiment.load("dapo_retool_qwen3_4b")
-    assert exp.spec["cluster"]["env"]["E2B_DOMAIN"] == "ap-shanghai.tencentags.com"  # seed 003 line 73
+    services = json.loads(helm_env("PIPELINE_SANDBOX_SERVICES")["PIPELINE_SANDBOX_SERVICES"])  # the shipped values
+    assert services[exp.spec["cluster"]["sandbox_service"]]["domain"] == "ap-shanghai.tencentags.com"  # seed 003 l.73
     assert exp.verl["reward.custom_reward_function.path"] == "pkg:pipeline_steps.rewards/retool.py"
     assert exp.spec["datasets"]["train"] == ["dapo_math"] and exp.spec["datasets"]["val"] == ["aime2024"]
 

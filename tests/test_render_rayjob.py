@@ -69,6 +69,7 @@ def _clean_env(monkeypatch):
         render_rayjob.SERVICE_ACCOUNT_ENV,
         "PIPELINE_MOUNTS",
         render_rayjob.SANDBOX_DOMAIN_ENV,
+        render_rayjob.SANDBOX_SERVICES_ENV,
         "PIPELINE_RAY_AUTH_SECRET",
     ):
         monkeypatch.delenv(var, raising=False)
@@ -103,15 +104,21 @@ def render(
     exp = experiment.load(preset, overrides=list(overrides), derived=keys)
     args = dict(dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", namespace="verl-pipeline", mounts=mounts)
     args.update(kw)
-    if "E2B_DOMAIN" in json.dumps(exp.spec.get("cluster", {}).get("env") or {}) or os.environ.get(
-        render_rayjob.SANDBOX_DOMAIN_ENV
-    ):
-        return exp, build_rayjob(exp, **args)
-    os.environ[render_rayjob.SANDBOX_DOMAIN_ENV] = SANDBOX_DOMAIN  # as the deployment's Helm values set it
+    # the deployment's sandbox services as its Helm values set them, unless the test sets its own
+    deployment = {render_rayjob.SANDBOX_DOMAIN_ENV: SANDBOX_DOMAIN, **helm_env(render_rayjob.SANDBOX_SERVICES_ENV)}
+    added = [k for k in deployment if k not in os.environ]
+    os.environ.update({k: deployment[k] for k in added})
     try:
         return exp, build_rayjob(exp, **args)
     finally:
-        del os.environ[render_rayjob.SANDBOX_DOMAIN_ENV]
+        for k in added:
+            del os.environ[k]
+
+
+def helm_env(*names: str) -> dict[str, str]:
+    """Values of ``env:`` entries in the shipped Helm values (k8s/airflow/values.yaml)."""
+    values = yaml.safe_load((ROOT / "k8s" / "airflow" / "values.yaml").read_text())
+    return {e["name"]: e["value"] for e in values["env"] if e["name"] in names}
 
 
 def validate(job, schema):
@@ -592,32 +599,104 @@ def test_an_exact_tag_on_a_registry_with_a_port_is_taken(monkeypatch):
 
 
 def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
-    """The code tool's sandbox service comes from the preset when it names one, else from the deployment
-    ($PIPELINE_E2B_DOMAIN, Helm values); a run whose pods would have no endpoint or no API key Secret is refused in
-    one line at render."""
-    domain = render_rayjob.SANDBOX_DOMAIN_ENV
-    ack = "gsm8k_tool_agent_qwen2_5_3b"
+    """A preset names its sandbox service (``cluster.sandbox_service``) and the deployment maps the name to an
+    endpoint and a Secret ($PIPELINE_SANDBOX_SERVICES, Helm values); a preset naming none gets the deployment's
+    default ($PIPELINE_E2B_DOMAIN). An unknown name, a run with no service, and a preset carrying its own endpoint
+    or key are refused in one line at render."""
+    ack, ags = "gsm8k_tool_agent_qwen2_5_3b", "dapo_retool_qwen3_4b"
+
+    def build(preset, dataset="gsm8k", **cluster):
+        exp = experiment.load(preset, derived=derived("oss://verl-store", preset, dataset))
+        exp.spec["cluster"].update(cluster)
+        return build_rayjob(exp, dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", mounts=ACK)
+
     with pytest.raises(UserError, match=r"needs its sandbox service: set \$PIPELINE_E2B_DOMAIN"):
-        build_rayjob(
-            experiment.load(ack, derived=derived("oss://verl-store", ack, "gsm8k")),
-            dag_id="verl_grpo_pipeline",
-            run_id=RUN,
-            task_id="train",
-            mounts=ACK,
-        )
-    monkeypatch.setenv(domain, "Not a domain!")
+        build(ack)
+    monkeypatch.setenv(render_rayjob.SANDBOX_DOMAIN_ENV, "Not a domain!")
     with pytest.raises(UserError, match="not a domain name"):
-        render(ack)
-    monkeypatch.setenv(domain, "sandbox.team.internal")
-    # the deployment's domain for the preset naming none; the guide's AGS region stays the AGS preset's
-    for preset, want in ((ack, "sandbox.team.internal"), ("dapo_retool_qwen3_4b", "ap-shanghai.tencentags.com")):
-        _, job = render(preset, dataset="dapo_math" if "dapo" in preset else "gsm8k")
-        head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-        assert {"name": "E2B_DOMAIN", "value": want} in head["env"]
-        assert f"E2B_DOMAIN: {want}" in job["spec"]["runtimeEnvYAML"]
-    exp = experiment.load(ack, derived=derived("oss://verl-store", ack, "gsm8k"))
-    exp.spec["cluster"]["secrets"] = [s for s in exp.spec["cluster"]["secrets"] if s["env"] != "E2B_API_KEY"]
-    with pytest.raises(UserError, match="needs E2B_API_KEY"):
-        build_rayjob(exp, dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", mounts=ACK)
+        build(ack)
+    monkeypatch.setenv(render_rayjob.SANDBOX_DOMAIN_ENV, "sandbox.team.internal")
+    with pytest.raises(UserError) as refused:  # the AGS preset's service is not in this deployment
+        build(ags, "dapo_math")
+    assert str(refused.value) == (
+        "cluster.sandbox_service='ags-shanghai': not a sandbox service of this deployment (known: none); add it to "
+        "$PIPELINE_SANDBOX_SERVICES in the Helm values or name one of those"
+    )
+    services = {
+        "ags-shanghai": {"domain": "ap-shanghai.tencentags.com", "secret": "ags-api-key"},
+        "ags-singapore": {"domain": "ap-singapore.tencentags.com", "secret": "ags-sg-key", "key": "token"},
+    }
+    monkeypatch.setenv(render_rayjob.SANDBOX_SERVICES_ENV, json.dumps(services))
+    cases = (
+        (build(ack), "sandbox.team.internal", {"name": "sandbox-api-key", "key": "apiKey"}),
+        (build(ags, "dapo_math"), "ap-shanghai.tencentags.com", {"name": "ags-api-key", "key": "apiKey"}),
+        (
+            build(ags, "dapo_math", sandbox_service="ags-singapore"),
+            "ap-singapore.tencentags.com",
+            {"name": "ags-sg-key", "key": "token"},
+        ),
+    )
+    for job, domain, ref in cases:
+        for pod in [job["spec"]["rayClusterSpec"]["headGroupSpec"], *job["spec"]["rayClusterSpec"]["workerGroupSpecs"]]:
+            env = pod["template"]["spec"]["containers"][0]["env"]
+            assert {"name": "E2B_DOMAIN", "value": domain} in env
+            assert [e["valueFrom"]["secretKeyRef"] for e in env if e["name"] == "E2B_API_KEY"] == [ref]
+        assert f"E2B_DOMAIN: {domain}" in job["spec"]["runtimeEnvYAML"]
+    with pytest.raises(UserError, match="not a sandbox service of this deployment .known: ags-shanghai, ags-singapore"):
+        build(ags, "dapo_math", sandbox_service="ags-beijing")
+    with pytest.raises(UserError, match="E2B_DOMAIN / E2B_API_URL are the deployment's"):
+        build(ack, env={"E2B_DOMAIN": "elsewhere.example.com"})
+    with pytest.raises(UserError, match="E2B_API_KEY comes with the sandbox service"):
+        build(ack, secrets=[{"env": "E2B_API_KEY", "secret": "mine", "key": "k"}])
+    with pytest.raises(UserError, match="runs no code sandbox tool"):
+        build("gsm8k_qwen2_5_3b", sandbox_service="ags-shanghai")
+    for bad, why in (("[]", "expected a JSON object"), ('{"x": {"domain": "a.b"}}', "expected {domain, secret")):
+        monkeypatch.setenv(render_rayjob.SANDBOX_SERVICES_ENV, bad)
+        with pytest.raises(UserError, match=re.escape(why)):
+            build(ags, "dapo_math")
     _, plain = render("gsm8k_qwen2_5_3b")  # no tool agent: no sandbox settings at all
     assert "E2B" not in json.dumps(plain)
+
+
+def test_the_cluster_job_carries_a_presets_agent_loop_file_resolved_in_the_pod(tmp_path):
+    """A preset's own agent loop (``agent_loop_config_path``): the RayJob's entrypoint carries ``pkg:`` as the preset
+    wrote it, ``verl_main`` (what the pod runs first) turns it into the installed file, and what verl composes and
+    registers from it is the shipped loop. A deployment's own path is carried unchanged: it must be in the image."""
+    from importlib.resources import files
+
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import AgentLoopBase
+    from verl.utils.import_utils import resolve_config_path
+
+    from pipeline_steps.training import verl_main
+
+    key = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
+    shipped = "pkg:pipeline_steps.rollouts/mcp_math_loop.yaml"
+    _, job = render(
+        "gsm8k_tool_agent_qwen2_5_3b",
+        overrides=[f"{key}={shipped}", "actor_rollout_ref.rollout.agent.default_agent_loop=mcp_math_agent"],
+    )
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["python3", "-m", "pipeline_steps.training.verl_main"]
+    assert f'{key}="{shipped}"' in argv  # resolved where the package is installed: in the pod
+    pod_argv = verl_main.resolve_tool_config(argv[3:])
+    installed = str(files("pipeline_steps.rollouts") / "mcp_math_loop.yaml")
+    assert f"{key}={json.dumps(installed)}" in pod_argv
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_trainer", overrides=pod_argv)
+    GlobalHydra.instance().clear()
+    path = cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path
+    assert path == installed and cfg.actor_rollout_ref.rollout.agent.default_agent_loop == "mcp_math_agent"
+    # what verl's AgentLoopWorker does with the key
+    [entry] = OmegaConf.load(resolve_config_path(path))
+    assert entry.name == "mcp_math_agent"
+    module, _, cls = entry._target_.rpartition(".")
+    assert issubclass(getattr(__import__(module, fromlist=[cls]), cls), AgentLoopBase)
+
+    own = tmp_path / "loops.yaml"  # a deployment's own file, named by its preset
+    _, job = render("gsm8k_tool_agent_qwen2_5_3b", overrides=[f"{key}={own}"])
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert f"{key}={json.dumps(str(own))}" in verl_main.resolve_tool_config(argv[3:])

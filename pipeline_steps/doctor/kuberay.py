@@ -6,7 +6,7 @@ import re
 
 from pipeline_steps.doctor import Check
 
-# The KubeRay release the pipeline is built and tested against: the vendored RayJob CRD (k8s/crds), the README's
+# The KubeRay release the pipeline is built and tested against: the vendored RayJob CRD (k8s/crds), docs/cluster.md's
 # install step and the stand-in's controller messages (tests/test_doctor.py checks they agree).
 KUBERAY_VERSION = "1.7.0"
 SELECTOR = "app.kubernetes.io/name=kuberay-operator"  # the kuberay-operator chart's name label

@@ -38,7 +38,7 @@ def _ref(cluster: dict, env: str) -> dict | None:
 def check_sandbox(core, ns: str, exp) -> list[Check]:
     from pipeline_steps.errors import UserError
     from pipeline_steps.tools import uses_code_sandbox
-    from pipeline_steps.training.rayjob import SANDBOX_DOMAIN_ENV, _plain_env, _sandbox_endpoint
+    from pipeline_steps.training.rayjob import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, with_sandbox_service
 
     mt = "actor_rollout_ref.rollout.multi_turn."
     if str(exp.verl.get(mt + "enable", False)).lower() not in ("true", "1"):
@@ -47,16 +47,19 @@ def check_sandbox(core, ns: str, exp) -> list[Check]:
         return []
     cluster = exp.spec.get("cluster") or {}
     name = f"sandbox service for {exp.name}"
-    try:  # the endpoint the RayJob's pods get, resolved as the renderer resolves it
-        env = _sandbox_endpoint(exp, _plain_env(cluster), cluster)
+    try:  # the service the RayJob's pods get, resolved as the renderer resolves it
+        cluster = with_sandbox_service(exp, cluster)
     except UserError as exc:
-        return [Check(name, False, "no endpoint or API key configured", str(exc))]
-    api = (env.get("E2B_API_URL") or f"https://api.{env['E2B_DOMAIN']}").rstrip("/")
+        return [Check(name, False, "no sandbox service configured", str(exc))]
+    if service := cluster.get("sandbox_service"):
+        name += f" ({service})"
+    # the E2B SDK's own rule: $E2B_API_URL (a self-hosted or stand-in API) before https://api.<domain>
+    api = (os.environ.get("E2B_API_URL") or f"https://api.{cluster['env']['E2B_DOMAIN']}").rstrip("/")
     ref = _ref(cluster, "E2B_API_KEY")
     key, source = secret_value(core, ns, ref)
     if key is None and os.environ.get("E2B_API_KEY"):  # a user without Secret access may give the key this way
         key, source = os.environ["E2B_API_KEY"], "$E2B_API_KEY"
-    where = f"${SANDBOX_DOMAIN_ENV} (Helm values) or the preset's cluster.env.E2B_DOMAIN / E2B_API_URL"
+    where = f"${SANDBOX_SERVICES_ENV}[{service!r}] (Helm values)" if service else f"${SANDBOX_DOMAIN_ENV} (Helm values)"
     try:
         status = http_status(api + (SANDBOX_LIST if key else "/health"), {"X-API-KEY": key} if key else {})
     except OSError as exc:

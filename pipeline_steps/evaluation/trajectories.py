@@ -3,9 +3,10 @@
 The files are verl's ``trainer.rollout_data_dir`` dump (``RayPPOTrainer._write_generations``, which writes them
 here too): ``<dir>/<step>.jsonl``, one line per sample with ``input`` and ``output`` (prompt and response decoded
 without special tokens), ``gts``, ``score``, ``step`` and one key per reward extra info. The local trainer adds, as
-further extra-info keys, ``uid`` (the prompt's group), ``advantage``, ``num_turns``, ``turns``
-(``[{"role": "assistant"|"tool", "text"}]``, the response split by verl's response mask), ``tool_calls`` and
-``tool_outputs`` (``[{"text", "error"}]``).
+further extra-info keys, ``uid`` (the prompt's group), ``advantage``, ``num_turns``, ``agent_name`` (the agent loop
+that rolled the sample out), ``turns`` (``[{"role": "assistant"|"tool", "text"}]``, the response split by verl's
+response mask), ``tool_calls`` and ``tool_outputs`` (``[{"text", "error"}]``, plus ``timeout``, ``seconds`` and
+``started`` from a loop that records its calls).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def write_step(dump_dir, step: int, batch: dict, tokenizer) -> Path:
     extra.update(uid=list(batch["uids"]), advantage=adv, num_turns=[int(t) for t in batch["num_turns"]])
     trajectories = batch.get("trajectories")
     if trajectories:
-        for key in ("turns", "tool_calls", "tool_outputs"):
-            extra[key] = [t[key] for t in trajectories]
+        for key in ("agent_name", "turns", "tool_calls", "tool_outputs"):
+            extra[key] = [t.get(key) for t in trajectories]
     dump = Path(dump_dir)
     # verl's writer announces each file on stdout; a step's stdout is its JSON summary, so the line goes to stderr
     with contextlib.redirect_stdout(sys.stderr):

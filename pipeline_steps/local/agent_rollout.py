@@ -8,7 +8,14 @@ trainer's model answers through verl's async server interface (:class:`~pipeline
 the model's and the tools' tokens, ``response_mask`` is verl's (0 on tool tokens, so they take no part in the loss),
 ``attention_mask`` covers all of them.
 
-Besides tensors, each sample keeps a readable trajectory (turns, tool calls, tool outputs) for the trajectory files.
+A preset's own agent loops (``rollout.agent.agent_loop_config_path``: a shipped ``pkg:`` file or a deployment's
+path) are registered as verl's ``AgentLoopWorker`` registers them: the file's ``{name, _target_, ...}`` entries go
+into verl's registry by name.
+
+Besides tensors, each sample keeps a readable trajectory (the loop's name, turns, tool calls, tool outputs) for the
+trajectory files: ``tool_agent``'s from its messages, another loop's from the JSON it returns in
+``extra_fields["trajectory"]`` (``{agent_name, messages, tool_records}``, as :mod:`pipeline_steps.rollouts
+.mcp_math_loop` does).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class AgentRollout:
         self.response_length = int(ro.response_length)
         self.default_agent = str(ro.agent.get("default_agent_loop") or "single_turn_agent")
         self.registry = _agent_loop_registry
+        register_agent_loops(ro.agent.get("agent_loop_config_path"))
         path = ro.multi_turn.get("tool_config_path")
         self.tools = []
         if path:
@@ -104,7 +112,10 @@ class AgentRollout:
             tools_kwargs=extra.get("tools_kwargs") or {},  # as verl's RLHFDataset passes them
             extra_info=extra,
         )
-        return out, (seen[0].messages if seen else None)
+        own = _own_trajectory(out)
+        if own is not None:  # a loop that records its own trajectory
+            return out, dict(own, agent_name=str(own.get("agent_name") or agent_name))
+        return out, {"agent_name": agent_name, "messages": seen[0].messages if seen else None}
 
     async def _all(self, prompts, n: int, sampling_params: dict):
         return await asyncio.gather(*[self._one(p, sampling_params) for p in prompts for _ in range(n)])
@@ -128,14 +139,14 @@ class AgentRollout:
         resp_a = torch.zeros((rows, self.response_length), dtype=torch.long)
         resp_m = torch.zeros((rows, self.response_length), dtype=torch.long)
         trajectories = []
-        for i, (o, messages) in enumerate(results):
+        for i, (o, seen) in enumerate(results):
             p, r = len(o.prompt_ids), len(o.response_ids)
             prompt_t[i, width_p - p :] = torch.tensor(o.prompt_ids)  # left padded, as verl's postprocess
             prompt_a[i, width_p - p :] = 1
             resp[i, :r] = torch.tensor(o.response_ids)
             resp_a[i, :r] = 1
             resp_m[i, :r] = torch.tensor(o.response_mask)
-            trajectories.append(self._trajectory(o, messages))
+            trajectories.append(self._trajectory(o, seen))
         return {
             "prompts": prompt_t,
             "responses": resp,
@@ -150,9 +161,11 @@ class AgentRollout:
             "loop_timings": [_timings(o) for o, _ in results],
         }
 
-    def _trajectory(self, out, messages) -> dict:
-        """Turns as the model saw them (token segments split by the response mask), the tool calls the loop parsed
-        and the tools' answers."""
+    def _trajectory(self, out, seen: dict) -> dict:
+        """The loop's name, turns as the model saw them (token segments split by the response mask), the tool calls
+        the loop parsed and the tools' answers (``timeout`` from a loop's own call records)."""
+        messages = seen.get("messages")
+        records = seen.get("tool_records") or []
         turns, seg, cur = [], [], None
         for tok, m in zip(out.response_ids, out.response_mask):
             if cur is not None and m != cur:
@@ -171,10 +184,54 @@ class AgentRollout:
             if msg.get("role") == "tool":
                 text = msg.get("content") if isinstance(msg.get("content"), str) else json.dumps(msg.get("content"))
                 outputs.append({"text": text, "error": is_tool_error(text)})
-        return {"turns": turns, "tool_calls": calls, "tool_outputs": outputs}
+        for o, r in zip(outputs, records):
+            if isinstance(r, dict):
+                o.update(timeout=bool(r.get("timeout")), seconds=r.get("seconds"), started=r.get("started"))
+        return {"agent_name": seen.get("agent_name"), "turns": turns, "tool_calls": calls, "tool_outputs": outputs}
 
     def _turn(self, mask_value: int, ids: list[int]) -> dict:
         return {"role": "assistant" if mask_value else "tool", "text": self.tokenizer.decode(ids)}
+
+
+def register_agent_loops(path) -> list[str]:
+    """Register the agent loops of ``agent_loop_config_path`` as verl's ``AgentLoopWorker`` does (its
+    ``resolve_config_path``, ``OmegaConf.load``, each entry into ``_agent_loop_registry`` under its ``name``);
+    ``pkg:`` names a file the package ships. The names registered; UserError in one line for a bad file."""
+    if not path:
+        return []
+    from omegaconf import OmegaConf
+    from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
+    from verl.utils.import_utils import resolve_config_path as verl_resolve
+
+    from pipeline_steps.tools import resolve_config_path
+
+    where = f"actor_rollout_ref.rollout.agent.agent_loop_config_path={path}"
+    try:
+        configs = OmegaConf.load(verl_resolve(resolve_config_path(path)))
+        names = []
+        for entry in configs:
+            _agent_loop_registry[entry.name] = entry
+            names.append(str(entry.name))
+    except (OSError, ValueError, TypeError, AttributeError, KeyError) as exc:
+        raise UserError(
+            f"{where}: {type(exc).__name__}: {exc}; expected a YAML list of {{name, _target_}} entries"
+        ) from None
+    except Exception as exc:  # omegaconf's own errors (a missing key, a bad interpolation)
+        if type(exc).__module__.startswith("omegaconf"):
+            raise UserError(f"{where}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        raise
+    return names
+
+
+def _own_trajectory(out) -> dict | None:
+    text = (out.extra_fields or {}).get("trajectory")
+    if not isinstance(text, str):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _timings(out) -> dict[str, float]:
@@ -197,12 +254,14 @@ def metrics(batch: dict) -> dict:
         return {}
     calls = sum(len(t["tool_calls"]) for t in trajectories)
     errors = sum(o["error"] for t in trajectories for o in t["tool_outputs"])
+    timeouts = sum(bool(o.get("timeout")) for t in trajectories for o in t["tool_outputs"])
     answered = sum(len(t["tool_outputs"]) for t in trajectories)
     out = {
         "tool/call_rate": sum(bool(t["tool_calls"]) for t in trajectories) / len(trajectories),
         "tool/calls": float(calls),
         "tool/errors": float(errors),
         "tool/error_rate": errors / answered if answered else 0.0,
+        "tool/timeouts": float(timeouts),
     }
     timings = batch.get("loop_timings") or []
     for name in TIMED if timings else ():
@@ -218,44 +277,117 @@ def _default_server(model, tokenizer, eos_ids):
 
 
 _E2B_ENDPOINT = ("E2B_DOMAIN", "E2B_API_URL")
+MCP_CONFIG_ENV = "MCP_SERVERS_CONFIG"  # the mcp_server.json the MCP tool and the MCP agent loop read
+MCP_LOOP = "pipeline_steps.rollouts.mcp_math_loop"
+
+
+def _uses_code_tool(cfg) -> bool:
+    path = cfg.actor_rollout_ref.rollout.multi_turn.get("tool_config_path") if enabled(cfg) else None
+    if not path:
+        return False
+    from pipeline_steps.tools import uses_code_sandbox
+
+    return uses_code_sandbox(path)
+
+
+def _needs_local_mcp(cfg) -> bool:
+    """Our MCP agent loop with its servers file left to ``$MCP_SERVERS_CONFIG``, which is unset."""
+    path = cfg.actor_rollout_ref.rollout.agent.get("agent_loop_config_path") if enabled(cfg) else None
+    if not path or os.environ.get(MCP_CONFIG_ENV):
+        return False
+    from pipeline_steps.tools import resolve_config_path
+
+    try:
+        text = Path(resolve_config_path(path)).read_text(errors="replace")
+    except (OSError, UserError):
+        return False
+    return MCP_LOOP in text and MCP_CONFIG_ENV in text
+
+
+@contextlib.contextmanager
+def _env(values: dict):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def local_mcp_server(directory: Path, exec_timeout: float = 30.0):
+    """Our MCP code server (``pipeline_steps.tools.mcp_code_server``) on a free local port, its sandboxes from the
+    ``E2B_*`` settings in the environment; ``$MCP_SERVERS_CONFIG`` names an ``mcp_server.json`` for it meanwhile."""
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "pipeline_steps.tools.mcp_code_server", "--port", str(port)]
+    cmd += ["--exec-timeout", str(exec_timeout)]
+    log = open(directory / "mcp-server.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the local MCP code server did not start (log: {log.name})") from None
+                time.sleep(0.2)
+        servers = directory / "mcp_server.json"
+        servers.write_text(json.dumps({"mcpServers": {"sandbox": {"url": f"http://127.0.0.1:{port}/mcp"}}}))
+        print(f"started the local MCP code server for the agent loop: http://127.0.0.1:{port}/mcp", file=sys.stderr)
+        with _env({MCP_CONFIG_ENV: str(servers)}):
+            yield servers
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 @contextlib.contextmanager
 def local_sandbox(cfg, hide=()):
     """The local profile's sandbox server for the run, started on demand like the local Ray cluster: when multi-turn
-    is on, the tool config uses our code sandbox tool, and no E2B endpoint is configured (``E2B_DOMAIN`` or
-    ``E2B_API_URL``); the ``E2B_*`` settings point the tool at it while the run lasts."""
-    ro = cfg.actor_rollout_ref.rollout
-    path = ro.multi_turn.get("tool_config_path") if enabled(cfg) else None
-    if not path or any(os.environ.get(k) for k in _E2B_ENDPOINT):
+    is on, the tool config uses our code sandbox tool or the agent loop config our MCP loop (its servers file left to
+    an unset ``$MCP_SERVERS_CONFIG``), and no E2B endpoint is configured (``E2B_DOMAIN`` or ``E2B_API_URL``); the
+    ``E2B_*`` settings point the tools at it while the run lasts. For the MCP loop, the local MCP code server runs
+    too (on the configured E2B service when there is one), and ``$MCP_SERVERS_CONFIG`` points the loop at it."""
+    mcp = _needs_local_mcp(cfg)
+    if not (mcp or _uses_code_tool(cfg)):
         yield None
         return
-    from pipeline_steps.tools import uses_code_sandbox
+    with contextlib.ExitStack() as stack:
+        # state outside the hidden run directory (a sandbox's own directory lives in it)
+        state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sandboxes-")))
+        server = None
+        if not any(os.environ.get(k) for k in _E2B_ENDPOINT):
+            if os.geteuid() != 0:
+                raise UserError(
+                    "the code sandbox tool needs a sandbox service: set E2B_API_KEY and E2B_DOMAIN (or E2B_API_URL), "
+                    "or run as root so the local sandbox server can start"
+                )
+            from pipeline_steps.sandbox.local import LocalSandboxServer
 
-    if not uses_code_sandbox(path):
-        yield None
-        return
-    if os.geteuid() != 0:
-        raise UserError(
-            "the code sandbox tool needs a sandbox service: set E2B_API_KEY and E2B_DOMAIN (or E2B_API_URL), or run "
-            "as root so the local sandbox server can start"
-        )
-    from pipeline_steps.sandbox.local import LocalSandboxServer
-
-    # state outside the hidden run directory (a sandbox's own directory lives in it)
-    with (
-        tempfile.TemporaryDirectory(prefix="sandboxes-") as state,
-        LocalSandboxServer(Path(state) / "state", args=["--warm", "2"], hide=hide) as server,
-    ):
-        saved = {k: os.environ.get(k) for k in server.env()}
-        os.environ.update(server.env())
-        # stderr: a step's stdout is its JSON summary; the line tells the log reader where tool calls went
-        print(f"started the local sandbox server for the code tool: {server.env().get('E2B_API_URL')}", file=sys.stderr)
-        try:
-            yield server
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            server = stack.enter_context(LocalSandboxServer(state / "state", args=["--warm", "2"], hide=hide))
+            stack.enter_context(_env(server.env()))
+            # stderr: a step's stdout is its JSON summary; the line tells the log reader where tool calls went
+            print(
+                f"started the local sandbox server for the code tool: {server.env().get('E2B_API_URL')}",
+                file=sys.stderr,
+            )
+        if mcp:
+            stack.enter_context(local_mcp_server(state))
+        yield server

@@ -2,7 +2,9 @@
 
 A preset names a shipped tool config as ``pkg:pipeline_steps.tools/code_sandbox.yaml``: the installed package's
 location differs between a laptop's virtualenv and the training image, so the path is resolved where it is used
-(the local trainer, the pre-flight, and ``verl_main`` before verl reads ``multi_turn.tool_config_path``).
+(the local trainer, the pre-flight, and ``verl_main`` before verl reads ``multi_turn.tool_config_path``). The same
+rule serves reward files (``pkg:pipeline_steps.rewards/...``) and agent-loop configs (``pkg:pipeline_steps.rollouts/
+...``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ PKG = "pkg:"
 
 
 def resolve_config_path(value) -> str:
-    """``pkg:<package>/<file>`` -> that file of the installed package; any other value unchanged."""
+    """``pkg:<package>/<file>`` -> that file of the installed package (a path inside its directory, no ``..``);
+    any other value unchanged."""
     from importlib.resources import files
 
     from pipeline_steps.errors import UserError
@@ -20,11 +23,14 @@ def resolve_config_path(value) -> str:
     if not text.startswith(PKG):
         return text
     package, _, name = text[len(PKG) :].partition("/")
+    if not name or name.startswith("/") or "\\" in name or ".." in name.split("/"):
+        # the file must be the package's own: no way out of its directory
+        raise UserError(f"{text}: name a file inside the package as pkg:<package>/<path>, without '..'")
     try:
         path = files(package) / name
-    except ModuleNotFoundError:
-        raise UserError(f"{text}: package {package!r} is not installed") from None
-    if not name or not path.is_file():
+    except (ModuleNotFoundError, TypeError):  # TypeError: a module, not a package
+        raise UserError(f"{text}: {package!r} is not an installed package") from None
+    if not path.is_file():
         raise UserError(f"{text}: no file {name!r} in package {package}")
     return str(path)
 

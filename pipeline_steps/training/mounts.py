@@ -120,7 +120,7 @@ class MountMap:
         except json.JSONDecodeError as exc:
             raise UserError(
                 f"${ENV_VAR}: not valid JSON ({exc.msg} at char {exc.pos}); "
-                "expected a list of {uri, claim, path} entries, as in the README's Kubernetes section"
+                "expected a list of {uri, claim, path} entries, as in docs/cluster.md"
             ) from None
         return cls.from_config(config, source=f"${ENV_VAR}")
 

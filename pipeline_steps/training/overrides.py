@@ -12,8 +12,10 @@ User overrides therefore may not contain:
 * a key the pipeline derives (data files, model path, checkpoint directory, resume): the message says what sets it;
 * from the trigger form (:func:`check_form`), a key that names code verl imports (a reward function's file, a tool or
   agent-loop config listing classes, a module, a class): pre-flight imports a reward file in the Airflow worker and
-  verl imports all of them in the training pods, so a form may name only a file the package ships (``pkg:...``);
-  anything else belongs in a preset. (``--override`` on a step's command line is typed by someone with a shell.)
+  verl imports all of them in the training pods, so a form may name only a file an installed package ships
+  (``pkg:<package>/<path>``: ours, e.g. the agent loops of ``pipeline_steps.rollouts``, or a deployment's package
+  installed beside it), which must exist, inside the package's directory; anything else belongs in a preset.
+  (``--override`` on a step's command line is typed by someone with a shell.)
 
 Presets (packaged, or a deployment's own directory) pass the same checks except the derived-key one.
 """
@@ -69,11 +71,22 @@ def _check_code_key(bare: str, value, source: str) -> None:
             f"{source}: {bare!r} names a module or class that verl would import; set it in a preset "
             "(a deployment's presets directory), not in a run's overrides"
         )
-    if bare in CODE_FILE_KEYS and not (isinstance(value, str) and value.startswith("pkg:")):
+    if bare not in CODE_FILE_KEYS:
+        return
+    if not (isinstance(value, str) and value.startswith("pkg:")):
         raise UserError(
             f"{source}: {bare!r} names code that would run in the worker and the training pods; choose a file the "
             "package ships (pkg:...) or set it in a preset (a deployment's presets directory)"
         )
+    from pipeline_steps.tools import resolve_config_path
+
+    try:  # a shipped file exists in an installed package (ours, or a deployment's installed beside it)
+        resolve_config_path(value)
+    except UserError as exc:
+        raise UserError(
+            f"{source}: {bare!r} is not a file the package or the deployment ships ({exc}); choose an existing "
+            "pkg: file or set it in a preset (a deployment's presets directory)"
+        ) from None
 
 
 def _walk(value, path: str):

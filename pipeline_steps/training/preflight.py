@@ -58,9 +58,10 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     batch = check_batch_sizes(cfg)
     check_exportable(cfg)
     run_verl_validate(cfg, ppo_utils)
-    from pipeline_steps.tools.check import check_multi_turn  # only verl and the tool classes it names
+    from pipeline_steps.tools.check import check_agent_loops, check_multi_turn  # verl and the classes named
 
     tools = check_multi_turn(cfg)
+    tools.update(check_agent_loops(cfg))  # a preset's own agent loops (agent_loop_config_path)
     from pipeline_steps.rewards.check import check_reward_function
 
     tools.update(check_reward_function(cfg))  # a user reward is imported and called on a sample row

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
+import json
 import os
 import posixpath
 import re
@@ -219,40 +220,100 @@ def _plain_env(cluster: dict) -> dict:
     return out
 
 
-SANDBOX_DOMAIN_ENV = "PIPELINE_E2B_DOMAIN"
+SANDBOX_DOMAIN_ENV = "PIPELINE_E2B_DOMAIN"  # the deployment's default sandbox service, for presets that name none
+SANDBOX_SERVICES_ENV = "PIPELINE_SANDBOX_SERVICES"  # the deployment's named sandbox services (JSON, Helm values)
+SANDBOX_KEY_SECRET = {"secret": "sandbox-api-key", "key": "apiKey"}  # the default service's API key (k8s/secrets/)
 _HOST = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
+_SERVICE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_SERVICES_SHAPE = '{"<name>": {"domain": "<E2B domain>", "secret": "<Secret name>", "key": "<key, default apiKey>"}}'
 
 
-def _sandbox_endpoint(exp: Experiment, env: dict, cluster: dict) -> dict:
-    """``env`` with the code sandbox tool's service, when the run's tool agent uses that tool.
+def sandbox_services() -> dict[str, dict]:
+    """The deployment's named sandbox services: ``$PIPELINE_SANDBOX_SERVICES`` (Helm values), name -> the E2B
+    domain and the Kubernetes Secret (name, data key) holding its API key. Endpoints and Secret names only, never a
+    key: presets of different sandbox services (guide 000's sandbox-manager, guide 003's AGS region) run from one
+    Airflow, each naming its service by ``cluster.sandbox_service``."""
+    raw = os.environ.get(SANDBOX_SERVICES_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise UserError(f"${SANDBOX_SERVICES_ENV}: not JSON; expected {_SERVICES_SHAPE}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"${SANDBOX_SERVICES_ENV}: expected a JSON object {_SERVICES_SHAPE}")
+    out = {}
+    for name, svc in data.items():
+        what = f"${SANDBOX_SERVICES_ENV}[{name!r}]"
+        if not _SERVICE_NAME.match(str(name)):
+            raise UserError(f"{what}: a service name is a lower-case DNS label (e.g. ags-shanghai)")
+        if not isinstance(svc, dict) or set(svc) - {"domain", "secret", "key"} or not {"domain", "secret"} <= set(svc):
+            raise UserError(f"{what}: expected {{domain, secret[, key]}}, e.g. {_SERVICES_SHAPE}")
+        domain, secret, key = str(svc["domain"]), str(svc["secret"]), str(svc.get("key", "apiKey"))
+        if not _HOST.match(domain):
+            raise UserError(f"{what}.domain={domain!r}: not a domain name (e.g. ap-shanghai.tencentags.com)")
+        if not (_DNS_SUBDOMAIN.match(secret) and len(secret) <= 253):
+            raise UserError(f"{what}.secret={secret!r}: not a Kubernetes Secret name")
+        if not _SECRET_KEY_RE.match(key):
+            raise UserError(f"{what}.key={key!r}: not a Secret data key")
+        out[str(name)] = {"domain": domain, "secret": secret, "key": key}
+    return out
 
-    A preset that names its sandbox service (``cluster.env.E2B_DOMAIN`` or ``E2B_API_URL``, e.g. guide 003's Tencent
-    AGS region) keeps it; ``$PIPELINE_E2B_DOMAIN`` (Helm values) is the deployment's default for presets that name
-    none (guide 000's sandbox-manager domain), so presets for different sandbox services run from one Airflow. A run
-    whose pods would have no endpoint or no API key Secret fails here in one line, not in the first rollout.
+
+def with_sandbox_service(exp: Experiment, cluster: dict) -> dict:
+    """``cluster`` with the code sandbox tool's service (``E2B_DOMAIN`` and the ``E2B_API_KEY`` Secret reference)
+    filled in, when the run's tool agent uses that tool; ``cluster`` unchanged otherwise.
+
+    A preset names its service with ``cluster.sandbox_service``, looked up in the deployment's
+    ``$PIPELINE_SANDBOX_SERVICES``; a preset that names none gets the deployment's default, ``$PIPELINE_E2B_DOMAIN``
+    with the Secret ``sandbox-api-key``. An unknown name, or a run whose pods would have no endpoint, is refused
+    here in one line, before a GPU is requested, not in the first rollout.
     """
     from pipeline_steps.tools import uses_code_sandbox
 
+    name = cluster.get("sandbox_service")
     mt = "actor_rollout_ref.rollout.multi_turn."
     enabled = str(exp.verl.get(mt + "enable", False)).lower() in ("true", "1")
     if not enabled or not uses_code_sandbox(exp.verl.get(mt + "tool_config_path") or ""):
-        return env
-    domain = os.environ.get(SANDBOX_DOMAIN_ENV)
-    if domain and not (env.get("E2B_DOMAIN") or env.get("E2B_API_URL")):
+        if name is not None:
+            raise UserError(
+                f"cluster.sandbox_service={name!r}: this preset runs no code sandbox tool; remove the setting"
+            )
+        return cluster
+    env = cluster.get("env") or {}
+    if isinstance(env, dict) and {"E2B_DOMAIN", "E2B_API_URL"} & set(env):
+        raise UserError(
+            "cluster.env: E2B_DOMAIN / E2B_API_URL are the deployment's; name the service with "
+            f"cluster.sandbox_service (a key of ${SANDBOX_SERVICES_ENV}) instead"
+        )
+    if any(isinstance(s, dict) and s.get("env") == "E2B_API_KEY" for s in cluster.get("secrets") or []):
+        raise UserError(
+            "cluster.secrets: E2B_API_KEY comes with the sandbox service (its Secret is named in "
+            f"${SANDBOX_SERVICES_ENV}, or sandbox-api-key for ${SANDBOX_DOMAIN_ENV}); remove it from the preset"
+        )
+    if name is not None:
+        services = sandbox_services()
+        if name not in services:
+            known = ", ".join(sorted(services)) or "none"
+            raise UserError(
+                f"cluster.sandbox_service={name!r}: not a sandbox service of this deployment (known: {known}); "
+                f"add it to ${SANDBOX_SERVICES_ENV} in the Helm values or name one of those"
+            )
+        svc = services[name]
+        domain, ref = svc["domain"], {"secret": svc["secret"], "key": svc["key"]}
+    else:
+        domain, ref = os.environ.get(SANDBOX_DOMAIN_ENV, ""), SANDBOX_KEY_SECRET
+        if not domain:
+            raise UserError(
+                f"the code sandbox tool needs its sandbox service: set ${SANDBOX_DOMAIN_ENV} (Helm values) to your "
+                f"sandbox-manager's domain, or name a service of ${SANDBOX_SERVICES_ENV} in cluster.sandbox_service"
+            )
         if not _HOST.match(domain):
             raise UserError(f"${SANDBOX_DOMAIN_ENV}={domain!r}: not a domain name (e.g. sandbox.example.com)")
-        env = dict(env, E2B_DOMAIN=domain)
-    if not (env.get("E2B_DOMAIN") or env.get("E2B_API_URL")):
-        raise UserError(
-            f"the code sandbox tool needs its sandbox service: set ${SANDBOX_DOMAIN_ENV} (Helm values) to your "
-            "sandbox-manager's or AGS region's domain, or cluster.env.E2B_DOMAIN in the preset"
-        )
-    if not any(isinstance(s, dict) and s.get("env") == "E2B_API_KEY" for s in cluster.get("secrets") or []):
-        raise UserError(
-            "the code sandbox tool needs E2B_API_KEY: add {env: E2B_API_KEY, secret: <name>, key: <key>} to "
-            "cluster.secrets (k8s/secrets/README.md)"
-        )
-    return env
+    out = dict(cluster)
+    out["env"] = {**env, "E2B_DOMAIN": domain}
+    out["secrets"] = [*(cluster.get("secrets") or []), {"env": "E2B_API_KEY", **ref}]
+    return out
 
 
 # -- entrypoint ---------------------------------------------------------------------------------------
@@ -393,7 +454,8 @@ def build_rayjob(
     if queue is not None and not (_DNS_SUBDOMAIN.match(str(queue)) and len(str(queue)) <= 63):
         raise UserError(f"cluster.kueue_queue={queue!r}: not a Kueue LocalQueue name")
 
-    plain_env = _sandbox_endpoint(exp, _plain_env(cluster), cluster)
+    cluster = with_sandbox_service(exp, cluster)
+    plain_env = _plain_env(cluster)
     env_vars = {"PYTHONUNBUFFERED": "1", **plain_env, **_ray_env(cluster)}
     ray_start = _ray_start_params(cluster)
     annotations = {}

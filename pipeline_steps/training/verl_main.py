@@ -127,14 +127,19 @@ def record_mlflow_run() -> None:
         main_ppo.get_ppo_ray_runtime_env = get_ppo_ray_runtime_env
 
 
+PKG_KEYS = ("multi_turn.tool_config_path", "custom_reward_function.path", "agent.agent_loop_config_path")
+
+
 def resolve_tool_config(argv: list[str]) -> list[str]:
-    """``multi_turn.tool_config_path=pkg:...`` (a config shipped in this package) as the image's file path."""
+    """``pkg:...`` (a file shipped in an installed package) as the image's file path, for the keys that name a
+    file verl reads: ``multi_turn.tool_config_path``, ``custom_reward_function.path`` and
+    ``agent.agent_loop_config_path`` (verl's agent-loop registration)."""
     from pipeline_steps.tools import PKG, resolve_config_path
 
     out = []
     for arg in argv:
         key, eq, value = arg.partition("=")
-        if eq and key.lstrip("+").endswith(("multi_turn.tool_config_path", "custom_reward_function.path")):
+        if eq and key.lstrip("+").endswith(PKG_KEYS):
             text = yaml.safe_load(value)
             if isinstance(text, str) and text.startswith(PKG):
                 arg = f"{key}={json.dumps(resolve_config_path(text))}"
