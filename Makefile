@@ -8,7 +8,7 @@ export PIPELINE_HOME ?= $(CURDIR)/.demo
 export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 
-.PHONY: venv demo airflow sandbox test test-fast lint bench lock clean
+.PHONY: venv demo demo-tools airflow sandbox test test-fast lint bench lock clean
 
 venv: $(VENV)/.installed
 
@@ -22,6 +22,12 @@ $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 
 demo: venv
 	$(BIN)/python -m scripts.demo
+
+# A tool-using policy that learns on CPU (needs root: the local sandbox server): the tiny tool model learns to call
+# the code tool (preset local_tool_learning) beside a control run without the tool; prints tool-call rate, tool
+# success rate and reward of the first and last steps, writes a plot (scripts/demo_tools.py).
+demo-tools: venv
+	$(BIN)/python -m scripts.demo_tools
 
 # Airflow with its UI on the local profile (prints the URL; no login, local use only). Ctrl-C stops it.
 airflow: venv

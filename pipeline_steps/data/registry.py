@@ -56,6 +56,8 @@ BUILTIN: dict[str, DatasetSpec] = {
     "arithmetic": DatasetSpec(
         "arithmetic", "pipeline-local/arithmetic", "gsm8k", allow_patterns=("data/*", "README.md")
     ),
+    # synthetic three-digit multiplications (GSM8K's form) that the tiny model can only solve with the code tool
+    "multiply": DatasetSpec("multiply", "pipeline-local/multiply", "gsm8k", allow_patterns=("data/*", "README.md")),
     # local JSONL files (no Hub repository): preprocess only, with --input pointing at a file or folder; the base of
     # every dataset named by JSONL file URIs (file_spec)
     "jsonl": DatasetSpec("jsonl", "", "jsonl"),

@@ -77,6 +77,7 @@ def build_cache(fixtures_root: str | os.PathLike, cache_dir: str | os.PathLike) 
         ]
     repos[synthetic.REPO_ID] = synthetic.revisions()
     repos[synthetic.JSONL_REPO_ID] = synthetic.jsonl_revisions()  # kept as JSONL: a user's own files
+    repos[synthetic.MULTIPLY_REPO_ID] = synthetic.multiply_revisions()  # the tool-learning task
     return {repo_id: _write_repo(cache_dir, repo_id, revs) for repo_id, revs in repos.items()}
 
 

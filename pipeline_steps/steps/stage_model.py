@@ -5,7 +5,8 @@ SOURCE is one of
   ``HF_TOKEN``, read by huggingface_hub itself); the path names the resolved commit; offline, a cached snapshot;
 - a local directory: staged under ``models/local/<dir name>/<revision>``;
 - ``tiny``: the project's tiny Qwen2-architecture model, built locally
-  (pipeline_steps.local.tiny_model) under ``models/local/tiny/<revision>``.
+  (pipeline_steps.local.tiny_model) under ``models/local/tiny/<revision>``; ``tiny-tool``: the same made able to
+  call the code tool (pipeline_steps.local.tiny_tool_model), under ``models/local/tiny-tool/<revision>``.
 For local sources the revision defaults to a short hash of the files' content, so
 the same weights always land in the same place. A version that is already staged
 and verifies against its manifest is skipped (for a pinned Hub commit, without
@@ -109,17 +110,18 @@ def run(args):
     root = parse_uri(args.dest)
     store = open_store(args.dest)
     model = args.model.strip()
-    if model == "tiny":
-        from pipeline_steps.local import tiny_model
+    if model in ("tiny", "tiny-tool"):  # tiny-tool: the tiny model made able to call the code tool
+        from pipeline_steps.local import tiny_model, tiny_tool_model
 
         if args.revision:  # a named revision already staged is that model: no rebuild (the build trains a warm-up)
-            uri = str(root.child(f"models/local/tiny/{_check_revision(args.revision)}"))
+            uri = str(root.child(f"models/local/{model}/{_check_revision(args.revision)}"))
             if _already_staged(store, uri, None):
-                return _skipped(store, uri, args.revision)
+                return _skipped(store, uri, args.revision, model)
+        builder = tiny_model if model == "tiny" else tiny_tool_model
         with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
-            src = tiny_model.build_cached(settings.cache_dir(), Path(tmp))
+            src = builder.build_cached(settings.cache_dir(), Path(tmp))
             rev = _check_revision(args.revision) if args.revision else content_revision(src)
-            return _stage(store, src, str(root.child(f"models/local/tiny/{rev}")), rev, "tiny")
+            return _stage(store, src, str(root.child(f"models/local/{model}/{rev}")), rev, model)
     local = Path(model).expanduser()
     if args.hub_only and not REPO_RE.match(model):
         raise UserError(f"--model {model!r}: expected a Hub repo id of the form org/name (or tiny)")
