@@ -118,6 +118,22 @@ def _leftovers() -> list[tuple[int, str]]:
     return found
 
 
+def pytest_sessionstart(session):
+    """``make test`` (xdist, slow tests selected): build the tiny model once, before any worker starts. A dozen
+    whole-DAG tests stage it at their start; built inside them it costs the first of them minutes of their budgets
+    while the others wait on the build lock."""
+    config = session.config
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    if "not slow" in (config.getoption("markexpr") or ""):
+        return
+    from pipeline_steps.local import tiny_model
+
+    started = time.monotonic()
+    tiny_model.build_cached(CACHE_DIR, CACHE_DIR / "uncached")
+    print(f"\ntiny model built once for this run in {time.monotonic() - started:.0f} s ({CACHE_DIR})")
+
+
 def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once, after all workers
         return

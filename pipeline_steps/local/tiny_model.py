@@ -163,32 +163,11 @@ def _build_inputs() -> str:
 
 def build_cached(cache_root: Path, tmp: Path) -> Path:
     """The default tiny model, built once per cache (``PIPELINE_CACHE_DIR``): a build trains the tokenizer and the
-    warm-up (tens of seconds), and every local run and test stages the same bytes. The entry appears in one rename,
-    complete; two builders racing keep the first. A cache that cannot be written costs time only: the model is then
-    built under ``tmp``."""
-    import os
-    import shutil
-    import tempfile
+    warm-up, and every local run and test stages the same bytes (:func:`build_cache.cached_build`)."""
+    from pipeline_steps.local.build_cache import cached_build
 
-    entry = cache_root / "tiny-model" / _build_inputs()
-    if (entry / "config.json").exists() and (entry / "tokenizer.json").exists():
-        log.info("tiny model from the build cache %s", entry)
-        return entry
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}.", dir=entry.parent))
-    except OSError as exc:
-        log.warning("tiny model build cache %s not writable (%s): building without it", entry.parent, exc)
-        return build(tmp / "tiny")
-    try:
-        build(work / "tiny")
-        try:
-            os.rename(work / "tiny", entry)
-        except OSError:  # another builder got there first: same inputs, same files
-            pass
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return entry
+    entry = Path(cache_root) / "tiny-model" / _build_inputs()
+    return cached_build(entry, build, Path(tmp) / "tiny", "tiny model")
 
 
 def format_warmup(

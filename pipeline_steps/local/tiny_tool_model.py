@@ -296,26 +296,7 @@ def _build_inputs() -> str:
 
 def build_cached(cache_root: Path, tmp: Path) -> Path:
     """The tiny tool model, built once per cache (``PIPELINE_CACHE_DIR``), as :func:`tiny_model.build_cached`."""
-    import os
-    import shutil
-    import tempfile
+    from pipeline_steps.local.build_cache import cached_build
 
     entry = Path(cache_root) / "tiny-tool-model" / _build_inputs()
-    if (entry / "config.json").exists() and (entry / "tokenizer.json").exists():
-        log.info("tiny tool model from the build cache %s", entry)
-        return entry
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name}.", dir=entry.parent))
-    except OSError as exc:
-        log.warning("tiny tool model build cache %s not writable (%s): building without it", entry.parent, exc)
-        return build(Path(tmp) / "tiny-tool")
-    try:
-        build(work / "tiny-tool")
-        try:
-            os.rename(work / "tiny-tool", entry)
-        except OSError:  # another builder got there first: same inputs, same files
-            pass
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return entry
+    return cached_build(entry, build, Path(tmp) / "tiny-tool", "tiny tool model")
