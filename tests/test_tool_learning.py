@@ -69,7 +69,9 @@ def runs(tool_model, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.needs_root(reason="the local sandbox server needs root")
-@pytest.mark.budget(600)
+# 3 min alone on an idle machine (model build included); over 20 min inside make test on two cores (2026-11-27),
+# where the tool model's 700-step warm-up shares the cores with three other workers
+@pytest.mark.budget(2400)
 def test_the_policy_learns_to_call_the_tool(runs):
     tool, control = runs["ends"]["tool"], runs["ends"]["control"]
     assert tool["tool_call_rate"][1] >= tool["tool_call_rate"][0] + CALL_RATE_GAIN, tool
