@@ -132,7 +132,7 @@ UNSHIPPED = [
 
 @pytest.mark.parametrize("template,needle", UNSHIPPED, ids=[u[0][-40:] for u in UNSHIPPED])
 def test_the_form_may_not_name_a_file_no_package_ships(template, needle, sentinel):
-    from pipeline_steps.training import plan
+    from pipeline_steps.planning import plan
 
     override = template.format(s=str(sentinel).lstrip("/"), up="../" * 30)
     params = {"experiment": "local_tiny", "verl_overrides": [override]}
