@@ -118,6 +118,11 @@ def _render(preset: str, overrides=()):
 
 def test_the_guide_003_preset_logs_to_tensorboard_in_the_run_directory_on_the_cluster(monkeypatch):
     monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", "registry.local/verl@sha256:" + "0" * 64)
+    # the deployment's sandbox service the preset names (ags-shanghai), as the Helm values map it
+    monkeypatch.setenv(
+        "PIPELINE_SANDBOX_SERVICES",
+        '{"ags-shanghai": {"domain": "ap-shanghai.tencentags.com", "secret": "ags-api-key"}}',
+    )
     job, ckpt = _render("dapo_retool_qwen3_4b")
     env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
     pod_ckpt = json.loads(job["spec"]["entrypoint"].split("trainer.default_local_dir=", 1)[1].split("'")[0])
