@@ -203,6 +203,9 @@ def test_command_client_leaving_or_flooding(sandbox):
     assert _value(sandbox.run_code("kept")) == "2"
     r = sandbox.commands.run("head -c 3000000 /dev/zero | tr '\\0' x")  # 3 MB against the 1 MiB cap
     assert len(r.stdout) == 1 << 20 and "output truncated" in r.stderr
+    # output that reaches the cap exactly, then more: the note must still say some was dropped
+    r = sandbox.commands.run("head -c 1048576 /dev/zero | tr '\\0' y; sleep 0.3; echo more")
+    assert r.stdout == "y" * (1 << 20) and "5 more bytes dropped" in r.stderr  # "more\n"
 
 
 def test_command_cannot_read_another_sandbox(server, root):

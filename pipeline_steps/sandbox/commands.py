@@ -87,6 +87,7 @@ class ProcessService(process_connect.Process):
                         output = Oneof("stdout" if ev["stream"] == "stdout" else "stderr", data)
                         yield _event("data", pb.ProcessEvent.DataEvent(output=output))
                 elif kind == "cmd_end":
+                    dropped += int(ev.get("dropped") or 0)
                     if dropped:
                         note = f"\n[output truncated by the server: {dropped} more bytes dropped]\n".encode()
                         yield _event("data", pb.ProcessEvent.DataEvent(output=Oneof("stderr", note)))

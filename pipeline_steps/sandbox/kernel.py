@@ -240,12 +240,14 @@ def run_command(request, events):
             elif events.sent < events.max_output:
                 events.sent += len(chunk)
                 events.emit(type="cmd_data", stream=key.data, data=base64.b64encode(chunk).decode())
+            else:  # counted, so the server's truncation note also covers output cut exactly at the cap
+                events.dropped += len(chunk)
         if not ready and proc.poll() is not None:
             break
     sel.close()
     proc.stdout.close()
     proc.stderr.close()
-    events.emit(type="cmd_end", exit_code=proc.wait())
+    events.emit(type="cmd_end", exit_code=proc.wait(), dropped=events.dropped)
 
 
 def main():
