@@ -57,6 +57,64 @@ def _corpus(root: Path):
     yield "Answer: #### <think> </think> \\boxed{} 0123456789 + - * / = ."
 
 
+def untrained(
+    directory: Path,
+    corpus,
+    vocab_size: int,
+    chat_template: str,
+    hidden_size: int,
+    layers: int,
+    seed: int,
+    added_tokens=(),
+):
+    """A byte-level BPE tokenizer trained on ``corpus`` (plus ``added_tokens``, not special) and a randomly initialised
+    Qwen2 model sized to it; config and tokenizer are saved to ``directory`` and the tokenizer returned is the one
+    loaded back from there. Warm-ups must use that one: the in-memory object tokenizes differently ("#### 7" ->
+    "####", "Ġ7" in memory; "####", "Ġ", "7" once loaded), and a warm-up taught in other tokens teaches the loaded
+    model nothing (it stayed at chance)."""
+    import torch
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    if added_tokens:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
+    )
+    fast.chat_template = chat_template
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(fast),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=None,
+    )
+    config.save_pretrained(directory)
+    fast.save_pretrained(directory)
+    fast = AutoTokenizer.from_pretrained(directory)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.generation_config.pad_token_id = fast.pad_token_id
+    return model, fast
+
+
 def build(
     output: str | Path,
     corpus: str | Path = FIXTURES,
@@ -68,53 +126,13 @@ def build(
     format_warmup_steps: int = FORMAT_WARMUP_STEPS,
     right_share: float | None = None,
 ) -> Path:
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
     output = Path(output)
     if (output / "config.json").exists() and (output / "tokenizer.json").exists():
         log.info("tiny model already at %s", output)
         return output
     # the output directory first: an unwritable --output fails in one line before any work
     with atomic.atomic_dir(output, owner=owner) as tmp:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=SPECIAL,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        tok.train_from_iterator(_corpus(Path(corpus)), trainer)
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
-        )
-        fast.chat_template = CHAT_TEMPLATE
-        torch.manual_seed(seed)
-        config = Qwen2Config(
-            vocab_size=len(fast),
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            eos_token_id=fast.eos_token_id,
-            pad_token_id=fast.pad_token_id,
-            bos_token_id=None,
-        )
-        # the warm-up uses the tokenizer exactly as every later stage loads it, from the model directory with its
-        # config.json: the in-memory object tokenizes differently ("#### 7" -> "####", "Ġ7" here; "####", "Ġ", "7"
-        # once loaded), and a warm-up taught in other tokens taught the loaded model nothing (it stayed at chance)
-        config.save_pretrained(tmp)
-        fast.save_pretrained(tmp)
-        fast = AutoTokenizer.from_pretrained(tmp)
-        model = Qwen2ForCausalLM(config)
-        model.generation_config.eos_token_id = fast.eos_token_id
-        model.generation_config.pad_token_id = fast.pad_token_id
+        model, fast = untrained(tmp, _corpus(Path(corpus)), vocab_size, CHAT_TEMPLATE, hidden_size, layers, seed)
         if format_warmup_steps:
             format_warmup(
                 model,

@@ -132,55 +132,17 @@ def build(
     hidden_size: int = 128,
     layers: int = 2,
 ) -> Path:
-    import torch
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-
     output = Path(output)
     if (output / "config.json").exists() and (output / "tokenizer.json").exists():
         return output
     schemas = tool_schemas()
     with atomic.atomic_dir(output) as tmp:
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=VOCAB_SIZE,
-            special_tokens=tiny_model.SPECIAL,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+        model, fast = tiny_model.untrained(
+            tmp, _corpus(schemas), VOCAB_SIZE, TOOL_CHAT_TEMPLATE, hidden_size, layers, seed, added_tokens=TOOL_TOKENS
         )
-        tok.train_from_iterator(_corpus(schemas), trainer)
-        # not special: a decoded response keeps them, as Qwen2.5's do, so verl's hermes parser finds the call
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None, unk_token=None
-        )
-        fast.chat_template = TOOL_CHAT_TEMPLATE
-        torch.manual_seed(seed)
-        config = Qwen2Config(
-            vocab_size=len(fast),
-            hidden_size=hidden_size,
-            intermediate_size=hidden_size * 2,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            eos_token_id=fast.eos_token_id,
-            pad_token_id=fast.pad_token_id,
-            bos_token_id=None,
-        )
-        # warm up with the tokenizer as every later stage loads it (see tiny_model.build)
-        config.save_pretrained(tmp)
-        fast.save_pretrained(tmp)
-        fast = AutoTokenizer.from_pretrained(tmp)
         for t in TOOL_TOKENS:
             ids = fast.encode(t, add_special_tokens=False)
             assert len(ids) == 1, f"{t} is {len(ids)} tokens in the saved tokenizer"
-        model = Qwen2ForCausalLM(config)
-        model.generation_config.eos_token_id = fast.eos_token_id
-        model.generation_config.pad_token_id = fast.pad_token_id
         if warmup_steps:
             warmup(model, fast, schemas, warmup_steps, seed, tool_share=tool_share)
         model.save_pretrained(tmp)
