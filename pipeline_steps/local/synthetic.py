@@ -114,18 +114,24 @@ def _parquet(rows: list[dict]) -> bytes:
     return buf.getvalue()
 
 
-def revisions() -> list[dict]:
-    """``[{label, date, files: {path: bytes}}]``, oldest first (as a fixture repository's revisions.json)."""
+def _parquet_revisions(revisions, splits, row, card: str, test_rows: int) -> list[dict]:
+    """``[{label, date, files: {path: bytes}}]``, oldest first (as a fixture repository's revisions.json): a card,
+    a train and a test parquet file per revision."""
     out = []
-    for label, date, n_train in REVISIONS:
+    for label, date, n_train in revisions:
         train, test = splits(n_train)
         files = {
-            "README.md": CARD.format(test=TEST_ROWS, label=label, train=n_train).encode(),
-            "data/train-00000-of-00001.parquet": _parquet([_row(n) for n in train]),
-            "data/test-00000-of-00001.parquet": _parquet([_row(n) for n in test]),
+            "README.md": card.format(test=test_rows, label=label, train=n_train).encode(),
+            "data/train-00000-of-00001.parquet": _parquet([row(x) for x in train]),
+            "data/test-00000-of-00001.parquet": _parquet([row(x) for x in test]),
         }
         out.append({"label": label, "date": date, "files": files})
     return out
+
+
+def revisions() -> list[dict]:
+    """``pipeline-local/arithmetic``'s revisions."""
+    return _parquet_revisions(REVISIONS, splits, _row, CARD, TEST_ROWS)
 
 
 JSONL_REPO_ID = "pipeline-local/chat-jsonl"
@@ -225,14 +231,5 @@ calling the code tool. The {test} test rows never appear in the train split; rev
 
 
 def multiply_revisions() -> list[dict]:
-    """``pipeline-local/multiply``'s revisions (``{label, date, files}``, oldest first)."""
-    out = []
-    for label, date, n_train in MULTIPLY_REVISIONS:
-        train, test = multiply_splits(n_train)
-        files = {
-            "README.md": MULTIPLY_CARD.format(test=MULTIPLY_TEST_ROWS, label=label, train=n_train).encode(),
-            "data/train-00000-of-00001.parquet": _parquet([multiply_row(p) for p in train]),
-            "data/test-00000-of-00001.parquet": _parquet([multiply_row(p) for p in test]),
-        }
-        out.append({"label": label, "date": date, "files": files})
-    return out
+    """``pipeline-local/multiply``'s revisions."""
+    return _parquet_revisions(MULTIPLY_REVISIONS, multiply_splits, multiply_row, MULTIPLY_CARD, MULTIPLY_TEST_ROWS)
