@@ -9,6 +9,8 @@ never called the tool.
 the ``local_tool_learning`` preset through ``train-local``, verl's ToolAgentLoop, the code tool on the local sandbox
 server, no scripted turn) and the control without the tool: the tool-call rate and the reward of the last steps
 must beat the first steps' by a clear margin, and the control must end lower than the tool run.
+``test_the_reward_rises_with_the_calls``: the same runs' reward rises by at least ``REWARD_GAIN``, and the control's
+stays below the tool run's by as much: the reward is earned through the tool, not by learning likely answers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import pytest
 
 CALL_RATE_GAIN = 0.2  # last-K tool-call rate over first-K, at least
-REWARD_GAIN = 0.1  # last-K mean reward over first-K, at least
+REWARD_GAIN = 0.2  # last-K mean reward over first-K, at least (0.40 measured, 0.0 before digits were tokens apart)
 E2B = ("E2B_DOMAIN", "E2B_API_URL", "E2B_API_KEY", "E2B_SANDBOX_URL")
 
 
@@ -45,6 +47,10 @@ def test_the_tool_schema_and_markers_reach_the_model(tmp_path):
     prompt = tok.decode(builder.build_initial_tokens(tiny_tool_model.prompt_messages(347, 812), tools=schemas))
     assert '"name": "code_interpreter"' in prompt and "<tools>" in prompt
     assert "What is 347 * 812?" in prompt
+    # a number is the same tokens in the question and in the code (digits apart): copying it is copying, not a
+    # translation between " 347" and "347" merges
+    assert tok.encode(" 347", add_special_tokens=False)[-3:] == tok.encode("347", add_special_tokens=False)
+    assert len(tok.encode("347", add_special_tokens=False)) == 3
     # a call the model writes is one verl's hermes parser reads back
     ids = tok.encode(tiny_tool_model.call_text(347, 812), add_special_tokens=False)
     assert tok.decode(ids) == tiny_tool_model.call_text(347, 812)
@@ -69,9 +75,8 @@ def runs(tool_model, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.needs_root(reason="the local sandbox server needs root")
-# 3 min alone on an idle machine (model build included); over 20 min inside make test on two cores (2026-11-27),
-# where the tool model's 700-step warm-up shares the cores with three other workers
-@pytest.mark.budget(2400)
+# the two runs and the model build (300 warm-up steps): 53 s + 54 s + ~30 s alone on an idle machine (2026-11-27)
+@pytest.mark.budget(900)
 def test_the_policy_learns_to_call_the_tool(runs):
     tool, control = runs["ends"]["tool"], runs["ends"]["control"]
     assert tool["tool_call_rate"][1] >= tool["tool_call_rate"][0] + CALL_RATE_GAIN, tool
@@ -81,11 +86,6 @@ def test_the_policy_learns_to_call_the_tool(runs):
 
 @pytest.mark.slow
 @pytest.mark.needs_root(reason="the local sandbox server needs root")
-@pytest.mark.xfail(
-    reason="not reached yet (2026-11-27): the calls rise from ~0.4 to ~0.9 of trajectories, but the tiny model copies "
-    "the six operand digits into its code right in only ~10-20% of its calls, so the reward stays ~0.03",
-    strict=False,
-)
 def test_the_reward_rises_with_the_calls(runs):
     tool, control = runs["ends"]["tool"], runs["ends"]["control"]
     assert tool["reward"][1] >= tool["reward"][0] + REWARD_GAIN, tool

@@ -66,18 +66,23 @@ def untrained(
     layers: int,
     seed: int,
     added_tokens=(),
+    digits_apart: bool = False,
 ):
     """A byte-level BPE tokenizer trained on ``corpus`` (plus ``added_tokens``, not special) and a randomly initialised
     Qwen2 model sized to it; config and tokenizer are saved to ``directory`` and the tokenizer returned is the one
     loaded back from there. Warm-ups must use that one: the in-memory object tokenizes differently ("#### 7" ->
     "####", "Ġ7" in memory; "####", "Ġ", "7" once loaded), and a warm-up taught in other tokens teaches the loaded
-    model nothing (it stayed at chance)."""
+    model nothing (it stayed at chance). ``digits_apart``: every digit its own token, as in Qwen2.5's tokenizer, so a
+    number is the same tokens wherever it stands (byte-level BPE alone makes " 347" in a question and "347" in code
+    different tokens, and copying it a translation)."""
     import torch
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if digits_apart:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), tok.pre_tokenizer])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

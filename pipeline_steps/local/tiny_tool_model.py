@@ -8,7 +8,10 @@ What the tiny model (:mod:`pipeline_steps.local.tiny_model`) lacks for tool call
 * ``<tool_call>``, ``</tool_call>``, ``<tool_response>``, ``</tool_response>``, ``<tools>``, ``</tools>`` as single
   added tokens, as in Qwen2.5's vocabulary: to call the tool the policy makes one decision at the first token of its
   turn (``<tool_call>`` or ``####``), which GRPO can move, instead of eleven character tokens;
-* a tokenizer trained on the fixtures plus the rendered tool prompts, so the template's boilerplate costs few tokens;
+* a tokenizer trained on the fixtures plus the rendered tool prompts, so the template's boilerplate costs few tokens,
+  with every digit its own token as in Qwen2.5's: byte-level BPE alone made " 347" in the question and "347" in the
+  code different tokens, and the model copied both operands right in 5 of 19 sampled calls (23 of 24 with digits
+  apart), so few calls earned a reward;
 * a supervised format warm-up on the synthetic ``multiply`` task ("What is 347 * 812?"): a share ``TOOL_SHARE`` of the
   targets is a tool call ``print(A * B)`` followed, after the tool's real answer, by ``#### <that answer>``; the rest
   answer ``#### R`` at once with R a random product-sized number (the format of a direct answer, never a right one).
@@ -66,7 +69,7 @@ TOOL_SHARE = 0.2  # first turns that call the tool after the warm-up: sometimes,
 # code, the tool's answer into `#### N`); only so many of them train the first token (call or answer at once) that
 # the first tokens trained are calls in TOOL_SHARE of cases
 FORM_SHARE = 0.75
-WARMUP_STEPS = 700
+WARMUP_STEPS = 300  # with digits apart, enough to copy both operands right in ~96% of calls (700 did no better)
 WARMUP_LR = 3e-3
 VOCAB_SIZE = 1024
 CARD_WARMUP = """{steps} steps of supervised warm-up on the synthetic `multiply` task ("What is 347 * 812?", GSM8K's
@@ -138,7 +141,15 @@ def build(
     schemas = tool_schemas()
     with atomic.atomic_dir(output) as tmp:
         model, fast = tiny_model.untrained(
-            tmp, _corpus(schemas), VOCAB_SIZE, TOOL_CHAT_TEMPLATE, hidden_size, layers, seed, added_tokens=TOOL_TOKENS
+            tmp,
+            _corpus(schemas),
+            VOCAB_SIZE,
+            TOOL_CHAT_TEMPLATE,
+            hidden_size,
+            layers,
+            seed,
+            added_tokens=TOOL_TOKENS,
+            digits_apart=True,
         )
         for t in TOOL_TOKENS:
             ids = fast.encode(t, add_special_tokens=False)
