@@ -1,5 +1,5 @@
 """``python -m tests.count_plan_calls <airflow CLI args>``: Airflow's CLI with counters on what a run should derive
-once (tests/test_plan_once.py). ``airflow dags test`` runs every task in this process, so the counters see the plan
+once (tests/test_user_jsonl_dag.py). ``airflow dags test`` runs every task in this process, so the counters see the plan
 task, ``collect_inputs``, the operators and the request tasks; a step's own child process is not counted.
 
 Counted: reading a preset (``experiment.read``, or ``experiment.load`` where there is no ``read``), resolving the

@@ -57,11 +57,14 @@ def _listing(kind: str, server, prefix: str) -> list[str]:
     return [b.name for b in client.list_blobs("test-bucket", prefix=prefix)]
 
 
-def _dags_test(airflow: str, dag_id: str, conf: dict, env: dict, log: Path) -> int:
+def _dags_test(airflow: str | list[str], dag_id: str, conf: dict, env: dict, log: Path) -> int:
+    """``airflow dags test``; ``airflow`` is the CLI's path, or an argv that runs Airflow's CLI (a wrapper)."""
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+    cli = [airflow] if isinstance(airflow, str) else list(airflow)
     with open(log, "w") as f:
         return subprocess.run(
-            [airflow, "dags", "test", dag_id, logical, "--conf", json.dumps(conf)],
+            [*cli, "dags", "test", dag_id, logical, "--conf", json.dumps(conf)],
+            cwd=Path(__file__).resolve().parents[1],
             env=env,
             stdout=f,
             stderr=subprocess.STDOUT,

@@ -9,6 +9,11 @@ The files go through download (versioned by their content, or by the Hub commit 
 preprocess (train and validation splits, rollout_extra a struct) and upload (a dataset version in the store, emitted
 as an Asset named like the registry datasets'); the training run trains on the train split instead of the preset's
 gsm8k and validates on the validation split.
+
+The same run shows the plan made once (issue 25): run under :mod:`tests.count_plan_calls`, it reads its preset,
+resolves its backend and turns its form (the files and a learning rate) into verl overrides once each, in the
+``plan`` task; every later task reads the plan (XCom, and ``plan.json`` in the run directory, which the lineage
+matches). One whole-DAG run serves both checks: each costs minutes of make test's two cores.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ HUB = "hf://datasets/pipeline-local/chat-jsonl/data"
 
 @pytest.mark.budget(900)  # 408 s in make test at a load average of 10
 @pytest.mark.parametrize("where", ["store"])  # "hub": see the module's docstring
-def test_jsonl_files_chosen_in_the_form_train_and_validate(where, tmp_path):
+def test_jsonl_files_chosen_in_the_form_train_and_validate_in_a_run_planned_once(where, tmp_path):
     import pyarrow.parquet as pq
 
     from scripts.demo import newest_run, prepare, stop_services, task_states, xcom
@@ -74,10 +79,13 @@ def test_jsonl_files_chosen_in_the_form_train_and_validate(where, tmp_path):
         index = json.loads((home / "hf-cache" / "revision-index" / "pipeline-local--chat-jsonl.json").read_text())
         revision = index[-1]["commit"]
         first_val = None
-    conf = {"experiment": "local_tiny", "smoke": True, **files}
-    airflow = str(Path(sys.executable).with_name("airflow"))
+    conf = {"experiment": "local_tiny", "smoke": True, "learning_rate": 1e-5, **files}
+    counts_file = tmp_path / "counts.json"
+    env["PIPELINE_CALL_COUNTS"] = str(counts_file)
     try:
-        rc = _dags_test(airflow, "verl_grpo_pipeline", conf, env, tmp_path / "pipeline.log")
+        rc = _dags_test(
+            [sys.executable, "-m", "tests.count_plan_calls"], "verl_grpo_pipeline", conf, env, tmp_path / "pipeline.log"
+        )
         log = (tmp_path / "pipeline.log").read_text()
         assert rc == 0, log[-6000:]
         db = airflow_home / "airflow.db"
@@ -113,5 +121,18 @@ def test_jsonl_files_chosen_in_the_form_train_and_validate(where, tmp_path):
         val_keys = {k for m in metrics for k in m["data"] if k.startswith("val-core/math_dapo/")}
         assert val_keys, [sorted(m["data"]) for m in metrics][:1]
         assert any("critic/score/mean" in m["data"] for m in metrics)  # and a training step ran
+
+        # planned once: the preset read, the backend resolved and the overrides computed in the plan task only
+        recorded = json.loads(counts_file.read_text())
+        assert recorded["counts"] == {"preset_loads": 1, "backend_resolutions": 1, "overrides_computations": 1}, (
+            recorded
+        )
+        plan = xcom(db, run_id, "plan", "run")[0]
+        run_dir = Path(plan["run_dir"].removeprefix("file://"))
+        assert json.loads((run_dir / "plan.json").read_text()) == plan
+        assert plan["backend"] == "local" and plan["overrides"][0] == "actor_rollout_ref.actor.optim.lr=1e-05"
+        lineage = json.loads((run_dir / "lineage.json").read_text())
+        assert lineage["experiment"]["preset_sha256"] == plan["preset_sha256"]
+        assert lineage["experiment"]["overrides"] == plan["overrides"]
     finally:
         stop_services(home)
