@@ -68,7 +68,10 @@ def _upload_race(backend, tmp_path, seeds: list[int]) -> list[str]:  # noqa: F81
         try:
             got = _files(Path(open_store(backend.root_uri).download_dir(dest, tmp_path / f"r{r}" / "out")["path"]))
         except Exception as exc:  # noqa: BLE001
-            wrong.append(f"round {r}: the version is refused on download ({str(exc)[:120]})")
+            said = "; ".join(
+                f"seed {seed}: {o if isinstance(o, dict) else repr(o)[:300]}" for seed, o in zip(seeds, outcomes)
+            )
+            wrong.append(f"round {r}: the version is refused on download ({str(exc)[:120]}); the writers: {said}")
             continue
         for src, seed, outcome in zip(srcs, seeds, outcomes):
             if _files(src) == got:  # the committed content, or the same content: success

@@ -31,6 +31,7 @@ import re
 import shutil
 import sqlite3
 import stat
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -660,7 +661,9 @@ def copy_file(src: Path, dest: Path) -> None:
     """Copy a file into place atomically (temp sibling + fsync + rename); the copy runs in the
     kernel (``shutil.copyfile`` uses sendfile/copy_file_range), no bytes through Python."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}")
+    # pid and thread: two uploads of one version in one process (threads) must not share a temp file (one's
+    # rename took the other's, which then failed with FileNotFoundError)
+    tmp = dest.with_name(f".tmp-{dest.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         shutil.copyfile(src, tmp)
         fd = os.open(tmp, os.O_RDONLY)

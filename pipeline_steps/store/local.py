@@ -127,8 +127,8 @@ class LocalStore(Store):
 
 
 def _abandoned(p: Path) -> bool:
-    """A temp file whose writer cannot still be writing it (copy_file: ``.tmp-<name>.<pid>``; create_bytes:
-    ``.tmp-<name>.<pid>.<thread>``), by :func:`pipeline_steps.atomic.abandoned`'s rules."""
+    """A temp file whose writer cannot still be writing it (copy_file and create_bytes: ``.tmp-<name>.<pid>.<thread>``;
+    an older copy_file: ``.tmp-<name>.<pid>``), by :func:`pipeline_steps.atomic.abandoned`'s rules."""
     parts = p.name.split(".")
     for tail in (1, 2):  # where the pid stands: last, or before the thread id
         if len(parts) > tail + 1 and parts[-tail].isdigit() and 0 < int(parts[-tail]) < 1 << 22:
