@@ -19,14 +19,16 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 
-def _complete(entry: Path) -> bool:
+def complete(entry: Path) -> bool:
+    """A built model directory: its config and tokenizer are written (the build writes them, the weights, then
+    renames the whole directory into place)."""
     return (entry / "config.json").exists() and (entry / "tokenizer.json").exists()
 
 
 def cached_build(entry: Path, build: Callable[[Path], object], fallback: Path, what: str) -> Path:
     """``entry`` (a directory named by a digest of the build's inputs) once ``build(path)`` has written the model
     there; ``build(fallback)``'s directory when the cache cannot be written."""
-    if _complete(entry):
+    if complete(entry):
         log.info("%s from the build cache %s", what, entry)
         return entry
     try:
@@ -38,7 +40,7 @@ def cached_build(entry: Path, build: Callable[[Path], object], fallback: Path, w
         return fallback
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if _complete(entry):  # built by the holder we waited for
+        if complete(entry):  # built by the holder we waited for
             log.info("%s from the build cache %s (built by another run)", what, entry)
             return entry
         try:
@@ -52,7 +54,7 @@ def cached_build(entry: Path, build: Callable[[Path], object], fallback: Path, w
             try:
                 os.rename(work / "model", entry)
             except OSError:  # an entry made by a builder that took no lock (same inputs, same files)
-                if not _complete(entry):
+                if not complete(entry):
                     raise
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 from pipeline_steps import atomic
+from pipeline_steps.local import build_cache
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,8 @@ def untrained(
     added_tokens=(),
     digits_apart: bool = False,
 ):
-    """A byte-level BPE tokenizer trained on ``corpus`` (plus ``added_tokens``, not special) and a randomly initialised
+    """A byte-level BPE tokenizer trained on ``corpus`` (plus ``added_tokens``: not special, so a decoded response keeps
+    them as Qwen2.5's does and verl's hermes parser finds a tool call) and a randomly initialised
     Qwen2 model sized to it; config and tokenizer are saved to ``directory`` and the tokenizer returned is the one
     loaded back from there. Warm-ups must use that one: the in-memory object tokenizes differently ("#### 7" ->
     "####", "Ġ7" in memory; "####", "Ġ", "7" once loaded), and a warm-up taught in other tokens teaches the loaded
@@ -132,7 +134,7 @@ def build(
     right_share: float | None = None,
 ) -> Path:
     output = Path(output)
-    if (output / "config.json").exists() and (output / "tokenizer.json").exists():
+    if build_cache.complete(output):
         log.info("tiny model already at %s", output)
         return output
     # the output directory first: an unwritable --output fails in one line before any work
@@ -187,10 +189,8 @@ def _build_inputs() -> str:
 def build_cached(cache_root: Path, tmp: Path) -> Path:
     """The default tiny model, built once per cache (``PIPELINE_CACHE_DIR``): a build trains the tokenizer and the
     warm-up, and every local run and test stages the same bytes (:func:`build_cache.cached_build`)."""
-    from pipeline_steps.local.build_cache import cached_build
-
     entry = Path(cache_root) / "tiny-model" / _build_inputs()
-    return cached_build(entry, build, Path(tmp) / "tiny", "tiny model")
+    return build_cache.cached_build(entry, build, Path(tmp) / "tiny", "tiny model")
 
 
 def format_warmup(

@@ -31,7 +31,7 @@ import random
 from pathlib import Path
 
 from pipeline_steps import atomic
-from pipeline_steps.local import tiny_model
+from pipeline_steps.local import build_cache, tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def build(
     layers: int = 2,
 ) -> Path:
     output = Path(output)
-    if (output / "config.json").exists() and (output / "tokenizer.json").exists():
+    if build_cache.complete(output):
         return output
     schemas = tool_schemas()
     with atomic.atomic_dir(output) as tmp:
@@ -269,7 +269,5 @@ def _build_inputs() -> str:
 
 def build_cached(cache_root: Path, tmp: Path) -> Path:
     """The tiny tool model, built once per cache (``PIPELINE_CACHE_DIR``), as :func:`tiny_model.build_cached`."""
-    from pipeline_steps.local.build_cache import cached_build
-
     entry = Path(cache_root) / "tiny-tool-model" / _build_inputs()
-    return cached_build(entry, build, Path(tmp) / "tiny-tool", "tiny tool model")
+    return build_cache.cached_build(entry, build, Path(tmp) / "tiny-tool", "tiny tool model")
