@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_render_rayjob import helm_env
 from tests.test_train_local import _train_args, assets, run_cli  # noqa: F401  (assets: the module fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,11 +119,9 @@ def _render(preset: str, overrides=()):
 
 def test_the_guide_003_preset_logs_to_tensorboard_in_the_run_directory_on_the_cluster(monkeypatch):
     monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", "registry.local/verl@sha256:" + "0" * 64)
-    # the deployment's sandbox service the preset names (ags-shanghai), as the Helm values map it
-    monkeypatch.setenv(
-        "PIPELINE_SANDBOX_SERVICES",
-        '{"ags-shanghai": {"domain": "ap-shanghai.tencentags.com", "secret": "ags-api-key"}}',
-    )
+    # the deployment's sandbox services (the preset names ags-shanghai), as the shipped Helm values map them
+    for name, value in helm_env("PIPELINE_SANDBOX_SERVICES").items():
+        monkeypatch.setenv(name, value)
     job, ckpt = _render("dapo_retool_qwen3_4b")
     env = yaml.safe_load(job["spec"]["runtimeEnvYAML"])["env_vars"]
     pod_ckpt = json.loads(job["spec"]["entrypoint"].split("trainer.default_local_dir=", 1)[1].split("'")[0])
