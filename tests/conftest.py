@@ -33,6 +33,10 @@ TEST_RUN = os.environ.setdefault("PIPELINE_TEST_RUN", uuid.uuid4().hex)
 # processes they start: every whole-DAG test stages the same tiny model, built once per run, never a user's cache
 CACHE_DIR = Path(tempfile.gettempdir()) / f"pipeline-test-cache-{TEST_RUN}"
 os.environ["PIPELINE_CACHE_DIR"] = str(CACHE_DIR)
+# one torch (OpenMP) thread per process: four workers and their children already oversubscribe two cores, and torch's
+# threads spin-wait when oversubscribed. Measured building the tiny tool model beside three busy processes:
+# 55 s of CPU (78 s wall) with two threads, 18 s (36 s) with one. Set before any test imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 DEFAULT_BUDGET_S, SLOW_BUDGET_S = 120, 600
 
 

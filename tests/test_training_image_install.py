@@ -91,7 +91,8 @@ def test_the_images_additions_install_into_a_fresh_venv_and_what_the_pods_import
     ours = {n: v for n, v in resolved.items() if not _cuda_build(n)}
     installed, _ = dockerfile_installs(DOCKER / "Dockerfile.train")
     assert installed - {"verl"} <= set(resolved), sorted(installed - set(resolved))
-    _pip(venv, "install", "--quiet", "--no-deps", *[f"{n}=={v}" for n, v in sorted(ours.items())])
+    # --no-compile: no byte-compiling of every installed file; the imports below compile what they load
+    _pip(venv, "install", "--quiet", "--no-deps", "--no-compile", *[f"{n}=={v}" for n, v in sorted(ours.items())])
 
     # every module a cluster preset's pods import, or a shipped tool's, from a distribution the file brings
     imports = {m for _, spec in cluster_presets() for found in pod_imports(spec).values() for m in found}
