@@ -7,7 +7,7 @@ Kubernetes API stand-in behind an Airflow connection) and the suite's rules:
   but took longer fails with the measured time, and pytest-timeout stops it at three times its budget;
 * under pytest-xdist (``make test``: ``-n 4``) a module's tests stay on one worker (they may share module fixtures
   and order) unless the module is in ``SPLIT_MODULES``; the heaviest modules are handed out first, so the longest
-  test does not start last;
+  test does not start last, and none is queued behind another slow one;
 * every process the tests start carries ``PIPELINE_TEST_RUN`` in its environment; one still alive when the run ends
   fails the run (after a grace period), with its command line, and is killed.
 """
@@ -70,8 +70,34 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return scope_of(nodeid)
 
+        def _assign_work_unit(self, node) -> None:
+            """xdist hands a worker its next scope while the current one's last tests still run (a worker holds
+            its last test until it knows the next): queued behind a slow end-to-end test, the next scope waits for
+            it. So a worker still busy with a slow scope gets the lightest scope left, and an otherwise idle one the
+            heaviest: no slow test waits behind another."""
+            if not hasattr(self, "_slow"):
+                self._slow = _slow_scopes()
+            busy = any(
+                scope in self._slow and not all(unit.values())
+                for scope, unit in self.assigned_work.get(node, {}).items()
+            )
+            if busy and self.workqueue:
+                self.workqueue.move_to_end(next(reversed(self.workqueue)), last=False)
+            super()._assign_work_unit(node)
+
     config.option.loadscopereorder = False  # xdist would re-sort the scopes by their number of tests
     return ModuleScheduling(config, log)
+
+
+# each worker's collection writes the scopes holding slow tests here; the controller's scheduler reads it
+SLOW_SCOPES = CACHE_DIR / "slow-scopes.json"
+
+
+def _slow_scopes() -> set[str]:
+    try:
+        return set(json.loads(SLOW_SCOPES.read_text()))
+    except (OSError, ValueError):
+        return set()  # not written: every scope is treated alike, in the collection's order
 
 
 def pytest_collection_modifyitems(config, items):
@@ -91,6 +117,11 @@ def pytest_collection_modifyitems(config, items):
     # heaviest scopes first (stable within one): the long end-to-end runs start while the short tests fill in
     order = {id(item): (tuple(-w for w in weights[scope_of(item.nodeid)]), i) for i, item in enumerate(items)}
     items.sort(key=lambda item: order[id(item)])
+    if hasattr(config, "workerinput"):
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = SLOW_SCOPES.with_name(f".{SLOW_SCOPES.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(sorted(scope for scope, (longest, _) in weights.items() if longest)))
+        os.replace(tmp, SLOW_SCOPES)
 
 
 @pytest.hookimpl(hookwrapper=True)
