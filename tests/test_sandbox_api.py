@@ -329,3 +329,31 @@ def test_display_data_from_repr_methods(sandbox):
         assert base64.b64decode(r.png) == b"\x89PNG fake"
     ex = sandbox.run_code("class Broken:\n    def _repr_html_(self):\n        1 / 0\nBroken()")
     assert ex.error is None and ex.results[0].html is None and "ZeroDivisionError" in "".join(ex.logs.stderr)
+
+
+def _mounted_below(directory: Path) -> list[str]:
+    return [
+        f.split()[1] for f in Path("/proc/mounts").read_text().splitlines() if f.split()[1].startswith(f"{directory}/")
+    ]
+
+
+@pytest.mark.parametrize("how", ["stopped-while-warming", "killed"])
+def test_no_sandbox_directory_stays_mounted_once_the_server_is_stopped(root, how):
+    """Each sandbox's directory is a tmpfs. One was found still mounted after make test (a server stopped while it
+    filled its warm pool, or killed after its 20 s to exit): stopped at once, or killed with SIGKILL after its first
+    mount (so it cleans nothing up itself), the server leaves nothing mounted once ``stop()`` returns."""
+    from pipeline_steps.sandbox.local import LocalSandboxServer
+
+    state = root / f"state-{how}"
+    srv = LocalSandboxServer(state, args=["--warm", "4", "--disk-mb", str(DISK_MB)]).start()
+    try:
+        if how == "killed":
+            deadline = time.monotonic() + 60
+            while not _mounted_below(state) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert _mounted_below(state), "the server mounted no sandbox directory within 60 s"
+            srv.proc.kill()
+            srv.proc.wait()
+    finally:
+        srv.stop()
+    assert _mounted_below(state) == []

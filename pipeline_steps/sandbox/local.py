@@ -82,6 +82,11 @@ class LocalSandboxServer:
                 self.proc.wait()
         if self.proc:
             self.log.close()
+            # a server killed before its clean-up (SIGKILL after the 20 s above) leaves its sandboxes' tmpfs mounted
+            from pipeline_steps.sandbox.pool import mounts_under
+
+            for point in mounts_under(self.state_dir):
+                subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
     def __enter__(self):
         return self.start()

@@ -92,6 +92,16 @@ def mount_home(workdir: Path, uid: int, disk_mb: int):
     subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(workdir)], check=True, capture_output=True)
 
 
+def mounts_under(directory: Path) -> list[Path]:
+    """Mount points at or below ``directory`` (this process's view, /proc/self/mountinfo), deepest first."""
+    root, found = str(Path(directory).resolve()), []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4].encode().decode("unicode_escape")  # octal escapes: \040 for a space
+        if point == root or point.startswith(root.rstrip("/") + "/"):
+            found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
 def remove_home(workdir: Path):
     if os.path.ismount(workdir):
         if subprocess.run(["umount", str(workdir)], capture_output=True).returncode != 0:
@@ -246,9 +256,10 @@ class Pool:
                 os.close(fd)
 
     async def close(self):
-        for task in (self._refill_task, self._reaper_task):
-            if task:
-                task.cancel()
+        tasks = [t for t in (self._refill_task, self._reaper_task) if t]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # a refill cut short removes its half-made sandbox first
         for sb in [*self.warm, *self.running.values()]:
             await self._destroy(sb)
         self.warm.clear()
@@ -295,7 +306,9 @@ class Pool:
             lim = self.limits
             await asyncio.to_thread(remove_home, workdir)
             workdir.mkdir(mode=0o700)
-            await asyncio.to_thread(mount_home, workdir, uid, lim.disk_mb)
+            # not in a thread: a cancelled await would leave the mount running while the clean-up below unmounts
+            # first, and the tmpfs would outlive the server (a few ms of the loop's time)
+            mount_home(workdir, uid, lim.disk_mb)
             if not await asyncio.to_thread(sb.cgroup.remove):  # a leftover of this uid, if any
                 raise RuntimeError(f"a leftover cgroup of uid {uid} would not go")
             sb.cgroup.create(lim.memory_mb, lim.max_processes, lim.cpus)
