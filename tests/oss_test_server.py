@@ -27,7 +27,13 @@ layer can forward to a real S3 server instead (``s3_url``, SeaweedFS without aut
 moto assembles multipart uploads in Python, several copies of the object, which would make the
 emulator, not the client, the thing measured.
 
-Not covered: virtual-hosted addressing (clients must use path style), STS tokens
+Virtual-hosted addressing (``<bucket>.<endpoint>/<key>``, what the store uses on Alibaba Cloud): a request for a
+host under ``VIRTUAL_HOST`` is the path-style request for its bucket. That name resolves nowhere; clients reach the
+server as their HTTP proxy (``HTTP_PROXY``), the way a request to ``oss-<region>.aliyuncs.com`` would leave a
+corporate network. Each request is logged to stdout with its form (``virtual-hosted GET <host>/<key>``,
+``path-style GET /<bucket>/<key>``).
+
+Not covered: STS tokens
 and presigned URLs (query-string auth), ACLs, versioning, OSS-only APIs (append,
 symlink, restore, tagging differences), server-side encryption, request time skew
 and exact OSS error ``EC`` codes.
@@ -58,6 +64,7 @@ from alibabacloud_oss_v2.crc import Crc64
 os.environ.setdefault("S3_UPLOAD_PART_MIN_SIZE", str(100 * 1024))
 
 _NS_RE = re.compile(rb'\sxmlns="[^"]*"')
+VIRTUAL_HOST = "oss-cn-test.aliyuncs.com"  # the endpoint name of virtual-hosted requests (see above)
 _AUTH_RE = re.compile(
     r"OSS4-HMAC-SHA256 Credential=([^/]+)/(\d{8})/([^/]+)/([^/]+)/aliyun_v4_request"
     r"(?:,\s*AdditionalHeaders=([^,]*))?,\s*Signature=([0-9a-f]+)"
@@ -308,8 +315,14 @@ class OssTestServer:
     def handle(
         self, method: str, target: str, headers: dict[str, str], body: bytes
     ) -> tuple[int, dict[str, str], bytes]:
-        parts = urlsplit(target)
+        parts = urlsplit(target)  # origin-form, or absolute-form when the client uses the server as its proxy
         raw_path, raw_query = parts.path, parts.query
+        host = (parts.hostname or headers.get("host", "").rsplit(":", 1)[0]).lower()
+        if host.endswith("." + VIRTUAL_HOST):  # <bucket>.<endpoint>: OSS signs it as /<bucket>/<key> all the same
+            raw_path = "/" + host[: -len(VIRTUAL_HOST) - 1] + (raw_path or "/")
+            print(f"virtual-hosted {method} {host}{parts.path}", flush=True)
+        else:
+            print(f"path-style {method} {parts.path}", flush=True)
         self.requests.append((method, target))
         request_id = uuid.uuid4().hex.upper()[:24]
         denied = self._check_auth(method, raw_path, raw_query, headers)

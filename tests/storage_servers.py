@@ -166,13 +166,20 @@ class OssServer:
         )
         _wait_http(self.endpoint + "/", self.proc, timeout=60)
 
-    def env(self, key_id: str = OSS_KEY_ID, secret: str = OSS_SECRET) -> dict[str, str]:
-        return {
+    def env(self, key_id: str = OSS_KEY_ID, secret: str = OSS_SECRET, virtual_hosted: bool = False) -> dict[str, str]:
+        """The store's settings for this server: path-style on its 127.0.0.1 endpoint, or (``virtual_hosted``)
+        Alibaba Cloud's addressing on an endpoint name, the server reached as the HTTP proxy."""
+        env = {
             "OSS_ACCESS_KEY_ID": key_id,
             "OSS_ACCESS_KEY_SECRET": secret,
             "OSS_REGION": OSS_REGION,
             "OSS_ENDPOINT": self.endpoint,
         }
+        if virtual_hosted:
+            from tests.oss_test_server import VIRTUAL_HOST
+
+            env.update(OSS_ENDPOINT=f"http://{VIRTUAL_HOST}", HTTP_PROXY=self.endpoint, NO_PROXY="", no_proxy="")
+        return env
 
     def client(self):
         """An SDK client with the right credentials, to inspect or tamper with the bucket in tests."""

@@ -301,6 +301,35 @@ def test_oss_layer_on_seaweedfs(oss_seaweed_server, tmp_path, monkeypatch):
     assert srv.open_uploads("test-bucket") == []
 
 
+def test_oss_virtual_hosted_addressing_as_on_alibaba_cloud(oss_server, tmp_path, monkeypatch):
+    """On an endpoint name (not an IP address or localhost) the store addresses OSS virtual-hosted, as Alibaba Cloud
+    requires (``<bucket>.oss-<region>.aliyuncs.com/<key>``): the upload step, a re-run that skips, a download, and
+    a wrong secret refused in one line. The stand-in reads the bucket from the host and logs each request's form:
+    every request for this test's prefix came virtual-hosted, none path-style."""
+    from pipeline_steps.store import open_store
+    from tests.storage_servers import OSS_KEY_ID
+
+    env = {**oss_server.env(virtual_hosted=True), "PIPELINE_CACHE_DIR": str(tmp_path / "cache")}
+    backend = Backend("oss", "oss://test-bucket/vhost", env, None, None)
+    src = _write_tree(tmp_path / "src", n_small=2, big_kb=64)
+    dest = "oss://test-bucket/vhost/datasets/demo/v1"
+    first = _upload(backend, src, dest)
+    assert (first["uploaded"], first["skipped"]) == (4, 0), first
+    assert _upload(backend, src, dest)["bytes_uploaded"] == 0
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert open_store("oss://test-bucket/vhost").download_dir(dest, tmp_path / "out")["files"] == 4
+    assert _files(tmp_path / "out") == _files(src)
+    bad = run_step(
+        ["upload", "--src", str(src), "--dest", dest + "x"],
+        {**env, **oss_server.env(OSS_KEY_ID, "wrong", virtual_hosted=True)},
+    )
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr[-2000:]
+    seen = [line for line in Path(oss_server.log.name).read_text().splitlines() if "/vhost/" in line]
+    assert seen and all(line.startswith("virtual-hosted ") for line in seen), seen[:5]
+    assert all(" test-bucket.oss-cn-test.aliyuncs.com/vhost/" in line for line in seen), seen[:5]
+
+
 def test_source_changed_during_upload_is_refused(backend, tmp_path):
     from pipeline_steps.store import open_store
 
