@@ -85,7 +85,10 @@ def test_two_multi_turn_grpo_steps_call_the_tool_and_learn(tmp_path, tiny_model,
         )
     )
 
+    seen = []
+
     def reward(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(extra_info)
         return 1.0 if "42" in solution_str else 0.0  # the tool's answer is part of the scored response
 
     with grpo_cpu.process_group(), agent_rollout.local_sandbox(cfg, hide=[str(out)]) as server:
@@ -105,6 +108,10 @@ def test_two_multi_turn_grpo_steps_call_the_tool_and_learn(tmp_path, tiny_model,
     assert summary["last_step"] == 2
     assert any(not torch.equal(before[k], after[k]) for k in before), "two GRPO steps left every weight unchanged"
     assert servers[0].first_turns == 16  # 2 steps x 2 prompts x 4 samples, each trajectory started with the call
+    # as verl's reward manager: the tool loop's extra fields reach the reward
+    assert len(seen) == 16, len(seen)
+    assert all(isinstance(e["turn_scores"], list) and isinstance(e["tool_rewards"], list) for e in seen), seen[:2]
+    assert all(e["num_turns"] == 4 for e in seen)
 
     lines = grpo_cpu.read_metrics(out / "metrics.jsonl")
     assert [line["step"] for line in lines] == [1, 2]

@@ -205,8 +205,10 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     from pipeline_steps.local import grpo_cpu
 
     steps = 3
+    # keep 1, as verl counts it: the checkpoints this process saved (tested on the crashed run below)
+    keep_one = ["--override", "trainer.max_actor_ckpt_to_keep=1"]
     clean = tmp_path / "clean"
-    res = run_cli(*_train_args(assets, clean, steps))
+    res = run_cli(*_train_args(assets, clean, steps), *keep_one)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["ok"] and summary["last_step"] == steps and summary["resumed_from_step"] == 0
@@ -225,6 +227,7 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
         assert (actor / name).is_file(), name
     assert json.loads((actor / "fsdp_config.json").read_text()) == {"FSDP_version": 2, "world_size": 1}
     assert not list(ckpt.glob(".tmp-*")), "no temporary checkpoint directories may be left"
+    assert sorted(p.parent.name for p in ckpt.glob("global_step_*/actor")) == [f"global_step_{steps}"]
     assert json.loads((clean / "train_summary.json").read_text())["last_step"] == steps
     lines = grpo_cpu.read_metrics(clean / "metrics.jsonl")
     assert [x["step"] for x in lines] == list(range(1, steps + 1))
@@ -265,7 +268,7 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     # however loaded the machine is.
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen(
-        [PY, "-m", "pipeline_steps", *_train_args(assets, crashed, steps)],
+        [PY, "-m", "pipeline_steps", *_train_args(assets, crashed, steps), *keep_one],
         cwd=ROOT,
         env=dict(os.environ),
         stdout=subprocess.DEVNULL,
@@ -287,10 +290,13 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     assert proc.wait(timeout=30) == -signal.SIGKILL
     killed_at = int(tracker.read_text())
     assert killed_at == 1
-    res = run_cli(*_train_args(assets, crashed, steps))
+    res = run_cli(*_train_args(assets, crashed, steps), *keep_one)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == killed_at and summary["last_step"] == steps
+    # verl's manager removes only what its own process saved: step 1's actor, from the killed attempt, stays
+    kept = sorted(p.parent.name for p in (crashed / "checkpoints").glob("global_step_*/actor"))
+    assert kept == [f"global_step_{killed_at}", f"global_step_{steps}"], kept
     # Same weights, optimiser state and per-step metrics as the uninterrupted run.
     assert (
         diff_keys(checkpoint_weights(actor), checkpoint_weights(crashed / f"checkpoints/global_step_{steps}/actor"))

@@ -215,6 +215,7 @@ def test_reward_gets_verls_extra_info_and_may_be_async_and_num_turns_is_logged(a
     cfg = _cfg(assets, out, ["trainer.total_training_steps=1"], val=False)
     grpo_cpu.train(cfg, reward_fn=scorer, metrics_path=out / "metrics.jsonl")
     assert seen and all(e["num_turns"] == 2 and e["rollout_reward_scores"] == {} for e in seen)
+    assert all(e["turn_scores"] == [] and e["tool_rewards"] == [] for e in seen)  # verl's single-turn loop's fields
     assert all("index" in e for e in seen)  # the row's own extra_info is kept
     data = _lines(out / "metrics.jsonl")[0]["data"]
     assert data["critic/score/mean"] == 1.0

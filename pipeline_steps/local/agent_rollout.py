@@ -156,6 +156,7 @@ class AgentRollout:
             "items": [p for p in prompts for _ in range(n)],
             "uids": [str(j) for j in range(len(prompts)) for _ in range(n)],
             "num_turns": [int(o.num_turns) for o, _ in results],
+            "extra_fields": [dict(o.extra_fields or {}) for o, _ in results],  # the loop's turn_scores, tool_rewards
             "tool_call_counts": np.array([len(t["tool_calls"]) for t in trajectories], dtype=np.int32),
             "trajectories": trajectories,
             "loop_timings": [_timings(o) for o, _ in results],

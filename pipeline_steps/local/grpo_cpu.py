@@ -404,6 +404,7 @@ class GRPOTrainer:
             processing_class=self.tokenizer,
             checkpoint_config=OmegaConf.to_container(actor.checkpoint, resolve=True),
         )
+        self._saved_steps: list[int] = []  # what max_actor_ckpt_to_keep counts, as verl's manager does (see save)
         self.logger = None
         self.last_metrics: dict = {}
         from pipeline_steps.local import agent_rollout
@@ -582,6 +583,7 @@ class GRPOTrainer:
             "items": [p for p in prompts for _ in range(n)],
             "uids": [str(j) for j in range(len(prompts)) for _ in range(n)],  # one group per prompt
             "num_turns": [2] * (len(prompts) * n),  # verl's single-turn agent loop: user + assistant
+            "extra_fields": [{"turn_scores": [], "tool_rewards": []} for _ in range(len(prompts) * n)],  # and these
         }
 
     def score(self, batch: dict) -> None:
@@ -600,8 +602,14 @@ class GRPOTrainer:
         for i, item in enumerate(batch["items"]):
             n = int(lengths[i])
             text = texts[i]
-            # verl's naive reward manager adds the turn count and the rollout's own reward scores to extra_info
-            extra_info = {**item.extra_info, "num_turns": batch["num_turns"][i], "rollout_reward_scores": {}}
+            # verl's naive reward manager adds the agent loop's extra fields (turn_scores, tool_rewards), the turn
+            # count and the rollout's own reward scores to extra_info
+            extra_info = {
+                **item.extra_info,
+                **batch["extra_fields"][i],
+                "num_turns": batch["num_turns"][i],
+                "rollout_reward_scores": {},
+            }
             if grouped is not None:
                 res = grouped[i]
             else:
@@ -994,7 +1002,9 @@ class GRPOTrainer:
     def save(self, step: int, epoch: int) -> Path:
         """Build ``global_step_N`` aside (``actor/`` and ``data.pt``), rename it into place, then advance the tracker.
 
-        Retention is verl's: ``max_actor_ckpt_to_keep`` removes only the ``actor/`` folder of older steps.
+        Retention is verl's: ``max_actor_ckpt_to_keep`` removes only the ``actor/`` folder of older steps, and only
+        of steps this process saved (verl's checkpoint manager counts its own saves: after a resume, the checkpoints
+        of the attempts before it stay).
         """
         import torch
 
@@ -1005,17 +1015,14 @@ class GRPOTrainer:
             torch.save({"seed": self.data_seed, "epoch": epoch, "global_step": step}, tmp / "data.pt")
         self.checkpoint.previous_saved_paths.clear()  # it recorded the temporary path; retention is ours
         atomic.write_text(self.ckpt_root / TRACKER, str(step))
+        self._saved_steps.append(step)
         keep = self.cfg.trainer.get("max_actor_ckpt_to_keep")
         if keep:
             import shutil
 
-            steps = sorted(
-                int(p.name.rsplit("_", 1)[1])
-                for p in self.ckpt_root.glob("global_step_*")
-                if p.name.rsplit("_", 1)[1].isdigit() and (p / "actor").is_dir()
-            )
-            for old in steps[: -int(keep)]:
+            for old in self._saved_steps[: -int(keep)]:
                 shutil.rmtree(self.ckpt_root / f"global_step_{old}" / "actor", ignore_errors=True)
+            self._saved_steps = self._saved_steps[-int(keep) :]
         return final
 
     # -- the loop ---------------------------------------------------------------
