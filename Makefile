@@ -36,7 +36,7 @@ airflow: venv
 # The local E2B-compatible code sandbox server (needs root), for the code and MCP tools: prints the E2B_* settings
 # to export; Ctrl-C stops it and its sandboxes.
 sandbox: venv
-	$(BIN)/python -m pipeline_steps.sandbox.local
+	$(BIN)/python -m pipeline_steps.sandbox.launcher
 
 lint: venv
 	$(BIN)/ruff check .

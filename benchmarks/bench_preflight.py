@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import verl  # noqa: F401  (warm: the import is paid once per worker process)
 
-    from pipeline_steps.training import experiment, preflight
+    from pipeline_steps.training import experiment
+    from pipeline_steps.training import preflight_checks as preflight
 
     print("pre-flight, warm process (verl imported), per preset")
     for name in PRESETS:

@@ -118,7 +118,7 @@ def _rollout_timings(tmp: Path, steps: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--creates", type=int, default=40)

@@ -66,7 +66,7 @@ def verl_evaluate_model():
         from airflow.sdk.exceptions import AirflowFailException
 
         from operators.failures import user_errors
-        from operators.hooks.store import store_environment
+        from operators.hooks.store_connection import store_environment
         from pipeline_steps.store import open_store
 
         store_root = (params.get("store_uri") or planning.default_store()).rstrip("/")

@@ -209,7 +209,7 @@ def verl_grpo_pipeline():
         """The run's plan, made once: the preset read, the backend resolved, the form's overrides, dataset revisions
         (pinned, or as of the logical date) and every location. Later tasks read it from here (XCom) or plan.json."""
         from operators.failures import user_errors
-        from operators.hooks.store import store_environment
+        from operators.hooks.store_connection import store_environment
 
         with user_errors():
             run = planning.plan(dict(params), logical_date, run_id, dag.dag_id)
@@ -263,7 +263,7 @@ def verl_grpo_pipeline():
         import json
 
         from operators.failures import user_errors
-        from operators.hooks.store import store_environment
+        from operators.hooks.store_connection import store_environment
         from pipeline_steps.store import open_store
 
         with user_errors():

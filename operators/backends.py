@@ -22,13 +22,13 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.failures import JobFailed
 from operators.links import DASHBOARD_XCOM_KEY
-from operators.progress import describe_failure, rayjob_outcome
+from operators.progress import checkpoint_step, describe_failure, rayjob_outcome
+from operators.triggers.kuberay_job import RayJobTrigger
 from operators.triggers.local_ray import LocalRayJobTrigger
-from operators.triggers.rayjob import RayJobTrigger
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 
 if TYPE_CHECKING:  # the hook module loads the Kubernetes clients: imported where a job is reached, not at DAG parse
-    from operators.hooks.rayjob import RayJobHook
+    from operators.hooks.rayjob_api import RayJobHook
 
 GROUP_LABEL = "verl-pipeline/rayjob-group"  # value: the attempt-0 name; selects every attempt of one task
 ATTEMPT_LABEL = "verl-pipeline/attempt"
@@ -83,7 +83,7 @@ class KubeRayJobs:
 
     @cached_property
     def hook(self) -> RayJobHook:
-        from operators.hooks.rayjob import RayJobHook
+        from operators.hooks.rayjob_api import RayJobHook
 
         return RayJobHook(conn_id=self.op.kubernetes_conn_id, cluster_context=self.op.cluster_context)
 
@@ -245,7 +245,7 @@ class LocalRayJobs:
 
 
 def poll_settings(op) -> dict:
-    """What every job trigger takes from its operator (see :class:`operators.triggers.base.JobPollTrigger`)."""
+    """What every job trigger takes from its operator (see :class:`operators.triggers.job_poll.JobPollTrigger`)."""
     return {
         "poll_interval": op.poll_interval,
         "metrics_uri": getattr(op, "progress_uri", None) or op.metrics_uri,
@@ -281,3 +281,16 @@ def complete(op, context, event: dict, dashboard_url: str | None = None) -> None
         if event.get("reason") == "ValidationFailed":  # the spec itself is wrong: a retry cannot help
             raise AirflowFailException(message)
         raise JobFailed(message)
+
+
+def training_result(event: dict, checkpoint_uri: str | None, metrics_uri: str | None, reader: str | None) -> dict:
+    """The training XCom: where the checkpoints are, how far training got, and the final metrics."""
+    return {
+        "backend": event.get("backend"),
+        "job": event.get("name"),
+        "checkpoint_uri": checkpoint_uri,
+        "checkpoint_step": checkpoint_step(checkpoint_uri, reader),
+        "metrics_uri": metrics_uri,
+        "last_step": event.get("last_step"),
+        "metrics": event.get("metrics") or {},
+    }

@@ -4,7 +4,7 @@
   exit-code semantics). On a cloud store the store URIs in ``uri_args`` are given to the step as their local
   mirror (:mod:`pipeline_steps.store.mirror`: fetched first), the ``output_args`` among them are uploaded after it,
   and mirror paths in its summary are turned back into store URIs.
-* ``kuberay``: the step runs in a RayJob rendered by :func:`pipeline_steps.training.rayjob.build_rayjob` whose
+* ``kuberay``: the step runs in a RayJob rendered by :func:`pipeline_steps.training.rayjob_manifest.build_rayjob` whose
   entrypoint is ``python3 -m pipeline_steps.cluster_entry --summary-file P -- <step> <args>`` (every argv item
   shell-quoted by the renderer). Store URIs in the flags named by ``uri_args`` become paths on the pods'
   bucket mounts. Creation, re-attach after a worker restart and retries are the KubeRay backend strategy's
@@ -29,7 +29,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from operators.backends import KubeRayJobs, complete
 from operators.failures import JobFailed, user_errors
-from operators.hooks.store import store_environment
+from operators.hooks.store_connection import store_environment
 from operators.links import RayDashboardLink
 from operators.step import PipelineStepOperator
 
@@ -140,7 +140,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
     :param cluster_context: kuberay backend: kube config context.
     :param poll_interval: seconds between polls of the RayJob.
     :param log_tail_lines: lines of the job's log to show.
-    :param dashboard_url_template: Ray dashboard link (see :class:`operators.rayjob.RayJobOperator`).
+    :param dashboard_url_template: Ray dashboard link (see :class:`operators.rayjob_operator.RayJobOperator`).
     :param kwargs: :class:`operators.step.PipelineStepOperator` options (``store_conn_id``, ``hf_conn_id``,
         ``summary_key``, ``skip_unless``) and ``BaseOperator``'s.
     """
@@ -275,7 +275,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
 
     def _submit_kuberay(self, context):
         from pipeline_steps import tracking_run
-        from pipeline_steps.training.rayjob import build_rayjob, join_argv, rayjob_name
+        from pipeline_steps.training.rayjob_manifest import build_rayjob, join_argv, rayjob_name
 
         exp = self._experiment()
         cluster = exp.spec.get("cluster") or {}

@@ -134,7 +134,7 @@ class ProgressTracker:
                 self.last_step = row["step"]
 
     def _read(self) -> str | None:
-        from operators.hooks.store import store_environment
+        from operators.hooks.store_connection import store_environment
 
         with store_environment(self.store_conn_id, self.metrics_uri):  # a cloud store: the connection's credentials
             return resolve_reader(self.reader)(self.metrics_uri)

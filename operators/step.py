@@ -20,7 +20,7 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from operators.hooks.huggingface import hf_env
-from operators.hooks.store import store_env
+from operators.hooks.store_connection import store_env
 
 
 class PipelineStepOperator(BaseOperator):

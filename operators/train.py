@@ -1,12 +1,12 @@
 """``GRPOTrainOperator``: the ``train`` task, on a local Ray cluster or as a KubeRay RayJob.
 
 Both backends run the same CPU pre-flight first (verl's own config composition and
-checks, :func:`pipeline_steps.training.preflight.preflight`), so a bad config fails in seconds,
+checks, :func:`pipeline_steps.training.preflight_checks.preflight`), so a bad config fails in seconds,
 before a cluster is requested. Then the operator delegates to a backend strategy
 (:mod:`operators.backends`):
 
-* ``kuberay``: the RayJob rendered by :func:`pipeline_steps.training.rayjob.build_rayjob` (its entrypoint always
-  resumes from the run's checkpoints) goes to :class:`operators.backends.KubeRayJobs` (create or re-attach);
+* ``kuberay``: the RayJob rendered by :func:`pipeline_steps.training.rayjob_manifest.build_rayjob` (its entrypoint
+  always resumes from the run's checkpoints) goes to :class:`operators.backends.KubeRayJobs` (create or re-attach);
 * ``local``: the ``train-local`` step goes to :class:`operators.backends.LocalRayJobs` under a submission id
   derived from dag/run/task (a restarted worker re-attaches to it; after a failed attempt the next one resumes
   from the checkpoint directory).
@@ -26,11 +26,10 @@ from collections.abc import Sequence
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base
+from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base, training_result
 from operators.failures import user_errors
-from operators.hooks.store import store_environment
+from operators.hooks.store_connection import store_environment
 from operators.links import RayDashboardLink
-from operators.rayjob import training_result
 
 
 def normalize_overrides(value) -> list[str]:
@@ -101,7 +100,8 @@ class GRPOTrainOperator(BaseOperator):
     :param poll_interval: seconds between polls of the job.
     :param metrics_reader: ``module.function`` that reads the metrics file (default: local path or store URI).
     :param log_tail_lines: lines of the job's log to show.
-    :param dashboard_url_template: Ray dashboard link for KubeRay (see :class:`operators.rayjob.RayJobOperator`).
+    :param dashboard_url_template: Ray dashboard link for KubeRay (see
+        :class:`operators.rayjob_operator.RayJobOperator`).
     :param mlflow_conn_id: a team's MLflow server (:class:`operators.hooks.mlflow.MlflowHook`), used when the
         preset's ``trainer.logger`` has mlflow and the connection exists: the local job logs there instead of the
         embedded server; the RayJob gets its URI and its credentials by Secret reference.
@@ -205,7 +205,7 @@ class GRPOTrainOperator(BaseOperator):
         return {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
 
     def execute(self, context):
-        from pipeline_steps.training.preflight import preflight
+        from pipeline_steps.training.preflight_checks import preflight
 
         backend = self._backend()
         exp = self._load(backend)
@@ -267,7 +267,7 @@ class GRPOTrainOperator(BaseOperator):
         from operators.hooks.mlflow import MlflowHook
         from pipeline_steps import tracking_run
         from pipeline_steps.training.mounts import MountMap
-        from pipeline_steps.training.rayjob import build_rayjob
+        from pipeline_steps.training.rayjob_manifest import build_rayjob
 
         cluster = exp.spec.get("cluster") or {}
         if "mlflow" in tracking_run.loggers(exp.verl.get("trainer.logger")):  # a team server from the connection

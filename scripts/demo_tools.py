@@ -35,7 +35,7 @@ def write_rows(path: Path, train_rows: int = 512) -> Path:
     import pyarrow.parquet as pq
 
     from pipeline_steps.data.preprocessors import gsm8k
-    from pipeline_steps.data.preprocessors.base import tool_agent_rows
+    from pipeline_steps.data.preprocessors.common import tool_agent_rows
     from pipeline_steps.local import synthetic
 
     train, _ = synthetic.multiply_splits(train_rows)

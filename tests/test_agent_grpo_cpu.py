@@ -22,7 +22,7 @@ pytestmark = [
 
 
 def _rows(n: int) -> list[dict]:
-    from pipeline_steps.data.preprocessors.base import tool_agent_rows
+    from pipeline_steps.data.preprocessors.common import tool_agent_rows
 
     rows = [
         {

@@ -200,7 +200,7 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
 
     from operators.train import GRPOTrainOperator
     from pipeline_steps.training import verl_main
-    from pipeline_steps.training.rayjob import rayjob_name
+    from pipeline_steps.training.rayjob_manifest import rayjob_name
     from tests.deferral import deferred, run_trigger
     from tests.k8s_api_stand_in import SUCCESS
 

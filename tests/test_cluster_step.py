@@ -36,7 +36,7 @@ from operators.cluster_step import PipelineStepJobOperator, map_uri_args, pod_pa
 from operators.failures import JobFailed
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.training.mounts import MountMap
-from pipeline_steps.training.rayjob import rayjob_name
+from pipeline_steps.training.rayjob_manifest import rayjob_name
 from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE
 from tests.deferral import deferred, run_trigger
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline_steps.doctor.kuberay import KUBERAY_VERSION
+from pipeline_steps.diagnostics.kuberay import KUBERAY_VERSION
 from pipeline_steps.steps.doctor import VERBS
 from tests.conftest import run_step
 from tests.k8s_api_stand_in import gpu_node, kuberay_operator

@@ -215,7 +215,7 @@ def test_the_store_refuses_the_connections_credentials(services):
         {**env, "OSS_ACCESS_KEY_SECRET": "a-wrong-secret-never-printed"},
         "[FAIL] store oss://test-bucket/doctor: store connection 'pipeline_store': OSS refused the credentials for "
         "oss://test-bucket/doctor (SignatureDoesNotMatch); check the connection's key id and secret\n"
-        "       fix: fix the Airflow connection 'pipeline_store' (operators/hooks/store.py lists its fields) or the "
-        "store URI, then run doctor again\n",
+        "       fix: fix the Airflow connection 'pipeline_store' (operators/hooks/store_connection.py lists its "
+        "fields) or the store URI, then run doctor again\n",
     )
     assert "a-wrong-secret-never-printed" not in err

@@ -30,7 +30,7 @@ def _container_env(job) -> dict:
 
 
 def test_each_preset_keeps_its_sandbox_service_beside_the_deployment_default(monkeypatch):
-    from pipeline_steps.training import rayjob
+    from pipeline_steps.training import rayjob_manifest as rayjob
 
     monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     monkeypatch.setenv(rayjob.SANDBOX_DOMAIN_ENV, "sandbox.example.com")  # the deployment's sandbox-manager
@@ -44,7 +44,7 @@ def test_each_preset_keeps_its_sandbox_service_beside_the_deployment_default(mon
 def test_ld_library_path_extends_the_images_through_rays_runtime_env(monkeypatch):
     from ray._private.utils import update_envs
 
-    from pipeline_steps.training import rayjob
+    from pipeline_steps.training import rayjob_manifest as rayjob
 
     monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     for preset in ("dapo_qwen3_4b", "dapo_retool_qwen3_4b"):
@@ -59,7 +59,7 @@ def test_ld_library_path_extends_the_images_through_rays_runtime_env(monkeypatch
 
 
 def test_the_32b_workers_ray_start_num_cpus_passes_kuberay_validation(monkeypatch):
-    from pipeline_steps.training import rayjob
+    from pipeline_steps.training import rayjob_manifest as rayjob
 
     monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     _, job = render("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k")

@@ -76,7 +76,8 @@ def test_package_and_its_data_come_from_the_install_not_the_checkout(installed):
         "-c",
         textwrap.dedent("""
         import json, pipeline_steps, operators
-        from pipeline_steps.training import experiment, rayjob
+        from pipeline_steps.training import experiment
+        from pipeline_steps.training import rayjob_manifest as rayjob
         from pipeline_steps.local import offline_hub
         from pipeline_steps.tools import resolve_config_path
         hub = sorted(p.name for p in offline_hub.FIXTURES.iterdir())

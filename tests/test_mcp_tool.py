@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def mcp_server(tmp_path_factory):
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     tmp = tmp_path_factory.mktemp("mcp")
     with LocalSandboxServer(tmp / "state", args=["--warm", "2"]) as sandboxes:

@@ -113,7 +113,7 @@ def test_the_rayjob_gets_the_uri_plain_and_the_credentials_by_secret_reference(
 ):
     """The train task's RayJob and the export step's RayJob (which logs the evaluation and the card to the run)."""
     from operators.cluster_step import PipelineStepJobOperator
-    from pipeline_steps.training.rayjob import rayjob_name
+    from pipeline_steps.training.rayjob_manifest import rayjob_name
     from tests.k8s_api_stand_in import SUCCESS
 
     caplog.set_level(logging.DEBUG)

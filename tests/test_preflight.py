@@ -8,7 +8,8 @@ import json
 import pytest
 
 from pipeline_steps.errors import UserError
-from pipeline_steps.training import experiment, preflight
+from pipeline_steps.training import experiment
+from pipeline_steps.training import preflight_checks as preflight
 from tests.conftest import run_step
 
 CLUSTER_PRESETS = [

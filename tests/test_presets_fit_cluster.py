@@ -73,7 +73,7 @@ def fits(pod: dict, pool: dict) -> str | None:
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
-    from pipeline_steps.training import rayjob
+    from pipeline_steps.training import rayjob_manifest as rayjob
 
     for var in (rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS", rayjob.SANDBOX_DOMAIN_ENV, rayjob.SANDBOX_SERVICES_ENV):
         monkeypatch.delenv(var, raising=False)

@@ -23,8 +23,8 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.backends import GROUP_LABEL
 from operators.failures import JobFailed
-from operators.rayjob import RayJobOperator
-from operators.triggers.rayjob import RayJobTrigger
+from operators.rayjob_operator import RayJobOperator
+from operators.triggers.kuberay_job import RayJobTrigger
 from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
 from tests.deferral import deferred, run_trigger
 from tests.k8s_api_stand_in import SUCCESS
@@ -242,7 +242,7 @@ def test_retry_after_success_reattaches_and_succeeds_again(api, tmp_path):
 
 def test_create_conflict_reattaches(api, tmp_path):
     """Another worker created the RayJob between our list and our create (409): attach, do not fail."""
-    from operators.hooks.rayjob import RayJobHook
+    from operators.hooks.rayjob_api import RayJobHook
 
     body = rayjob_body("grpo-race", "/mnt/ckpt/run1")  # created without our labels, so the list misses it
     RayJobHook(conn_id=CONN).create_rayjob(body, NS)
@@ -340,7 +340,7 @@ def test_suspended_and_retrying_are_waited_out_not_failures(api, tmp_path, middl
 
 
 def test_the_api_server_prunes_unknown_fields_and_refuses_a_foreign_namespace(api, tmp_path):
-    from operators.hooks.rayjob import RayJobHook
+    from operators.hooks.rayjob_api import RayJobHook
 
     hook = RayJobHook(conn_id=CONN)
     body = rayjob_body("grpo-prune", "/mnt/ckpt/run1")

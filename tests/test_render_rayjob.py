@@ -20,9 +20,9 @@ import yaml
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment
-from pipeline_steps.training import rayjob as render_rayjob
+from pipeline_steps.training import rayjob_manifest as render_rayjob
 from pipeline_steps.training.mounts import MountMap
-from pipeline_steps.training.rayjob import build_rayjob, label_value, rayjob_name
+from pipeline_steps.training.rayjob_manifest import build_rayjob, label_value, rayjob_name
 from tests.k8s_api_stand_in import kuberay_validation_error
 
 ROOT = Path(__file__).resolve().parents[1]

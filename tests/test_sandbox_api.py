@@ -39,7 +39,7 @@ def root():
 
 @pytest.fixture(scope="module")
 def server(root):
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     args = ["--exec-timeout", str(EXEC_TIMEOUT), "--disk-mb", str(DISK_MB), "--warm", "2"]
     with LocalSandboxServer(root / "state", args=args, extra_env={"SECRET_TOKEN": SECRET}) as srv:
@@ -237,7 +237,7 @@ def test_list_and_connect(server, root):
     from e2b.exceptions import AuthenticationException, SandboxException
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     tag = {"run": f"list-{os.getpid()}"}
     sb = Sandbox.create(**server.sdk_options(), metadata=tag, timeout=60)
@@ -342,7 +342,7 @@ def test_no_sandbox_directory_stays_mounted_once_the_server_is_stopped(root, how
     """Each sandbox's directory is a tmpfs. One was found still mounted after make test (a server stopped while it
     filled its warm pool, or killed after its 20 s to exit): stopped at once, or killed with SIGKILL after its first
     mount (so it cleans nothing up itself), the server leaves nothing mounted once ``stop()`` returns."""
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     state = root / f"state-{how}"
     srv = LocalSandboxServer(state, args=["--warm", "4", "--disk-mb", str(DISK_MB)]).start()

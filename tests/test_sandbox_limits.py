@@ -50,7 +50,7 @@ def dirs():
 
 @pytest.fixture(scope="module")
 def server(dirs):
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     args = ["--exec-timeout", str(EXEC_TIMEOUT), "--memory-mb", "512", "--max-processes", "32"]
     args += ["--disk-mb", str(DISK_MB)]
@@ -235,7 +235,7 @@ def test_kill_and_timeout(server):
 def test_two_servers_never_share_a_uid(server, sandbox, dirs):
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     with LocalSandboxServer(dirs["root"] / "state2", args=["--warm", "1"]) as second:
         other = Sandbox.create(**second.sdk_options())
@@ -267,7 +267,7 @@ def test_file_size_and_open_files_bounded(sandbox):
 def test_cpu_seconds_bounded(dirs):
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     args = ["--warm", "0", "--cpu-seconds", "1", "--exec-timeout", "120"]
     with LocalSandboxServer(dirs["root"] / "state-cpu", args=args) as srv:
@@ -283,7 +283,7 @@ def test_client_giving_up_kills_the_execution(dirs):
     from e2b.exceptions import TimeoutException
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     with LocalSandboxServer(dirs["root"] / "state-give-up", args=["--warm", "0", "--exec-timeout", "60"]) as srv:
         sb = Sandbox.create(**srv.sdk_options())
@@ -314,7 +314,7 @@ def test_sdk_debug_mode_reaches_the_debug_sandbox(dirs):
 
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     with socket.socket() as s:  # the SDK's debug mode has the port fixed
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT leftovers are fine
@@ -352,7 +352,7 @@ def test_children_share_the_sandbox_memory(dirs):
     alone let each have its 512 MiB)."""
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     args = ["--warm", "0", "--memory-mb", "512", "--exec-timeout", "60"]
     with LocalSandboxServer(dirs["root"] / "state-mem", args=args) as srv:
@@ -455,7 +455,7 @@ def test_late_request_for_a_deleted_sandbox_cannot_act_on_another(dirs):
 
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     # uids are claimed machine-wide, lowest free first: from the shared default base, a sandbox of another test
     # running at the same time could hold A's uid-to-be and free it before B starts (B then gets another uid)
@@ -516,7 +516,7 @@ def test_leftovers_of_a_sigkilled_server_are_reaped(dirs):
 
     from e2b_code_interpreter import Sandbox
 
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     state = dirs["root"] / "state-sigkill"
     first = LocalSandboxServer(state, args=["--warm", "1"]).start()

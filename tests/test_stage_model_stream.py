@@ -125,7 +125,7 @@ def test_an_interrupted_run_resumes_and_equals_a_clean_run(hub, tmp_path, monkey
         pass
 
     calls = []
-    from pipeline_steps.store.local import LocalStore
+    from pipeline_steps.store.local_disk import LocalStore
 
     orig = LocalStore._put_file
 

@@ -164,7 +164,7 @@ def test_uri_parsing():
 
 
 def test_store_env_oss_connection_drives_upload(oss_server, src, tmp_path, monkeypatch):
-    from operators.hooks.store import store_env
+    from operators.hooks.store_connection import store_env
 
     conn = {
         "conn_type": "alibaba_cloud",
@@ -193,7 +193,7 @@ def test_store_env_oss_connection_drives_upload(oss_server, src, tmp_path, monke
 def test_store_env_gcs_connection_shapes(monkeypatch):
     from airflow.sdk.exceptions import AirflowFailException
 
-    from operators.hooks.store import store_env
+    from operators.hooks.store_connection import store_env
 
     key = {"type": "service_account", "project_id": "p1", "private_key": "k", "client_email": "a@b"}
     monkeypatch.setenv(

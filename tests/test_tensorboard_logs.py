@@ -108,7 +108,7 @@ def test_without_the_tensorboard_logger_no_event_files(assets, tmp_path):  # noq
 def _render(preset: str, overrides=()):
     from pipeline_steps.training import experiment
     from pipeline_steps.training.mounts import MountMap
-    from pipeline_steps.training.rayjob import build_rayjob, checkpoint_uri
+    from pipeline_steps.training.rayjob_manifest import build_rayjob, checkpoint_uri
 
     ckpt = checkpoint_uri("oss://verl-store/runs", preset, "manual__1")
     exp = experiment.load(preset, list(overrides), derived={"trainer.default_local_dir": ckpt})

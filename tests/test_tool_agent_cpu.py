@@ -23,7 +23,7 @@ TOOL_CONFIG = str(files("pipeline_steps.tools") / "code_sandbox.yaml")
 
 @pytest.fixture(scope="module")
 def sandbox_server(tmp_path_factory):
-    from pipeline_steps.sandbox.local import LocalSandboxServer
+    from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     with LocalSandboxServer(tmp_path_factory.mktemp("sandboxes") / "state", args=["--warm", "2"]) as srv:
         yield srv

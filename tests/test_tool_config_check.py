@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pipeline_steps.errors import UserError
-from pipeline_steps.tools.check import check_tool_config
+from pipeline_steps.tools.tool_config_check import check_tool_config
 
 SHIPPED = files("pipeline_steps.tools")
 
@@ -40,7 +40,7 @@ def test_bad_entries_fail_in_one_line(tmp_path, change, message):
 
 def test_preflight_checks_a_readable_tool_config(tmp_path):
     from pipeline_steps.training import experiment
-    from pipeline_steps.training.preflight import preflight
+    from pipeline_steps.training.preflight_checks import preflight
 
     mt = "actor_rollout_ref.rollout.multi_turn."
     overrides = [

@@ -9,7 +9,7 @@ the retry must start a new attempt that resumes from that checkpoint.
 
 KubeRay backend: the Kubernetes API is the stand-in of ``tests/k8s_api_stand_in.py``
 (see its docstring for what it does not cover); the RayJob body is rendered by the real
-``pipeline_steps.training.rayjob.build_rayjob``. The operator is attached to a real ``DAG``
+``pipeline_steps.training.rayjob_manifest.build_rayjob``. The operator is attached to a real ``DAG``
 object and gets a context holding ``run_id`` (no task instance: the XCom push of the
 dashboard link is not exercised here).
 """
@@ -203,7 +203,7 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(
 
 def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s_api, tmp_path, monkeypatch, capsys):
     """The cluster path of the train task: pre-flight, B1's real render, the stand-in API server."""
-    from pipeline_steps.training.rayjob import rayjob_name
+    from pipeline_steps.training.rayjob_manifest import rayjob_name
     from tests.k8s_api_stand_in import SUCCESS
 
     api = k8s_api

@@ -35,7 +35,7 @@ def test_retool_reward_scores_boxed_answer_and_tool_use():
 
 
 def test_preflight_calls_the_reward_on_a_sample_row(tmp_path):
-    from pipeline_steps.rewards.check import check_reward_function
+    from pipeline_steps.rewards.reward_check import check_reward_function
 
     ok = check_reward_function(_cfg("pkg:pipeline_steps.rewards/retool.py"))
     assert ok["reward_sample"] == pytest.approx(1.1)
@@ -150,7 +150,7 @@ def test_local_trainer_scores_whole_groups_with_group_name(tmp_path, tiny_model,
 def test_group_reward_preflight(tmp_path):
     from omegaconf import OmegaConf
 
-    from pipeline_steps.rewards.check import check_group_reward
+    from pipeline_steps.rewards.reward_check import check_group_reward
 
     def cfg(name, path="pkg:pipeline_steps.rewards/retool.py"):
         return OmegaConf.create({"reward": {"custom_reward_function": {"path": path, "group_name": name}}})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from operators.triggers.base import JobPollTrigger, Poll
+from operators.triggers.job_poll import JobPollTrigger, Poll
 
 
 class LocalRayJobTrigger(JobPollTrigger):
@@ -13,7 +13,7 @@ class LocalRayJobTrigger(JobPollTrigger):
 
     :param address: the Ray dashboard address (``http://127.0.0.1:8265``).
     :param submission_id: the job's submission id.
-    :param kwargs: :class:`operators.triggers.base.JobPollTrigger`'s (poll interval, metrics, log tail, ...).
+    :param kwargs: :class:`operators.triggers.job_poll.JobPollTrigger`'s (poll interval, metrics, log tail, ...).
     """
 
     backend = "local"

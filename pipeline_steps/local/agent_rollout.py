@@ -380,7 +380,7 @@ def local_sandbox(cfg, hide=()):
                     "the code sandbox tool needs a sandbox service: set E2B_API_KEY and E2B_DOMAIN (or E2B_API_URL), "
                     "or run as root so the local sandbox server can start"
                 )
-            from pipeline_steps.sandbox.local import LocalSandboxServer
+            from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
             server = stack.enter_context(LocalSandboxServer(state / "state", args=["--warm", "2"], hide=hide))
             stack.enter_context(_env(server.env()))

@@ -97,7 +97,7 @@ def prompt_messages(a: int, b: int) -> list[dict]:
     """A ``multiply`` row's prompt exactly as the pipeline makes it: the gsm8k preprocessor's user turn and the
     ``tool_agent`` variant's system turn."""
     from pipeline_steps.data.preprocessors import gsm8k
-    from pipeline_steps.data.preprocessors.base import tool_agent_rows
+    from pipeline_steps.data.preprocessors.common import tool_agent_rows
     from pipeline_steps.local import synthetic
 
     row = gsm8k.convert_row(synthetic.multiply_row((a, b)), "train", 0, gsm8k.DATA_SOURCE)
@@ -254,13 +254,13 @@ def _build_inputs() -> str:
     import hashlib
     from importlib.metadata import version
 
-    from pipeline_steps.data.preprocessors import base, gsm8k
+    from pipeline_steps.data.preprocessors import common, gsm8k
     from pipeline_steps.local import synthetic
     from pipeline_steps.tools import resolve_config_path
 
     h = hashlib.sha256()
     files = [Path(__file__), Path(tiny_model.__file__), Path(synthetic.__file__), Path(gsm8k.__file__)]
-    files += [Path(base.__file__), Path(resolve_config_path("pkg:pipeline_steps.tools/code_sandbox.yaml"))]
+    files += [Path(common.__file__), Path(resolve_config_path("pkg:pipeline_steps.tools/code_sandbox.yaml"))]
     for f in [*files, *sorted(tiny_model.FIXTURES.rglob("*.jsonl"))]:
         h.update(f.read_bytes())
     h.update(" ".join(f"{d}=={version(d)}" for d in ("torch", "transformers", "tokenizers", "verl")).encode())

@@ -7,7 +7,7 @@ account: the worker's and the triggerer's); each PVC of ``$PIPELINE_MOUNTS`` is 
 read exists with the expected key. With a preset it also checks allocatable GPUs against the run's request, and
 asks the sandbox service (tool-agent presets) and the MLflow server (``trainer.logger`` with mlflow) one
 authenticated question each; with a store URI, it lists the store with the connection's credentials
-(``pipeline_steps/doctor/``). A secret value is only ever sent in a request header, never printed. It writes one
+(``pipeline_steps/diagnostics/``). A secret value is only ever sent in a request header, never printed. It writes one
 line per check to stderr (``[ok]`` / ``[FAIL]`` with the fix: the Airflow task log shows stderr) and exits 2 when
 any fails.
 """
@@ -18,14 +18,14 @@ import logging
 import os
 import sys
 
-from pipeline_steps.doctor import Check
-from pipeline_steps.doctor.kuberay import install_fix
+from pipeline_steps.diagnostics import Check
+from pipeline_steps.diagnostics.kuberay import install_fix
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
 
 CRD = "rayjobs.ray.io"
-# What operators/hooks/rayjob.py and the trigger do, as k8s/base/rbac.yaml grants it
+# What operators/hooks/rayjob_api.py and the trigger do, as k8s/base/rbac.yaml grants it
 VERBS = [("ray.io", "rayjobs", "", v) for v in ("create", "get", "list", "watch", "delete")] + [
     ("", "pods", "", "get"),
     ("", "pods", "", "list"),
@@ -161,7 +161,7 @@ def check_secrets(core, ns: str, exp) -> list[Check]:
 
 
 def run(args):
-    from pipeline_steps.doctor import gpus, kuberay, services
+    from pipeline_steps.diagnostics import gpus, kuberay, services
 
     core, ext, authz, client, api = _clients(args)
     custom = client.CustomObjectsApi(api)

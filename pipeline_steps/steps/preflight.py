@@ -1,11 +1,11 @@
 """``python -m pipeline_steps preflight --experiment NAME [--override KEY=VALUE ...]``: verl's config checked on CPU.
 
-The checks live in :mod:`pipeline_steps.training.preflight`."""
+The checks live in :mod:`pipeline_steps.training.preflight_checks`."""
 
 from __future__ import annotations
 
 from pipeline_steps.training import experiment
-from pipeline_steps.training.preflight import preflight
+from pipeline_steps.training.preflight_checks import preflight
 
 
 def add_arguments(p):

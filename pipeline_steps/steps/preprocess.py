@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipeline_steps import atomic, outputs
 from pipeline_steps.data import registry
-from pipeline_steps.data.preprocessors.base import (
+from pipeline_steps.data.preprocessors.common import (
     Reject,
     framed,
     ground_truth,

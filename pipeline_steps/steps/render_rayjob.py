@@ -1,6 +1,6 @@
 """``python -m pipeline_steps render-rayjob --experiment NAME --output FILE``: the KubeRay RayJob for a preset.
 
-Rendering lives in :mod:`pipeline_steps.training.rayjob`."""
+Rendering lives in :mod:`pipeline_steps.training.rayjob_manifest`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment
 from pipeline_steps.training.experiment import Experiment
 from pipeline_steps.training.mounts import MountMap
-from pipeline_steps.training.rayjob import build_rayjob, to_yaml
+from pipeline_steps.training.rayjob_manifest import build_rayjob, to_yaml
 
 
 def _mounts_arg(value: str | None, exp: Experiment) -> MountMap:

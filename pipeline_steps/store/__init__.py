@@ -3,7 +3,7 @@
 ``open_store(uri)`` returns the backend for ``file:///abs/path`` (local disk, the
 embedded default), ``oss://bucket/prefix`` (Alibaba Cloud OSS) or ``gs://bucket/prefix``
 (Google Cloud Storage). Credentials come from the environment (the Airflow operator
-fills it from a connection, see ``operators/hooks/store.py``)::
+fills it from a connection, see ``operators/hooks/store_connection.py``)::
 
     store = open_store(uri)
     store.upload_dir(src_dir, dest_uri)     # -> {"uri","uploaded","skipped","bytes_uploaded","files","manifest_sha256"}
@@ -24,7 +24,7 @@ def open_store(uri: str) -> Store:
     """The store that holds ``uri`` (backend imported lazily: only the one in use is loaded)."""
     u = parse_uri(uri)
     if u.scheme == "file":
-        from pipeline_steps.store.local import LocalStore
+        from pipeline_steps.store.local_disk import LocalStore
 
         return LocalStore(u)
     if u.scheme == "oss":

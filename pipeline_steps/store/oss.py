@@ -9,7 +9,7 @@ slower per-part check is off for uploads and stays on for downloads). That CRC64
 the native checksum the manifest records and re-runs compare against (HeadObject, no
 data read).
 
-Environment (the Airflow side fills it from a connection, see operators/hooks/store.py):
+Environment (the Airflow side fills it from a connection, see operators/hooks/store_connection.py):
 ``OSS_ACCESS_KEY_ID``, ``OSS_ACCESS_KEY_SECRET`` (``OSS_SESSION_TOKEN``), ``OSS_REGION``,
 ``OSS_ENDPOINT``; ``OSS_PATH_STYLE=true`` forces path-style addressing (automatic for
 IP/localhost endpoints). Tuning: ``PIPELINE_STORE_PART_MB`` (16), ``PIPELINE_STORE_PARALLEL`` (4):

@@ -1,6 +1,6 @@
 """Maxwell-Jia/AIME_2024: the evaluation set. Prompted like DAPO so verl's ``math_dapo`` scorer reads "Answer:"."""
 
-from pipeline_steps.data.preprocessors.base import Reject
+from pipeline_steps.data.preprocessors.common import Reject
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 
 DATA_SOURCE = "aime2024"  # verl's default_compute_score sends "aime*" to math_dapo

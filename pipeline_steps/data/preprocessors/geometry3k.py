@@ -4,7 +4,7 @@
 import hashlib
 import io
 
-from pipeline_steps.data.preprocessors.base import Reject
+from pipeline_steps.data.preprocessors.common import Reject
 
 DATA_SOURCE = "hiyouga/geometry3k"
 REQUIRED_COLUMNS = ("images", "problem", "answer")

@@ -2,7 +2,7 @@
 
 import re
 
-from pipeline_steps.data.preprocessors.base import Reject
+from pipeline_steps.data.preprocessors.common import Reject
 
 DATA_SOURCE = "openai/gsm8k"
 REQUIRED_COLUMNS = ("question", "answer")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline_steps.data.preprocessors.base import Reject
+from pipeline_steps.data.preprocessors.common import Reject
 from pipeline_steps.errors import UserError
 
 DATA_SOURCE = "math_dapo"  # rule-based "Answer:" matching; set data_source in the registry entry for another scorer

@@ -1,8 +1,9 @@
 """``RayJobOperator``: run a rendered KubeRay ``RayJob`` to completion from Airflow.
 
 The operator only orchestrates: :class:`operators.backends.KubeRayJobs` creates or re-attaches this task's attempt
-through :class:`operators.hooks.rayjob.RayJobHook`, the task defers to :class:`operators.triggers.rayjob.RayJobTrigger`,
-and :func:`operators.backends.complete` turns the trigger's event into success or a (retryable) failure.
+through :class:`operators.hooks.rayjob_api.RayJobHook`, the task defers to
+:class:`operators.triggers.kuberay_job.RayJobTrigger`, and :func:`operators.backends.complete` turns the
+trigger's event into success or a (retryable) failure.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from collections.abc import Sequence
 
 from airflow.sdk import BaseOperator
 
-from operators.backends import KubeRayJobs, complete
+from operators.backends import KubeRayJobs, complete, training_result
 from operators.links import RayDashboardLink
-from operators.progress import checkpoint_step
 
 
 class RayJobOperator(BaseOperator):
@@ -77,16 +77,3 @@ class RayJobOperator(BaseOperator):
 
     def on_kill(self) -> None:
         KubeRayJobs(self).kill(self.rayjob)
-
-
-def training_result(event: dict, checkpoint_uri: str | None, metrics_uri: str | None, reader: str | None) -> dict:
-    """The training XCom: where the checkpoints are, how far training got, and the final metrics."""
-    return {
-        "backend": event.get("backend"),
-        "job": event.get("name"),
-        "checkpoint_uri": checkpoint_uri,
-        "checkpoint_step": checkpoint_step(checkpoint_uri, reader),
-        "metrics_uri": metrics_uri,
-        "last_step": event.get("last_step"),
-        "metrics": event.get("metrics") or {},
-    }

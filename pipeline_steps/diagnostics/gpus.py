@@ -7,9 +7,9 @@ queues; a pool that is too small never runs). Nodes count when they are Ready an
 
 from __future__ import annotations
 
-from pipeline_steps.doctor import Check
+from pipeline_steps.diagnostics import Check
 
-GPU = "nvidia.com/gpu"  # the resource the renderer requests per worker (pipeline_steps/training/rayjob.py)
+GPU = "nvidia.com/gpu"  # the resource the renderer requests per worker (pipeline_steps/training/rayjob_manifest.py)
 
 
 def tolerates(toleration: dict, taint) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import os
 
-from pipeline_steps.doctor import Check, http_status, no_answer, safe_url
+from pipeline_steps.diagnostics import Check, http_status, no_answer, safe_url
 
 SANDBOX_LIST = "/v2/sandboxes?limit=1"  # E2B's list route, served by sandbox-manager and AGS too (needs the key)
 MLFLOW_SEARCH = "/api/2.0/mlflow/experiments/search?max_results=1"
@@ -38,7 +38,7 @@ def _ref(cluster: dict, env: str) -> dict | None:
 def check_sandbox(core, ns: str, exp) -> list[Check]:
     from pipeline_steps.errors import UserError
     from pipeline_steps.tools import uses_code_sandbox
-    from pipeline_steps.training.rayjob import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, with_sandbox_service
+    from pipeline_steps.training.rayjob_manifest import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, with_sandbox_service
 
     mt = "actor_rollout_ref.rollout.multi_turn."
     if str(exp.verl.get(mt + "enable", False)).lower() not in ("true", "1"):
@@ -135,8 +135,8 @@ def check_store(uri: str) -> list[Check]:
 
     name = f"store {safe_url(uri)}"
     fix = (
-        f"fix the Airflow connection {conn_id()!r} (operators/hooks/store.py lists its fields) or the store URI, "
-        "then run doctor again"
+        f"fix the Airflow connection {conn_id()!r} (operators/hooks/store_connection.py lists its fields) or the "
+        "store URI, then run doctor again"
     )
     try:
         store = open_store(uri)

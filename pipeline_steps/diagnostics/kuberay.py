@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pipeline_steps.doctor import Check
+from pipeline_steps.diagnostics import Check
 
 # The KubeRay release the pipeline is built and tested against: the vendored RayJob CRD (k8s/crds), docs/cluster.md's
 # install step and the stand-in's controller messages (tests/test_doctor.py checks they agree).

@@ -1,4 +1,4 @@
-"""Wait for a KubeRay ``RayJob``: status through :class:`operators.hooks.rayjob.RayJobHook`'s async calls.
+"""Wait for a KubeRay ``RayJob``: status through :class:`operators.hooks.rayjob_api.RayJobHook`'s async calls.
 
 Success is only ``jobDeploymentStatus == Complete`` with ``jobStatus == SUCCEEDED`` (KubeRay reports ``Complete`` for
 FAILED and STOPPED jobs too). The log tail comes from the submitter pod in ``K8sJobMode``; in ``HTTPMode`` (no
@@ -11,10 +11,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from operators.progress import describe_failure, rayjob_outcome
-from operators.triggers.base import JobPollTrigger, Poll
+from operators.triggers.job_poll import JobPollTrigger, Poll
 
 if TYPE_CHECKING:  # the hook module loads the Kubernetes clients: imported where a job is reached, not at DAG parse
-    from operators.hooks.rayjob import RayJobHook
+    from operators.hooks.rayjob_api import RayJobHook
 
 
 class RayJobTrigger(JobPollTrigger):
@@ -25,7 +25,7 @@ class RayJobTrigger(JobPollTrigger):
     :param kubernetes_conn_id: the Kubernetes connection.
     :param cluster_context: kube config context, if not the connection's default.
     :param submission_mode: the RayJob's ``spec.submissionMode``: where its log tail is read from.
-    :param kwargs: :class:`operators.triggers.base.JobPollTrigger`'s (poll interval, metrics, log tail, ...).
+    :param kwargs: :class:`operators.triggers.job_poll.JobPollTrigger`'s (poll interval, metrics, log tail, ...).
     """
 
     backend = "kuberay"
@@ -59,7 +59,7 @@ class RayJobTrigger(JobPollTrigger):
 
     @cached_property
     def hook(self) -> RayJobHook:
-        from operators.hooks.rayjob import RayJobHook
+        from operators.hooks.rayjob_api import RayJobHook
 
         return RayJobHook(conn_id=self.kubernetes_conn_id, cluster_context=self.cluster_context)
 

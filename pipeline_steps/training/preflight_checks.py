@@ -58,14 +58,14 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     batch = check_batch_sizes(cfg)
     check_exportable(cfg)
     run_verl_validate(cfg, ppo_utils)
-    from pipeline_steps.tools.check import check_agent_loops, check_multi_turn  # verl and the classes named
+    from pipeline_steps.tools.tool_config_check import check_agent_loops, check_multi_turn  # verl and the classes named
 
     tools = check_multi_turn(cfg)
     tools.update(check_agent_loops(cfg))  # a preset's own agent loops (agent_loop_config_path)
-    from pipeline_steps.rewards.check import check_reward_function
+    from pipeline_steps.rewards.reward_check import check_reward_function
 
     tools.update(check_reward_function(cfg))  # a user reward is imported and called on a sample row
-    from pipeline_steps.rewards.check import check_group_reward
+    from pipeline_steps.rewards.reward_check import check_group_reward
 
     tools.update(check_group_reward(cfg, backend))
     staged = check_staged(cfg, backend) if check_store else {}
