@@ -8,7 +8,7 @@ pointed at it. Cases, each in its own child process (peak RSS from its own ``get
 
 - ``baseline``: ``huggingface_hub.snapshot_download`` (``local_dir``) into an empty directory, then
   ``Store.upload_dir`` (the old step: the whole model on local disk first);
-- ``streamed``: ``stage-model``'s streamed path (steps/hub_stream.py): one file at a time.
+- ``streamed``: ``stage-model``'s streamed path (data/hub_stream.py): one file at a time.
 
 Peak local disk is sampled every 20 ms by the parent (du of the Hub cache / the scratch dir). Target: streamed peak
 disk <= largest file + margin, throughput >= 0.8x the baseline's. Server and client share the 2 cores.
@@ -43,7 +43,7 @@ def _child(case: str, dest: str) -> None:
         snap = snapshot_download(REPO, revision="main", local_dir=os.environ["TMPDIR"] + "/snap")
         sent = store.upload_dir(snap, f"{dest}/models/{REPO}/baseline")["bytes_uploaded"]
     else:
-        from pipeline_steps.steps import hub_stream
+        from pipeline_steps.data import hub_stream
 
         commit, files = hub_stream.hub_files(REPO, "main")
         sent = hub_stream.stage(store, REPO, commit, files, f"{dest}/models/{REPO}/{commit}")["bytes_uploaded"]
@@ -105,7 +105,7 @@ def _run(case: str, tmp: Path, url: str) -> dict:
 
 def main() -> None:
     total_mb = int(os.environ.get("BENCH_STAGING_MB", "2048"))
-    from pipeline_steps.steps.hub_stream import MARGIN
+    from pipeline_steps.data.hub_stream import MARGIN
     from tests.hub_standin import HubStandIn
 
     with tempfile.TemporaryDirectory(prefix="bench-staging-") as tmp:

@@ -185,10 +185,11 @@ def test_checkpoint_dir_is_merged_and_evaluated(tiny_model, aime, tmp_path, tmp_
     res = json.loads((tmp_path / "c" / "results.json").read_text())
     assert res["model"]["source"] == "checkpoint" and res["model"]["step"] == 1 and s["samples_scored"] == 4
     assert not list(tmp_path.glob(".tmp-*"))  # the merged copy is cleaned up
-    from pipeline_steps.steps import export  # export accepts these results only if it merges to the same content
+    # export accepts these results only if it merges to the same content
+    from pipeline_steps.training.checkpoints import dir_sha256, merge_checkpoint, resolve_checkpoint
 
-    _, actor = export.resolve_checkpoint(checkpoints, 1)
-    assert res["model"]["content_sha256"] == export.dir_sha256(export.merge_checkpoint(actor, tmp_path / "m"))
+    _, actor = resolve_checkpoint(checkpoints, 1)
+    assert res["model"]["content_sha256"] == dir_sha256(merge_checkpoint(actor, tmp_path / "m"))
 
 
 @pytest.mark.parametrize(

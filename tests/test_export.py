@@ -11,7 +11,7 @@ import pytest
 
 from pipeline_steps import cli
 from pipeline_steps.errors import UserError
-from pipeline_steps.steps import export
+from pipeline_steps.training.checkpoints import check_model, dir_sha256, merge_checkpoint, resolve_checkpoint
 from tests import fsdp_checkpoint
 from tests.test_promotion import answers
 
@@ -43,9 +43,9 @@ def test_merged_weights_equal_source_weights(ckpt, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    step, actor = export.resolve_checkpoint(ckpt["checkpoints"])
+    step, actor = resolve_checkpoint(ckpt["checkpoints"])
     assert step == 2 and actor.name == "actor"
-    merged = export.merge_checkpoint(actor, tmp_path / "merged")
+    merged = merge_checkpoint(actor, tmp_path / "merged")
     got = load_file(merged / "model.safetensors")
     ref = torch.load(ckpt["checkpoints"] / "reference_state_dict.pt", weights_only=True)
     base = AutoModelForCausalLM.from_pretrained(ckpt["model"]).state_dict()
@@ -56,7 +56,7 @@ def test_merged_weights_equal_source_weights(ckpt, tmp_path):
         assert torch.equal(tensor, ref[key].to(torch.bfloat16)), key
         changed += not torch.equal(tensor, base[key].to(torch.bfloat16))
     assert changed > len(got) // 2  # the optimizer step moved the weights: we did not merge the base model
-    info = export.check_model(merged)
+    info = check_model(merged)
     assert (
         info["generated_tokens"] >= 1
         and info["parameters"] == sum(p.numel() for p in base.values()) - base["lm_head.weight"].numel()
@@ -67,7 +67,7 @@ def test_missing_fsdp_config_says_how_to_fix(ckpt, tmp_path, capsys):
     cks = copy_checkpoints(ckpt, tmp_path)
     (cks / "global_step_2" / "actor" / "fsdp_config.json").unlink()
     with pytest.raises(UserError, match=r'create it with the content \{"FSDP_version": 1, "world_size": 2\}'):
-        export.resolve_checkpoint(cks)
+        resolve_checkpoint(cks)
     code, summary, err = run_cli(_export_args(cks, tmp_path, f"file://{tmp_path}/store", 0.9), capsys)
     assert code == 2 and not summary["ok"] and "fsdp_config.json: missing" in summary["error"]
     assert not (tmp_path / "store").exists()  # nothing uploaded, nothing promoted
@@ -77,17 +77,17 @@ def test_bad_checkpoint_dirs_give_one_clear_line(ckpt, tmp_path):
     cks = copy_checkpoints(ckpt, tmp_path)
     (cks / "latest_checkpointed_iteration.txt").unlink()
     with pytest.raises(UserError, match="no latest_checkpointed_iteration.txt.*pass --step N"):
-        export.resolve_checkpoint(cks)
-    assert export.resolve_checkpoint(cks, step=1)[0] == 1
+        resolve_checkpoint(cks)
+    assert resolve_checkpoint(cks, step=1)[0] == 1
     (cks / "global_step_3" / "actor").mkdir(parents=True)
     (cks / "latest_checkpointed_iteration.txt").write_text("3")
     with pytest.raises(UserError, match="global_step_3: empty checkpoint"):
-        export.resolve_checkpoint(cks)
+        resolve_checkpoint(cks)
     (cks / "global_step_1" / "actor" / "model_world_size_2_rank_1.pt").unlink()
     with pytest.raises(UserError, match=r"ranks \[1\] of world size 2 are missing"):
-        export.resolve_checkpoint(cks, step=1)
+        resolve_checkpoint(cks, step=1)
     with pytest.raises(UserError, match="available: .*global_step_2"):
-        export.resolve_checkpoint(cks, step=9)
+        resolve_checkpoint(cks, step=9)
 
 
 def _results(avg, eval_sha="e" * 64):
@@ -247,14 +247,17 @@ def test_eval_results_of_another_model_are_rejected(ckpt, tmp_path, capsys):
     store_root = f"file://{tmp_path}/store"
     argv = _export_args(ckpt["checkpoints"], tmp_path, store_root, 0.9)
     res = _results(0.9)
-    res["model"] = {"content_sha256": export.dir_sha256(ckpt["model"]), "source": "hf_model"}  # the base model's hash
+    res["model"] = {
+        "content_sha256": dir_sha256(ckpt["model"]),
+        "source": "hf_model",
+    }  # the base model's hash
     argv[argv.index("--eval-results") + 1] = _write(tmp_path, "other.json", res)
     code, s, _ = run_cli(argv, capsys)
     assert code == 2 and "scored a different model" in s["error"] and not (tmp_path / "store").exists()
     # the hash evaluate records for this checkpoint is accepted
-    step, actor = export.resolve_checkpoint(ckpt["checkpoints"])
+    step, actor = resolve_checkpoint(ckpt["checkpoints"])
     res["model"] = {
-        "content_sha256": export.dir_sha256(export.merge_checkpoint(actor, tmp_path / "m")),
+        "content_sha256": dir_sha256(merge_checkpoint(actor, tmp_path / "m")),
         "source": "checkpoint",
     }
     argv[argv.index("--eval-results") + 1] = _write(tmp_path, "same.json", res)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_steps.data import hub_stream
 from pipeline_steps.errors import TransientError, UserError
-from pipeline_steps.steps import hub_stream, stage_model
+from pipeline_steps.steps import stage_model
 from pipeline_steps.store import open_store
 from tests.hub_standin import COMMIT, HubStandIn
 

@@ -12,7 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pipeline_steps.steps.sandbox_server import KEY_ENV
+from pipeline_steps.sandbox import KEY_ENV
 
 
 def _free_port() -> int:

@@ -15,7 +15,6 @@ of the sha256 of the files' bytes: the same bytes give the same version, changed
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import hashlib
 import logging
@@ -25,7 +24,8 @@ import tempfile
 from pathlib import Path, PurePosixPath
 
 from pipeline_steps import atomic
-from pipeline_steps.data import registry, revisions
+from pipeline_steps.data import hub, registry
+from pipeline_steps.data.hub import fetch_snapshot
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -52,75 +52,6 @@ def add_arguments(p):
     p.add_argument("--registry", default=None, help="YAML/JSON file with extra dataset entries")
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0", "false")
-
-
-def _cache_dir() -> str | None:
-    return os.environ.get("HF_HUB_CACHE") or None  # read now, not at huggingface_hub import
-
-
-@contextlib.contextmanager
-def _hub_errors(repo_id: str, revision: str, repo_type: str = "dataset", path: str | None = None):
-    """Hub errors as one-line user errors naming the repository (and the file, for a single-file download)."""
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    offline = _offline()
-    try:
-        yield
-    except RevisionNotFoundError:
-        raise UserError(
-            f"--revision {revision!r} does not exist in {repo_type} {repo_id}; pass an existing branch, tag or commit"
-        ) from None
-    except GatedRepoError:
-        raise UserError(
-            f"{repo_type} {repo_id} is gated; accept its terms on the Hub and set a token (HF connection or HF_TOKEN)"
-        ) from None
-    except RepositoryNotFoundError:
-        raise UserError(
-            f"{repo_type} {repo_id} not found (or private without a token); check the name and the HF connection"
-        ) from None
-    except RemoteEntryNotFoundError:  # online: the repository and revision exist, the file does not
-        raise UserError(
-            f"{repo_type} {repo_id}@{revision} has no file {path!r}; check the path inside the repository"
-        ) from None
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
-        if offline and not revisions.in_cache(repo_id, repo_type):
-            raise UserError(
-                f"{repo_type} {repo_id} is not in the offline Hub cache (no such repository here); check the name"
-            ) from None
-        where = "in the offline cache" if offline else "locally and the Hub is unreachable"
-        what = f"file {path!r} at revision {revision!r}" if path else f"revision {revision!r}"
-        raise UserError(
-            f"{what} of {repo_type} {repo_id} is not available {where}; "
-            "check the name, pin a revision that is cached or allow network access"
-        ) from None
-
-
-def fetch_snapshot(repo_id: str, revision: str, allow_patterns=None, repo_type: str = "dataset") -> Path:
-    """``snapshot_download`` with Hub errors turned into one-line user errors."""
-    from huggingface_hub import snapshot_download
-
-    with _hub_errors(repo_id, revision, repo_type):
-        return Path(
-            snapshot_download(
-                repo_id=repo_id,
-                repo_type=repo_type,
-                revision=revision,
-                allow_patterns=list(allow_patterns) or None,
-                local_files_only=_offline(),  # a pinned commit would otherwise still ask the Hub for its file list
-                cache_dir=_cache_dir(),
-            )
-        )
-
-
 def fetch_hub_file(uri: str, what: str) -> tuple[Path, str, str]:
     """One dataset file named ``hf://datasets/<org>/<name>[@<revision>]/<path>`` through ``hf_hub_download`` into the
     Hugging Face cache: (its path in the cache, the commit it was read at, the repository id)."""
@@ -129,15 +60,15 @@ def fetch_hub_file(uri: str, what: str) -> tuple[Path, str, str]:
     parsed = registry.hub_file(uri, what)
     revision = parsed.revision or "main"
     try:
-        with _hub_errors(parsed.id, revision, path=parsed.path_in_repo):
+        with hub.hub_errors(parsed.id, revision, path=parsed.path_in_repo):
             path = Path(
                 hf_hub_download(
                     parsed.id,
                     parsed.path_in_repo,
                     repo_type="dataset",
                     revision=revision,
-                    local_files_only=_offline(),
-                    cache_dir=_cache_dir(),
+                    local_files_only=hub.offline(),
+                    cache_dir=hub.cache_dir(),
                 )
             )
     except UserError as exc:

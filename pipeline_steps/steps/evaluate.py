@@ -1,7 +1,7 @@
 """Step ``evaluate``: k samples per problem, scored by verl's own reward code.
 
 ``--model`` is a Hugging Face model directory or a verl checkpoints directory (merged first
-with verl's merger through :func:`pipeline_steps.steps.export.materialize`). Each sample is scored
+with verl's merger through :func:`pipeline_steps.training.checkpoints.materialize`). Each sample is scored
 with ``verl.utils.reward_score.default_compute_score`` and the row's ``data_source`` (AIME
 rows route to ``math_dapo``), exactly what the training reward uses, and the arithmetic is
 in :mod:`pipeline_steps.evaluation.metrics`.
@@ -388,7 +388,7 @@ def evaluate_model(
     model: str, rows, eval_info, s, work: Path, step=None, cache_dir=None, batch_size=0
 ) -> tuple[dict, list]:
     """Score one model (HF dir or checkpoints dir). Returns (results, generations); cached when cache_dir is set."""
-    from pipeline_steps.steps.export import dir_sha256, materialize
+    from pipeline_steps.training.checkpoints import dir_sha256, materialize
 
     m = materialize(model, work, step)
     model_sha = dir_sha256(m["path"])

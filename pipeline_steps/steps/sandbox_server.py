@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 
 from pipeline_steps.errors import UserError
-
-KEY_ENV = "SANDBOX_SERVER_API_KEY"
+from pipeline_steps.sandbox import KEY_ENV
 
 
 def add_arguments(p):

@@ -1,7 +1,7 @@
 """Step ``stage-model``: model weights at a pinned revision -> ``<root>/models/<org>/<name>/<revision>/``.
 
 SOURCE is one of
-- a Hugging Face repo id (``org/name``): streamed file by file at ``--revision`` (steps/hub_stream.py; token from
+- a Hugging Face repo id (``org/name``): streamed file by file at ``--revision`` (data/hub_stream.py; token from
   ``HF_TOKEN``, read by huggingface_hub itself); the path names the resolved commit; offline, a cached snapshot;
 - a local directory: staged under ``models/local/<dir name>/<revision>``;
 - ``tiny``: the project's tiny Qwen2-architecture model, built locally
@@ -151,12 +151,12 @@ def run(args):
                 "files": len(manifest["files"]),
                 "bytes_uploaded": 0,
             }
-    from pipeline_steps.steps.download import _offline, fetch_snapshot
+    from pipeline_steps.data.hub import fetch_snapshot, offline
 
-    if not _offline():
+    if not offline():
         # Streamed by default: the worker pod has no disk sized for a model (a 32B one is ~65 GB); one file at a time
         # needs only the largest file. For a small model a snapshot would be no cheaper: the same bytes cross once.
-        from pipeline_steps.steps import hub_stream
+        from pipeline_steps.data import hub_stream
 
         commit, files = hub_stream.hub_files(model, revision)
         uri = str(root.child(f"models/{org}/{name}/{commit}"))

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from pipeline_steps.data.hub import hub_errors
 from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.store import claim
 from pipeline_steps.store.base import MANIFEST, file_checksums, render_manifest, validate_key
@@ -32,9 +33,7 @@ def hub_files(model: str, revision: str):
     """(commit, [{path, size, sha256|None, blob}]) of the model at ``revision``, from one Hub API call."""
     from huggingface_hub import HfApi
 
-    from pipeline_steps.steps.download import _hub_errors
-
-    with _hub_errors(model, revision, "model"):
+    with hub_errors(model, revision, "model"):
         info = HfApi().model_info(model, revision=revision, files_metadata=True)
     files = []
     for s in info.siblings or []:
@@ -93,8 +92,6 @@ def stage(store, model: str, commit: str, files: list[dict], uri: str, scratch_r
     """Stream ``files`` of ``model@commit`` into the version ``uri``; resumable, committed last."""
     from huggingface_hub import hf_hub_download
 
-    from pipeline_steps.steps.download import _hub_errors
-
     u = store._parse(uri)
     plan = json.dumps({"model": model, "commit": commit, "files": files}, sort_keys=True).encode()
     token = claim.take(store, u.key, hashlib.sha256(plan).hexdigest(), uri)
@@ -116,7 +113,7 @@ def stage(store, model: str, commit: str, files: list[dict], uri: str, scratch_r
                 if entry and info and info.size == entry["size"] and info.checksum == entry.get(store.native):
                     entries.append(entry)  # stored by an earlier run and unchanged since
                     continue
-                with _hub_errors(model, commit, "model", f["path"]):
+                with hub_errors(model, commit, "model", f["path"]):
                     local = Path(hf_hub_download(model, f["path"], revision=commit, local_dir=scratch))
                 try:
                     sums = file_checksums(local, store.native)
