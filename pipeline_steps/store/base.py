@@ -36,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pipeline_steps.store.claim as claim  # not "from pipeline_steps.store import": that package imports this module
 from pipeline_steps import atomic, outputs, settings
 from pipeline_steps.errors import TransientError, UserError
-from pipeline_steps.store import claim
 
 log = logging.getLogger(__name__)
 
