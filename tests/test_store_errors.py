@@ -3,8 +3,8 @@
 Servers: tests/oss_test_server.py (OSS dialect over moto; it verifies V4 signatures, so a wrong secret is refused
 the way OSS refuses it) and fake-gcs-server (does not authenticate: GCS credential errors are checked with a
 malformed key file, which fails before any request).
-Also: key validation, and ``operators/storage.store_env`` reading real Airflow connections (from AIRFLOW_CONN_*
-environment variables, Airflow's own secrets backend) and driving a real upload.
+Also: key validation, and ``operators.hooks.store_connection.store_env`` reading real Airflow connections (from
+AIRFLOW_CONN_* environment variables, Airflow's own secrets backend) and driving a real upload.
 """
 
 from __future__ import annotations
