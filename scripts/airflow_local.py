@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pipeline_steps import settings
 from scripts.demo import ROOT, _free_port, prepare, stop_services
 
 
@@ -93,7 +94,7 @@ def main() -> int:
     # a container stop (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) all stop everything started here
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _on_signal)
-    home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
+    home = settings.home()
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
     port = int(os.environ.get("AIRFLOW_PORT") or _free_port())
     log_path = home / "standalone.log"
