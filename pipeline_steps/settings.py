@@ -5,7 +5,8 @@ Every variable the project itself defines has the prefix ``PIPELINE_`` and is re
 import. Variables of the libraries (``HF_TOKEN``, ``MLFLOW_TRACKING_URI``, ``AIRFLOW__*``, ``E2B_*``, ``RAY_*``, ...)
 stay read where they are used. docs/settings.md lists every setting below (tests/test_settings.py checks both ways).
 
-The ``VERL_PIPELINE_*`` names of earlier releases still work as deprecated aliases of their ``PIPELINE_*`` names:
+The ``VERL_PIPELINE_*`` names of earlier releases (and ``AIRFLOW_HOST``, ``AIRFLOW_PORT``,
+``SANDBOX_SERVER_API_KEY``) still work as deprecated aliases of their ``PIPELINE_*`` names:
 the new name wins when both are set, and reading an old name logs one warning naming the new one.
 
 Standard library only: DAG files import this module and must parse fast.
@@ -210,6 +211,24 @@ SANDBOX_SERVICES = _define(
     None,
     "Named sandbox services (JSON: name -> `domain`, `secret`, `key`)",
     shown="none",
+)
+
+# --- local profile's servers ------------------------------------------------------------------------------------
+AIRFLOW_HOST = _define(
+    "PIPELINE_AIRFLOW_HOST",
+    "127.0.0.1",
+    "Address `make airflow`'s API server binds (every UI user is an admin: configure a real auth manager first)",
+    old="AIRFLOW_HOST",
+)
+AIRFLOW_PORT = _define(
+    "PIPELINE_AIRFLOW_PORT", None, "Port of `make airflow`'s API server", old="AIRFLOW_PORT", shown="a free port"
+)
+SANDBOX_API_KEY = _define(
+    "PIPELINE_SANDBOX_API_KEY",
+    None,
+    "The API key clients of the local sandbox server (`sandbox-server` step) must send; never on the command line",
+    old="SANDBOX_SERVER_API_KEY",
+    shown="none (the step requires it; `LocalSandboxServer` sets it)",
 )
 
 _warned: set[str] = set()  # deprecated names already warned about in this process
