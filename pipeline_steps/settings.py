@@ -48,7 +48,6 @@ HOME = _define(
     "The local profile's state (store, work, MLflow, sandboxes); `make demo`/`make airflow` set `./.demo`",
     shown="`~/.verl-grpo-pipeline`",
 )
-HOME_ENV = HOME  # the name before this module held every setting
 CACHE_DIR = _define(
     "PIPELINE_CACHE_DIR",
     None,
