@@ -9,19 +9,22 @@ line per check with its fix; the task fails (without retries) when any check fai
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pendulum
 from airflow.sdk import Param, dag
 
 from operators.step import PipelineStepOperator
+from pipeline_steps import settings
 from pipeline_steps.training import experiment
 
 PRESETS = experiment.preset_names()
-DEFAULT = os.environ.get("VERL_PIPELINE_DEFAULT_EXPERIMENT", "gsm8k_qwen2_5_3b")
-STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")
-MLFLOW_CONN_ID = os.environ.get("PIPELINE_MLFLOW_CONN_ID", "mlflow_default")
+# a deployment's default preset when it sets one; else a cluster preset (the settings' default is the local one)
+DEFAULT = (
+    settings.get(settings.DEFAULT_EXPERIMENT) if settings.is_set(settings.DEFAULT_EXPERIMENT) else "gsm8k_qwen2_5_3b"
+)
+STORE_CONN_ID = settings.get(settings.STORE_CONN_ID)
+MLFLOW_CONN_ID = settings.get(settings.MLFLOW_CONN_ID)
 
 
 @dag(
@@ -46,7 +49,7 @@ MLFLOW_CONN_ID = os.environ.get("PIPELINE_MLFLOW_CONN_ID", "mlflow_default")
             description="Where the RayJobs run.",
         ),
         "store_uri": Param(
-            os.environ.get("PIPELINE_STORE_URI") or None,
+            settings.get(settings.STORE_URI),
             type=["null", "string"],
             pattern="^(file|oss|gs)://[A-Za-z0-9._/-]+$",
             title="Store root URI",

@@ -8,7 +8,6 @@ is given.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pendulum
@@ -19,7 +18,7 @@ from pipeline_steps import settings
 from pipeline_steps.planning import plan as planning
 from pipeline_steps.uris import strip_file_scheme
 
-STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")
+STORE_CONN_ID = settings.get(settings.STORE_CONN_ID)
 
 
 @dag(

@@ -10,7 +10,6 @@ the Airflow side in ``operators``. Nothing heavy is imported here: the scheduler
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import pendulum
@@ -21,21 +20,22 @@ from operators.cluster_step import PipelineStepJobOperator
 from operators.notify import notify_failure
 from operators.step import PipelineStepOperator
 from operators.train import GRPOTrainOperator
+from pipeline_steps import settings
 from pipeline_steps.planning import form
 from pipeline_steps.planning import plan as planning
 from pipeline_steps.training import experiment
 from pipeline_steps.uris import strip_file_scheme
 
 PRESETS = experiment.preset_names()
-SCHEDULE = os.environ.get("VERL_PIPELINE_SCHEDULE", "@weekly")
-END_DATE = os.environ.get("VERL_PIPELINE_END_DATE")  # ISO date: no scheduled runs after it (optional)
-GPU_POOL = os.environ.get("VERL_PIPELINE_GPU_POOL", "gpu")
-GPU_SLOTS = int(os.environ.get("VERL_PIPELINE_GPU_SLOTS", "8"))
-POLL_SECONDS = float(os.environ.get("VERL_PIPELINE_POLL_SECONDS", "30"))  # how often a job's status is read
+SCHEDULE = settings.get(settings.SCHEDULE)
+END_DATE = settings.get(settings.END_DATE)  # ISO date: no scheduled runs after it (optional)
+GPU_POOL = settings.get(settings.GPU_POOL)
+GPU_SLOTS = settings.get_int(settings.GPU_SLOTS)
+POLL_SECONDS = settings.get_float(settings.POLL_SECONDS)  # how often a job's status is read
 DATASET_ASSETS = "verl-processed-datasets"  # AssetAlias: one Asset per processed dataset version
 MODEL_ASSETS = "verl-exported-models"  # AssetAlias: one Asset per exported model version (verl_evaluate_model listens)
-STORE_CONN_ID = os.environ.get("PIPELINE_STORE_CONN_ID", "pipeline_store")
-MLFLOW_CONN_ID = os.environ.get("PIPELINE_MLFLOW_CONN_ID", "mlflow_default")  # a team's MLflow server, if it exists
+STORE_CONN_ID = settings.get(settings.STORE_CONN_ID)
+MLFLOW_CONN_ID = settings.get(settings.MLFLOW_CONN_ID)  # a team's MLflow server, if it exists
 
 
 def retrying(timeout: timedelta, retries: int = 2) -> dict:
@@ -50,8 +50,8 @@ def retrying(timeout: timedelta, retries: int = 2) -> dict:
     }
 
 
-DEFAULT_EXPERIMENT = os.environ.get("VERL_PIPELINE_DEFAULT_EXPERIMENT", "local_tiny")  # what scheduled runs train
-DEFAULT_BACKEND = os.environ.get("VERL_PIPELINE_DEFAULT_BACKEND", "local")
+DEFAULT_EXPERIMENT = settings.get(settings.DEFAULT_EXPERIMENT)  # what scheduled runs train
+DEFAULT_BACKEND = settings.get(settings.DEFAULT_BACKEND)
 PRESET = experiment.preset_summary(DEFAULT_EXPERIMENT)  # the default preset's values, shown in the form
 NAME = "^[a-z0-9][a-z0-9_.-]{0,63}$"
 # a JSONL file: a store object or a Hub dataset file (HfFileSystem's spelling, optional @revision after the repo)
@@ -196,7 +196,7 @@ PARAMS = {
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     end_date=pendulum.parse(END_DATE) if END_DATE else None,
     catchup=False,
-    max_active_runs=int(os.environ.get("VERL_PIPELINE_MAX_ACTIVE_RUNS", "1")),
+    max_active_runs=settings.get_int(settings.MAX_ACTIVE_RUNS),
     params=PARAMS,
     tags=["verl", "grpo", "rl"],
     default_args=retrying(timedelta(hours=1)),

@@ -81,7 +81,7 @@ class GRPOTrainOperator(BaseOperator):
         read, the backend and the overrides come from it (no preset is read again); ``experiment``, ``overrides``
         and ``backend`` are then not used.
     :param experiment: without a plan: preset name (``pipeline_steps/training/presets/NAME.yaml``, or a deployment's
-        ``$VERL_PIPELINE_PRESETS_DIR``) or a preset file.
+        ``$PIPELINE_PRESETS_DIR``) or a preset file.
     :param overrides: verl Hydra overrides (``KEY=VALUE``): a list, a JSON list, or one per line.
         Untrusted: checked by :mod:`pipeline_steps.training.overrides`, and they only ever travel as single argv
         items (local) or shell-quoted arguments (RayJob).

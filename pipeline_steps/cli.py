@@ -13,10 +13,10 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import sys
 import traceback
 
+from pipeline_steps import settings
 from pipeline_steps.errors import TransientError, UserError, disk_full
 
 # step name -> (module, one-line help)
@@ -64,7 +64,7 @@ def _transient(step, exc: TransientError) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(
-        level=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
+        level=settings.get(settings.LOG_LEVEL),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, TransientError):
             return _transient(step, exc)
         msg = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
-        if os.environ.get("PIPELINE_DEBUG"):
+        if settings.get(settings.DEBUG):
             traceback.print_exc()
         sys.stderr.write(f"unexpected error in step {step!r}: {msg} (set PIPELINE_DEBUG=1 for the traceback)\n")
         _emit({"ok": False, "step": step, "error": msg})

@@ -22,6 +22,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from pipeline_steps import settings
+
 log = logging.getLogger(__name__)
 
 FILE = "mlflow_run.json"
@@ -144,7 +146,7 @@ def numeric(flat: dict, prefix: str) -> dict[str, float]:
     return out
 
 
-CREDENTIALS_FILE_ENV = "PIPELINE_MLFLOW_CREDENTIALS_FILE"
+CREDENTIALS_FILE_ENV = settings.MLFLOW_CREDENTIALS_FILE
 CREDENTIAL_ENVS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
@@ -158,7 +160,7 @@ def load_credentials() -> list[str]:
     """
     from pipeline_steps.errors import UserError
 
-    path = os.environ.get(CREDENTIALS_FILE_ENV)
+    path = settings.get(CREDENTIALS_FILE_ENV)
     if not path:
         return []
     try:

@@ -5,8 +5,8 @@ store, the tiny model, the `gpu` pool, a local Ray cluster on free ports), then 
 `airflow standalone` starts, but restarted when one exits: scripts/airflow_components.py) with the UI on a free port
 it prints. Local use only: every UI user is an admin without a login
 (``AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS``), so the API server listens on the loopback address only
-(``AIRFLOW_HOST`` to change it: then configure a real auth manager first). Ctrl-C, SIGTERM or SIGHUP stops Airflow,
-the MLflow server and the Ray cluster it started.
+(``PIPELINE_AIRFLOW_HOST`` to change it: then configure a real auth manager first). Ctrl-C, SIGTERM or SIGHUP stops
+Airflow, the MLflow server and the Ray cluster it started.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pipeline_steps import settings
 from scripts.demo import ROOT, _free_port, prepare, stop_services
 
 
@@ -28,7 +29,7 @@ def airflow_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
         {
             "AIRFLOW__API__PORT": str(port),
             # Airflow's default is every interface; with every user an admin, only this machine may connect
-            "AIRFLOW__API__HOST": os.environ.get("AIRFLOW_HOST") or "127.0.0.1",
+            "AIRFLOW__API__HOST": settings.get(settings.AIRFLOW_HOST),
             "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
             "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS": "True",  # local only: no login
             "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
@@ -93,9 +94,9 @@ def main() -> int:
     # a container stop (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) all stop everything started here
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _on_signal)
-    home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
+    home = settings.home()
     airflow_home = Path(os.environ.get("AIRFLOW_HOME") or ROOT / ".airflow")
-    port = int(os.environ.get("AIRFLOW_PORT") or _free_port())
+    port = settings.get_int(settings.AIRFLOW_PORT) or _free_port()
     log_path = home / "standalone.log"
     home.mkdir(parents=True, exist_ok=True)
     print(f"starting Airflow on the local profile (AIRFLOW_HOME={airflow_home}, log {log_path}) ...", flush=True)

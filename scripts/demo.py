@@ -18,6 +18,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pipeline_steps import settings
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,11 +46,11 @@ def local_profile_env(home: Path) -> dict[str, str]:
     """Environment for the embedded default; tests use the same function. The local Ray cluster gets free ports
     and its own directory, so it never collides with another cluster on the machine."""
     return {
-        "PIPELINE_RAY_TEMP_DIR": str(ray_temp_dir(home)),
-        "PIPELINE_RAY_PORT": str(_free_port()),
-        "PIPELINE_RAY_DASHBOARD_PORT": str(_free_port()),
-        "PIPELINE_HOME": str(home),
-        "PIPELINE_STORE_URI": f"file://{home / 'store'}",
+        settings.RAY_TEMP_DIR: str(ray_temp_dir(home)),
+        settings.RAY_PORT: str(_free_port()),
+        settings.RAY_DASHBOARD_PORT: str(_free_port()),
+        settings.HOME: str(home),
+        settings.STORE_URI: f"file://{home / 'store'}",
         "HF_HUB_CACHE": str(home / "hf-cache"),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
@@ -58,7 +60,7 @@ def local_profile_env(home: Path) -> dict[str, str]:
         "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
         # a local job's status is one HTTP call to the local Ray cluster: read it every 5 s, not every 30 s as a
         # cluster's (a smoke run's train, evaluate and export each waited up to 30 s after their job had ended)
-        "VERL_PIPELINE_POLL_SECONDS": "5",
+        settings.POLL_SECONDS: "5",
     }
 
 
@@ -201,7 +203,7 @@ def main() -> int:
     # a container stop (SIGTERM), Ctrl-C (SIGINT) and a closed terminal (SIGHUP) stop everything the demo started
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, _on_signal)
-    home = Path(os.environ.get("PIPELINE_HOME") or ROOT / ".demo")
+    home = settings.home()
     try:
         return _run(home)
     except Stop:

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline_steps import settings
+
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = "local_tool_learning"
 K = 4  # steps averaged at each end of a run
@@ -178,7 +180,7 @@ def report(result: dict, out: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", default=str(Path(os.environ.get("PIPELINE_HOME", ROOT / ".demo")) / "tool-learning"))
+    p.add_argument("--out", default=str(settings.home() / "tool-learning"))
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="for both runs")
     args = p.parse_args(argv)
     out = Path(args.out) / time.strftime("%Y%m%dT%H%M%S")

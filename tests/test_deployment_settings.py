@@ -22,8 +22,8 @@ def test_scheduled_runs_train_a_cluster_preset_on_kuberay_against_the_mounted_bu
     from pipeline_steps.training.mounts import MountMap
 
     env = _env()
-    preset = experiment.load(env["VERL_PIPELINE_DEFAULT_EXPERIMENT"])
-    assert preset.spec.get("backend") != "local" and env["VERL_PIPELINE_DEFAULT_BACKEND"] == "kuberay"
+    preset = experiment.load(env["PIPELINE_DEFAULT_EXPERIMENT"])
+    assert preset.spec.get("backend") != "local" and env["PIPELINE_DEFAULT_BACKEND"] == "kuberay"
     store = env["PIPELINE_STORE_URI"]
     assert store.startswith(("oss://", "gs://"))
     mounts = MountMap.from_config(yaml.safe_load(env["PIPELINE_MOUNTS"]), source="PIPELINE_MOUNTS")
@@ -34,7 +34,7 @@ def test_the_gpu_pool_holds_a_tasks_slots_and_counts_deferred_tasks():
     text = VALUES.read_text()
     m = re.search(r"airflow pools set gpu (\d+) \"[^\"]*\"( --include-deferred)?", text)
     assert m, "the values must say how the gpu pool is created"
-    assert int(m.group(1)) >= int(_env()["VERL_PIPELINE_GPU_SLOTS"]), "a task would ask for more slots than the pool"
+    assert int(m.group(1)) >= int(_env()["PIPELINE_GPU_SLOTS"]), "a task would ask for more slots than the pool"
     assert m.group(2), "without --include-deferred a deferred train frees its slots (tests/test_postgres_profile.py)"
     guide = (ROOT / "docs" / "cluster.md").read_text()
     assert m.group(0) in guide  # the deployment guide tells the same command

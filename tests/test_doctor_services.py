@@ -92,7 +92,7 @@ def services(cluster, tmp_path, mlflow_uri, oss_server):  # noqa: F811 - the imp
     env = {
         "PIPELINE_MOUNTS": (ROOT / "k8s" / "overlays" / "ack" / "mounts.json").read_text(),
         "KUBERNETES_SERVICE_HOST": "",
-        "VERL_PIPELINE_PRESETS_DIR": str(presets),
+        "PIPELINE_PRESETS_DIR": str(presets),
         "PIPELINE_E2B_DOMAIN": "sandbox.example.com",  # the deployment's default service (Helm values)
         "E2B_API_URL": sandbox.url,  # ...which the stand-in serves (the E2B SDK's own override of api.<domain>)
         "E2B_API_KEY": "",

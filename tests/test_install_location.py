@@ -149,7 +149,7 @@ def test_a_deployment_preset_directory_shadows_and_extends(installed, tmp_path):
     (tmp_path / "team_preset.yaml").write_text(packaged)  # extends: a new name
     # shadows: the deployment's local_tiny, with rollout n 8 instead of the packaged 4
     (tmp_path / "local_tiny.yaml").write_text(packaged.replace("rollout.n: 4\n", "rollout.n: 8\n"))
-    env = dict(installed["env"], VERL_PIPELINE_PRESETS_DIR=str(tmp_path))
+    env = dict(installed["env"], PIPELINE_PRESETS_DIR=str(tmp_path))
     for name, rollout_n in (("team_preset", 4), ("local_tiny", 8)):
         p = subprocess.run(
             [installed["py"], "-m", "pipeline_steps", "preflight", "--experiment", name, "--skip-store-check"],

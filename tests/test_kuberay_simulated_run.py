@@ -138,8 +138,8 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
                     }
                 ),
                 "PIPELINE_MOUNTS": json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": MOUNT}]),
-                "VERL_PIPELINE_PRESETS_DIR": str(tmp_path / "presets"),
-                "VERL_PIPELINE_POLL_SECONDS": "1",
+                "PIPELINE_PRESETS_DIR": str(tmp_path / "presets"),
+                "PIPELINE_POLL_SECONDS": "1",
                 "AIRFLOW_CONN_MLFLOW_DEFAULT": json.dumps({"conn_type": "http", "host": mlflow_uri}),
             }
         )

@@ -180,9 +180,11 @@ def test_make_airflow_listens_on_loopback_and_stops_everything_on_sigterm(tmp_pa
     from scripts.demo import local_profile_env, ray_temp_dir
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow-home"
-    env = dict(os.environ, PIPELINE_HOME=str(home), AIRFLOW_HOME=str(airflow_home), AIRFLOW_PORT=str(_free_port()))
+    env = dict(
+        os.environ, PIPELINE_HOME=str(home), AIRFLOW_HOME=str(airflow_home), PIPELINE_AIRFLOW_PORT=str(_free_port())
+    )
     env.pop("MLFLOW_TRACKING_URI", None)
-    env.pop("AIRFLOW_HOST", None)
+    env.pop("PIPELINE_AIRFLOW_HOST", None)
     out = tmp_path / "make-airflow.out"
     with open(out, "w") as f:
         make = subprocess.Popen(
@@ -205,7 +207,7 @@ def test_make_airflow_listens_on_loopback_and_stops_everything_on_sigterm(tmp_pa
             for k, v in old.items():
                 os.environ.pop(k) if v is None else os.environ.update({k: v})
         ray_state = ray_cluster._read_state(ray_temp_dir(home))
-        api_port = int(env["AIRFLOW_PORT"])
+        api_port = int(env["PIPELINE_AIRFLOW_PORT"])
 
         def ours() -> set[int]:
             return listening.descendants(make.pid) | listening.in_group(ray_state["pgid"])

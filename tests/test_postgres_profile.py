@@ -94,10 +94,10 @@ def airflow_pg(postgres, tmp_path_factory):
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "4",
         # weekly, ending on the backfill's last date: no scheduled run competes with the runs the tests make
-        "VERL_PIPELINE_SCHEDULE": "@weekly",
-        "VERL_PIPELINE_END_DATE": DATES[-1],
-        "VERL_PIPELINE_MAX_ACTIVE_RUNS": "4",
-        "VERL_PIPELINE_GPU_SLOTS": "8",
+        "PIPELINE_SCHEDULE": "@weekly",
+        "PIPELINE_END_DATE": DATES[-1],
+        "PIPELINE_MAX_ACTIVE_RUNS": "4",
+        "PIPELINE_GPU_SLOTS": "8",
     }
     home = tmp / "pipeline"
     state = {"home": home, "log": tmp / "standalone.log", "airflow_home": tmp / "airflow-home", "race": race}

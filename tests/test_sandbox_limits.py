@@ -249,11 +249,11 @@ def test_server_refuses_to_start_without_a_key(tmp_path):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "SANDBOX_SERVER_API_KEY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("PIPELINE_SANDBOX_API_KEY", "SANDBOX_SERVER_API_KEY")}
     cmd = [sys.executable, "-m", "pipeline_steps", "sandbox-server", "--state-dir", str(tmp_path / "s")]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
-    assert p.stderr.strip().splitlines()[-1] == "error: set $SANDBOX_SERVER_API_KEY to the API key clients must send"
+    assert p.stderr.strip().splitlines()[-1] == "error: set $PIPELINE_SANDBOX_API_KEY to the API key clients must send"
 
 
 def test_file_size_and_open_files_bounded(sandbox):
@@ -540,7 +540,7 @@ def test_server_refuses_to_start_without_bubblewrap(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "SANDBOX_SERVER_API_KEY": "k", "PATH": str(tmp_path)}  # no bwrap on this PATH
+    env = {**os.environ, "PIPELINE_SANDBOX_API_KEY": "k", "PATH": str(tmp_path)}  # no bwrap on this PATH
     cmd = [sys.executable, "-m", "pipeline_steps", "sandbox-server", "--state-dir", str(tmp_path / "s")]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2

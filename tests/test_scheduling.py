@@ -45,8 +45,8 @@ def airflow(tmp_path_factory):
             "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "1200",
             # weekly, ending on the backfill's last date: the run that unpausing with catchup off would schedule is the
             # backfill's own last date, so no extra scheduled run competes with the backfill
-            "VERL_PIPELINE_SCHEDULE": "@weekly",
-            "VERL_PIPELINE_END_DATE": DATES[-1],
+            "PIPELINE_SCHEDULE": "@weekly",
+            "PIPELINE_END_DATE": DATES[-1],
         }
     )
     home, log = tmp / "pipeline", tmp / "standalone.log"

@@ -47,7 +47,7 @@ def ui(tmp_path_factory):
     shots = Path(os.environ.get("UI_SCREENSHOTS") or tmp / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     # only the runs this test triggers; no end date (a DAG end date in the past leaves a new run with no tasks)
-    settings = {"VERL_PIPELINE_SCHEDULE": "none", "VERL_PIPELINE_END_DATE": ""}
+    settings = {"PIPELINE_SCHEDULE": "none", "PIPELINE_END_DATE": ""}
     old = {k: os.environ.get(k) for k in settings}
     os.environ.update(settings)
     home = tmp / "pipeline"

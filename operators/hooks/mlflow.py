@@ -28,12 +28,14 @@ from urllib.parse import urlsplit
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
+from pipeline_steps import settings
+
 URI_ENV = "MLFLOW_TRACKING_URI"
 USERNAME_ENV, PASSWORD_ENV, TOKEN_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"
 CREDENTIAL_ENVS = (USERNAME_ENV, PASSWORD_ENV, TOKEN_ENV)
 # the Kubernetes Secret's data keys (the same as gsm8k_qwen2_5_3b's Secret mlflow-tracking)
 SECRET_KEYS = {USERNAME_ENV: "username", PASSWORD_ENV: "password", TOKEN_ENV: "token"}
-SECRET_ENV = "PIPELINE_MLFLOW_SECRET"  # the deployment's Secret name; else the preset's cluster.mlflow_secret
+SECRET_ENV = settings.MLFLOW_SECRET  # the deployment's Secret name; else the preset's cluster.mlflow_secret
 CONN_TYPES = ("http", "https", "mlflow")
 
 
@@ -158,7 +160,7 @@ class MlflowHook(BaseHook):
         env = {k: v for k, v in (cluster.get("env") or {}).items() if k not in names}
         secrets = [s for s in cluster.get("secrets") or [] if not (isinstance(s, dict) and s.get("env") in names)]
         env[URI_ENV] = uri
-        secret = os.environ.get(SECRET_ENV) or cluster.get("mlflow_secret")
+        secret = settings.get(SECRET_ENV) or cluster.get("mlflow_secret")
         if self.credentials and not secret:
             self._fail(
                 f"has credentials, but no Kubernetes Secret is named to give them to the pods: create one with keys "

@@ -19,6 +19,7 @@ import os
 import re
 from pathlib import Path
 
+from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -102,7 +103,7 @@ def _load_user_registry(path: str | os.PathLike) -> dict:
 
 def load(registry_file: str | None = None) -> dict[str, DatasetSpec]:
     specs = dict(BUILTIN)
-    path = registry_file or os.environ.get("PIPELINE_DATASETS")
+    path = registry_file or settings.get(settings.DATASETS)
     if path:
         fields = {f.name for f in dataclasses.fields(DatasetSpec)}
         for name, entry in _load_user_registry(path).items():

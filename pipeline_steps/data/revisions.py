@@ -14,6 +14,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
+from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -28,7 +29,7 @@ def parse_date(text: str) -> datetime:
 
 
 def _index_file(repo_id: str) -> Path | None:
-    roots = [os.environ.get("PIPELINE_REVISION_INDEX")]
+    roots = [settings.get(settings.REVISION_INDEX)]
     if os.environ.get("HF_HUB_CACHE"):
         roots.append(str(Path(os.environ["HF_HUB_CACHE"]) / "revision-index"))
     for root in filter(None, roots):

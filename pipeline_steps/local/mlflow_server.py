@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline_steps import settings
 from pipeline_steps.local.ray_cluster import _free_port, _pid_alive, stop_group
 from pipeline_steps.tracking_run import responds
 
@@ -31,11 +32,9 @@ STATE_FILE = "pipeline_mlflow_server.json"
 def server_dir(directory=None) -> Path:
     if directory:
         return Path(directory)
-    if os.environ.get("PIPELINE_MLFLOW_DIR"):
-        return Path(os.environ["PIPELINE_MLFLOW_DIR"])
     from pipeline_steps import settings
 
-    return settings.home() / "mlflow"
+    return settings.get_path(settings.MLFLOW_DIR, settings.home() / "mlflow")
 
 
 def _read_state(d: Path) -> dict | None:
@@ -55,7 +54,7 @@ def ensure_server(directory=None, *, port: int | None = None, timeout: float = 1
     if state and _pid_alive(state["pid"]) and responds(state["uri"]):
         return state["uri"]
     (d / "artifacts").mkdir(parents=True, exist_ok=True)
-    port = int(port or os.environ.get("PIPELINE_MLFLOW_PORT") or _free_port())
+    port = int(port or settings.get(settings.MLFLOW_PORT) or _free_port())
     uri = f"http://127.0.0.1:{port}"
     mlflow_exe = Path(sys.executable).with_name("mlflow")
     cmd = [

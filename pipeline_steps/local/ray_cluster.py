@@ -40,6 +40,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pipeline_steps import settings
+
 log = logging.getLogger(__name__)
 
 LIVE = {"PENDING", "RUNNING"}
@@ -56,7 +58,7 @@ class JobAlreadyFinishedError(RuntimeError):
 
 
 def _temp_dir(temp_dir=None) -> Path:
-    return Path(temp_dir or os.environ.get("PIPELINE_RAY_TEMP_DIR") or "/tmp/ray_pipeline")
+    return Path(temp_dir or settings.get(settings.RAY_TEMP_DIR))
 
 
 def _free_port() -> int:
@@ -170,13 +172,13 @@ def ensure_cluster(
         _TOKENS[state["address"]] = token
     if state and _pid_alive(state["pid"]) and _responds(state["address"]):
         return state["address"]
-    dashboard_port = int(dashboard_port or os.environ.get("PIPELINE_RAY_DASHBOARD_PORT") or 8265)
+    dashboard_port = int(dashboard_port or settings.get_int(settings.RAY_DASHBOARD_PORT))
     url = f"http://127.0.0.1:{dashboard_port}"
     _TOKENS[url] = token
     if _responds(url):
         log.info("reusing the Ray cluster whose dashboard answers at %s", url)
         return url
-    port = int(port or os.environ.get("PIPELINE_RAY_PORT") or 6379)
+    port = int(port or settings.get_int(settings.RAY_PORT))
     ray_exe = Path(sys.executable).with_name("ray")
     cmd = [
         str(ray_exe) if ray_exe.exists() else "ray",

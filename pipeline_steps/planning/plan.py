@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from datetime import datetime
-from pathlib import Path
 
 from pipeline_steps import settings
 from pipeline_steps.data import registry
@@ -35,7 +33,7 @@ MODEL_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z
 
 
 def default_store() -> str:
-    return os.environ.get("PIPELINE_STORE_URI") or f"file://{settings.home() / 'store'}"
+    return settings.get(settings.STORE_URI) or f"file://{settings.home() / 'store'}"
 
 
 def run_key(run_id: str) -> str:
@@ -169,7 +167,7 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     spec = exp.spec
     store = (params.get("store_uri") or default_store()).rstrip("/")
     parse_uri(store)  # file:// needs an absolute path, buckets a valid name: one line naming the URI otherwise
-    work = str(Path(os.environ.get("PIPELINE_WORK_DIR") or settings.home() / "work"))
+    work = str(settings.get_path(settings.WORK_DIR, settings.home() / "work"))
     smoke = bool(params.get("smoke"))
     known = registry.load()
     # a JSONL file chosen in the form (store or Hub URI) is a dataset of its own, trained on instead of the preset's

@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 
+from pipeline_steps import settings
 from pipeline_steps.diagnostics import Check
 from pipeline_steps.diagnostics.kuberay import install_fix
 from pipeline_steps.errors import UserError
@@ -38,7 +39,7 @@ def add_arguments(p):
     p.add_argument("--experiment", default=None, help="a cluster preset: its Secrets, GPUs, sandbox and MLflow servers")
     p.add_argument(
         "--store-uri",
-        default=os.environ.get("PIPELINE_STORE_URI", ""),
+        default=settings.get(settings.STORE_URI) or "",
         help="store root to list with the connection's credentials (default $PIPELINE_STORE_URI)",
     )
     p.add_argument("--kube-config", default=None, help="kube config file (default: in-cluster, then ~/.kube/config)")

@@ -12,7 +12,7 @@ def add_arguments(p):
     p.add_argument(
         "--experiment",
         required=True,
-        help="preset name (a packaged preset or one in $VERL_PIPELINE_PRESETS_DIR) or a YAML file",
+        help="preset name (a packaged preset or one in $PIPELINE_PRESETS_DIR) or a YAML file",
     )
     p.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"

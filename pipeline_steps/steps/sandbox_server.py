@@ -1,6 +1,6 @@
 """``sandbox-server``: the local E2B-compatible code sandbox server (see ``pipeline_steps.sandbox.server``).
 
-The API key is read from ``$SANDBOX_SERVER_API_KEY`` (never from the command line: any local user can read a
+The API key is read from ``$PIPELINE_SANDBOX_API_KEY`` (never from the command line: any local user can read a
 process's arguments, sandboxes included). Runs until SIGTERM/SIGINT, then kills every sandbox.
 """
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 from pipeline_steps.sandbox import KEY_ENV
 
@@ -47,7 +48,7 @@ def add_arguments(p):
 
 
 def run(args) -> dict:
-    key = os.environ.get(KEY_ENV, "")
+    key = settings.get(KEY_ENV) or ""
     if not key:
         raise UserError(f"set ${KEY_ENV} to the API key clients must send")
     if os.geteuid() != 0:

@@ -53,7 +53,7 @@ _CHUNK = 8 << 20
 
 def conn_id() -> str:
     """The Airflow connection id named in store errors (the credentials' origin)."""
-    return os.environ.get("PIPELINE_STORE_CONN_ID") or "pipeline_store"
+    return settings.get(settings.STORE_CONN_ID)
 
 
 def validate_key(rel: str, what: str = "object key") -> str:
@@ -175,7 +175,7 @@ class _ChecksumCache:
             _ChecksumCache.warned = True
             log.warning(
                 "checksum cache %s unusable (%s: %s); continuing without it (files are re-read: only costs time)",
-                where or os.environ.get("PIPELINE_CACHE_DIR") or "",
+                where or settings.get(settings.CACHE_DIR) or "",
                 exc.__class__.__name__,
                 str(exc).splitlines()[0] if str(exc) else "",
             )

@@ -23,6 +23,7 @@ import logging
 import os
 from pathlib import Path
 
+from pipeline_steps import settings
 from pipeline_steps.errors import TransientError, UserError, disk_full
 from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id, transient_status
 from pipeline_steps.store.oss import _tuning
@@ -49,9 +50,9 @@ class GcsStore(Store):
         # requests (fake-gcs-server's cost per chunk also grows with the bytes already received).
         self.part_size, _ = _tuning(100)
         self.part_size = max(256 << 10, self.part_size // (256 << 10) * (256 << 10))  # GCS chunks: multiples of 256 KiB
-        deadline = float(os.environ.get("PIPELINE_STORE_RETRY_DEADLINE", "60"))
+        deadline = settings.get_float(settings.STORE_RETRY_DEADLINE)
         self.retry = DEFAULT_RETRY.with_timeout(deadline)
-        self.timeout = (float(os.environ.get("PIPELINE_STORE_CONNECT_TIMEOUT", "10")), 120)
+        self.timeout = (settings.get_float(settings.STORE_CONNECT_TIMEOUT), 120)
         project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
         self.endpoint = emulator or "storage.googleapis.com"

@@ -32,8 +32,7 @@ def is_remote(uri: str) -> bool:
 def root() -> Path:
     from pipeline_steps import settings
 
-    home = settings.home()
-    return Path(os.environ.get("PIPELINE_MIRROR_DIR") or Path(home) / "work" / "mirror")
+    return settings.get_path(settings.MIRROR_DIR, settings.home() / "work" / "mirror")
 
 
 def local_for(uri: str) -> Path:

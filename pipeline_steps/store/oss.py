@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 def _tuning(default_part_mb: float) -> tuple[int, int]:
     """(part size in bytes, parts in flight) from ``PIPELINE_STORE_PART_MB`` / ``PIPELINE_STORE_PARALLEL``."""
     try:
-        part = int(float(os.environ.get("PIPELINE_STORE_PART_MB") or default_part_mb) * (1 << 20))
-        par = int(os.environ.get("PIPELINE_STORE_PARALLEL") or 4)
+        part = int(float(settings.get(settings.STORE_PART_MB) or default_part_mb) * (1 << 20))
+        par = settings.get_int(settings.STORE_PARALLEL)
     except ValueError:
         raise UserError("PIPELINE_STORE_PART_MB / PIPELINE_STORE_PARALLEL must be numbers") from None
     return max(part, 100 << 10), max(par, 1)
@@ -86,8 +86,8 @@ class OssStore(Store):
         if endpoint:
             cfg.endpoint = endpoint
         cfg.use_path_style = _path_style(endpoint)
-        cfg.connect_timeout = float(os.environ.get("PIPELINE_STORE_CONNECT_TIMEOUT", "10"))
-        cfg.retry_max_attempts = int(os.environ.get("PIPELINE_STORE_RETRIES", "3"))
+        cfg.connect_timeout = settings.get_float(settings.STORE_CONNECT_TIMEOUT)
+        cfg.retry_max_attempts = settings.get_int(settings.STORE_RETRIES)
         # The SDK's upload CRC64 (crcmod, ~0.4 GB/s, holding the GIL) would cap an upload at that rate on any
         # network; upload_dir computes the file's CRC64 with fastcrc instead and compares it with the server's
         # CRC64 of the completed object (end to end, which also covers resumed uploads).
@@ -222,8 +222,8 @@ class OssStore(Store):
         info = self._head(key)
         if info is None:
             raise TransientError(f"OSS download {where}: the object disappeared during the download; retried")
-        attempts = max(int(os.environ.get("PIPELINE_STORE_RETRIES", "3")), 1)
-        stall = float(os.environ.get("PIPELINE_STORE_STALL_SECONDS") or 120)
+        attempts = max(settings.get_int(settings.STORE_RETRIES), 1)
+        stall = settings.get_float(settings.STORE_STALL_SECONDS)
         crc, offset, failures, last = fastcrc.crc64.xz(b""), 0, 0, ""
         progress_at = time.monotonic()
         with open(path, "wb") as f:

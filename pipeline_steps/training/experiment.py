@@ -1,6 +1,6 @@
 """Experiment presets and the verl config they compose to.
 
-A preset (``pipeline_steps/training/presets/<name>.yaml``, or ``$VERL_PIPELINE_PRESETS_DIR/<name>.yaml``) holds
+A preset (``pipeline_steps/training/presets/<name>.yaml``, or ``$PIPELINE_PRESETS_DIR/<name>.yaml``) holds
 what the pipeline needs around verl (model, datasets, cluster shape, evaluation settings) and a ``verl:`` map of
 verl Hydra overrides. A run merges, last one winning: the preset's ``verl`` map,
 the keys the pipeline derives (data files, model path, nodes, checkpoint dir),
@@ -20,22 +20,22 @@ import hashlib
 import importlib.resources
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 
 import yaml
 
+from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import overrides as override_rules
 
-PRESETS_ENV = "VERL_PIPELINE_PRESETS_DIR"  # a deployment's own presets; they shadow the packaged ones by name
+PRESETS_ENV = settings.PRESETS_DIR  # a deployment's own presets; they shadow the packaged ones by name
 
 
 def preset_dirs() -> list[Path]:
-    """Where presets are looked up, first match wins: ``$VERL_PIPELINE_PRESETS_DIR``, then the packaged ones."""
+    """Where presets are looked up, first match wins: ``$PIPELINE_PRESETS_DIR``, then the packaged ones."""
     packaged = Path(str(importlib.resources.files("pipeline_steps.training") / "presets"))
-    extra = os.environ.get(PRESETS_ENV)
+    extra = settings.get(PRESETS_ENV)
     return [Path(extra), packaged] if extra else [packaged]
 
 

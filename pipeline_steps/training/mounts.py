@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import posixpath
 import re
 
+from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 
-ENV_VAR = "PIPELINE_MOUNTS"
+ENV_VAR = settings.MOUNTS
 URI_RE = re.compile(r"^(?P<scheme>[a-z][a-z0-9+.-]*)://(?P<rest>.*)$")
 # PVC names are DNS-1123 subdomains; volume names DNS-1123 labels.
 CLAIM_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -112,7 +112,7 @@ class MountMap:
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> "MountMap":
-        raw = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
+        raw = (settings.get(ENV_VAR, environ) or "").strip()
         if not raw:
             return cls()
         try:

@@ -20,7 +20,6 @@ import copy
 import functools
 import hashlib
 import json
-import os
 import posixpath
 import re
 import shlex
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline_steps import tracking_run
+from pipeline_steps import settings, tracking_run
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 from pipeline_steps.errors import UserError
 from pipeline_steps.store.base import SCHEMES
@@ -40,9 +39,9 @@ LABEL_DAG, LABEL_RUN, LABEL_TASK = "dag_id", "run_id", "task_id"  # as the cncf-
 LABEL_KIND = "app.kubernetes.io/component"
 KUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 ANNOTATION_PREFIX = "verl-grpo-pipeline/"
-IMAGE_ENV = "PIPELINE_TRAIN_IMAGE"
-SERVICE_ACCOUNT_ENV = "PIPELINE_RAY_SERVICE_ACCOUNT"
-RAY_AUTH_SECRET_ENV = "PIPELINE_RAY_AUTH_SECRET"  # a Secret holding the clusters' Ray token (else KubeRay makes one)
+IMAGE_ENV = settings.TRAIN_IMAGE
+SERVICE_ACCOUNT_ENV = settings.RAY_SERVICE_ACCOUNT
+RAY_AUTH_SECRET_ENV = settings.RAY_AUTH_SECRET  # a Secret holding the clusters' Ray token (else KubeRay makes one)
 MAIN_PPO = ["python3", "-m", "pipeline_steps.training.verl_main"]  # verl.trainer.main_ppo, history kept
 
 _LABEL_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
@@ -220,8 +219,8 @@ def _plain_env(cluster: dict) -> dict:
     return out
 
 
-SANDBOX_DOMAIN_ENV = "PIPELINE_E2B_DOMAIN"  # the deployment's default sandbox service, for presets that name none
-SANDBOX_SERVICES_ENV = "PIPELINE_SANDBOX_SERVICES"  # the deployment's named sandbox services (JSON, Helm values)
+SANDBOX_DOMAIN_ENV = settings.E2B_DOMAIN  # the deployment's default sandbox service, for presets that name none
+SANDBOX_SERVICES_ENV = settings.SANDBOX_SERVICES  # the deployment's named sandbox services (JSON, Helm values)
 SANDBOX_KEY_SECRET = {"secret": "sandbox-api-key", "key": "apiKey"}  # the default service's API key (k8s/secrets/)
 _HOST = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
 _SERVICE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -233,7 +232,7 @@ def sandbox_services() -> dict[str, dict]:
     domain and the Kubernetes Secret (name, data key) holding its API key. Endpoints and Secret names only, never a
     key: presets of different sandbox services (guide 000's sandbox-manager, guide 003's AGS region) run from one
     Airflow, each naming its service by ``cluster.sandbox_service``."""
-    raw = os.environ.get(SANDBOX_SERVICES_ENV, "").strip()
+    raw = (settings.get(SANDBOX_SERVICES_ENV) or "").strip()
     if not raw:
         return {}
     try:
@@ -302,7 +301,7 @@ def with_sandbox_service(exp: Experiment, cluster: dict) -> dict:
         svc = services[name]
         domain, ref = svc["domain"], {"secret": svc["secret"], "key": svc["key"]}
     else:
-        domain, ref = os.environ.get(SANDBOX_DOMAIN_ENV, ""), SANDBOX_KEY_SECRET
+        domain, ref = settings.get(SANDBOX_DOMAIN_ENV) or "", SANDBOX_KEY_SECRET
         if not domain:
             raise UserError(
                 f"the code sandbox tool needs its sandbox service: set ${SANDBOX_DOMAIN_ENV} (Helm values) to your "
@@ -361,8 +360,8 @@ def training_image(cluster: dict) -> str:
 
     :raises UserError: one line saying what to set
     """
-    image = os.environ.get(IMAGE_ENV) or cluster.get("image")
-    what = f"${IMAGE_ENV}" if os.environ.get(IMAGE_ENV) else "cluster.image"
+    image = settings.get(IMAGE_ENV) or cluster.get("image")
+    what = f"${IMAGE_ENV}" if settings.get(IMAGE_ENV) else "cluster.image"
     if not image:
         raise UserError(
             f"no training image: set ${IMAGE_ENV} (or cluster.image) to the image built from "
@@ -417,7 +416,7 @@ def build_rayjob(
     nnodes = _int(exp.verl.get("trainer.nnodes", cluster.get("nnodes", 1)), "trainer.nnodes", 1)
     gpus = _int(exp.verl.get("trainer.n_gpus_per_node", cluster.get("gpus_per_node", 0)), "trainer.n_gpus_per_node", 1)
     image = training_image(cluster)
-    account = os.environ.get(SERVICE_ACCOUNT_ENV) or cluster.get("service_account") or "default"
+    account = settings.get(SERVICE_ACCOUNT_ENV) or cluster.get("service_account") or "default"
     if not (_DNS_SUBDOMAIN.match(str(account)) and len(str(account)) <= 253):
         raise UserError(f"cluster.service_account={account!r}: not a Kubernetes ServiceAccount name")
     head = _resources(cluster.get("head"), "cluster.head", {"cpu": "8", "memory": "32Gi"})
@@ -519,7 +518,7 @@ def build_rayjob(
     spec["ttlSecondsAfterFinished"] = ttl
     auth = spec["rayClusterSpec"].setdefault("authOptions", {})
     auth["mode"] = "token"  # never rendered without: the template's value, kept even if the template is edited
-    if secret := os.environ.get(RAY_AUTH_SECRET_ENV):
+    if secret := settings.get(RAY_AUTH_SECRET_ENV):
         if not (_DNS_SUBDOMAIN.match(secret) and len(secret) <= 253):
             raise UserError(f"${RAY_AUTH_SECRET_ENV}={secret!r}: not a Kubernetes Secret name")
         auth["secretName"] = secret
