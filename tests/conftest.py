@@ -1,7 +1,7 @@
 """Shared fixtures (an offline Hugging Face cache built from the shipped fixtures, the tiny local model, the
 Kubernetes API stand-in behind an Airflow connection) and the suite's rules:
 
-* markers: ``slow`` (real Airflow, Ray or training end to end), ``browser`` (starts Chromium), ``needs_root``
+* markers: ``slow`` (real Airflow, Ray or training end to end, or a package built and installed), ``browser`` (starts Chromium), ``needs_root``
   (skipped, with the reason in the summary, when not root), ``budget(seconds)`` (the test's time budget);
 * every test has a time budget (``budget`` marker; 120 s by default, 600 s for a ``slow`` test): a test that passes
   but took longer fails with the measured time, and pytest-timeout stops it at three times its budget;

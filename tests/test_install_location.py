@@ -22,6 +22,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "k8s" / "crds" / "ray.io_rayjobs.v1.7.0.yaml"
+pytestmark = pytest.mark.slow  # builds a wheel and installs it into a fresh venv: about 30 s of CPU
 
 
 @pytest.fixture(scope="module")

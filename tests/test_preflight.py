@@ -218,7 +218,7 @@ def test_cli_success_prints_the_summary_last():
 
 @pytest.mark.parametrize("value", ["-1", "0"])
 def test_a_run_that_would_save_no_checkpoint_fails_preflight_in_one_line(value):
-    code, summary, err = run_step(
-        "preflight", "--experiment", "gsm8k_qwen2_5_3b", "--skip-store-check", f"--override=trainer.save_freq={value}"
-    )
-    assert code == 2 and err.count("\n") == 1 and "trainer.save_freq" in err and "nothing to evaluate" in err
+    # in-process: the CLI's one-line exit 2 for any UserError is test_cli_exits_2_with_one_line_naming_the_key's
+    with pytest.raises(UserError, match=r"trainer\.save_freq.*nothing to evaluate") as err:
+        check("gsm8k_qwen2_5_3b", overrides=[f"trainer.save_freq={value}"])
+    assert "\n" not in str(err.value)
