@@ -98,11 +98,11 @@ def _rollout_timings(tmp: Path, steps: int) -> list[dict]:
     from pipeline_steps.local import agent_rollout, grpo_cpu, tiny_model
     from pipeline_steps.steps import train_local
     from pipeline_steps.training import experiment
-    from tests.test_agent_grpo_cpu import ScriptedFirstTurn, _rows
+    from tests.helpers.tool_agent_runs import ScriptedFirstTurn, code_tool_rows
 
     model = tiny_model.build(tmp / "model", format_warmup_steps=0)
     train = tmp / "train.parquet"
-    pq.write_table(pa.Table.from_pylist(_rows(2)), train)
+    pq.write_table(pa.Table.from_pylist(code_tool_rows(2)), train)
     out = tmp / "run"
     overrides = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", "actor_rollout_ref.rollout.n=4"]
     derived = train_local.derived_keys([train], [], model, out)

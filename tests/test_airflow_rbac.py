@@ -134,9 +134,9 @@ def _run_as_components(api, tmp_path, monkeypatch, rbac_docs) -> dict:
     """execute() with the worker's grant, then the trigger with the triggerer's: the trigger's event."""
     import json as _json
 
-    from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE
-    from tests.deferral import deferred, run_trigger
-    from tests.test_rayjob_operator import make_op
+    from tests.helpers.deferral import deferred, run_trigger
+    from tests.helpers.k8s_connection import K8S_CONN_ID, K8S_NAMESPACE
+    from tests.helpers.rayjob_operators import make_op
 
     _, airflow_ns = release()
     configs = {}

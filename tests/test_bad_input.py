@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 
 def _registry(tmp_path, text: bytes):

@@ -1,6 +1,6 @@
 """The step CLI's contract: last stdout line is JSON, exit 2 with one line for bad usage."""
 
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 
 def test_unknown_step_exit_2():

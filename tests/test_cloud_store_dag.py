@@ -11,14 +11,13 @@ Alibaba OSS and Google Cloud Storage, which cannot be reached from here; the Hug
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 
-from tests.storage_servers import OSS_KEY_ID, OSS_REGION, OSS_SECRET
+from tests.helpers.airflow_cli import dags_test
+from tests.helpers.storage_servers import OSS_KEY_ID, OSS_REGION, OSS_SECRET
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -57,21 +56,6 @@ def _listing(kind: str, server, prefix: str) -> list[str]:
     return [b.name for b in client.list_blobs("test-bucket", prefix=prefix)]
 
 
-def _dags_test(airflow: str | list[str], dag_id: str, conf: dict, env: dict, log: Path) -> int:
-    """``airflow dags test``; ``airflow`` is the CLI's path, or an argv that runs Airflow's CLI (a wrapper)."""
-    logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
-    cli = [airflow] if isinstance(airflow, str) else list(airflow)
-    with open(log, "w") as f:
-        return subprocess.run(
-            [*cli, "dags", "test", dag_id, logical, "--conf", json.dumps(conf)],
-            cwd=Path(__file__).resolve().parents[1],
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            timeout=1200,
-        ).returncode
-
-
 @pytest.mark.budget(900)  # 460 s (oss) and 424 s (gcs) in make test at a load average of 10
 @pytest.mark.parametrize("kind", ["oss", "gcs"])
 def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_path):
@@ -90,7 +74,7 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
     airflow = str(Path(sys.executable).with_name("airflow"))
     try:
         conf = {"experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k"], "smoke": True}
-        rc = _dags_test(airflow, "verl_grpo_pipeline", conf, env, tmp_path / "pipeline.log")
+        rc = dags_test(airflow, "verl_grpo_pipeline", conf, env, tmp_path / "pipeline.log")
         log = (tmp_path / "pipeline.log").read_text()
         assert rc == 0, log[-6000:]
         db = airflow_home / "airflow.db"
@@ -132,7 +116,7 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
 
         # the on-demand evaluation DAG on a model in the store, reading it and the evaluation set from the store
         conf = {"model_uri": model, "eval_dataset": "gsm8k", "k": 1, "max_new_tokens": 8}
-        rc = _dags_test(airflow, "verl_evaluate_model", conf, env, tmp_path / "evaluate.log")
+        rc = dags_test(airflow, "verl_evaluate_model", conf, env, tmp_path / "evaluate.log")
         assert rc == 0, (tmp_path / "evaluate.log").read_text()[-6000:]
         run_id = newest_run(db, "verl_evaluate_model")
         states = task_states(db, run_id)

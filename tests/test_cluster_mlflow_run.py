@@ -25,7 +25,8 @@ import pytest
 import yaml
 from airflow.sdk import DAG
 
-from tests.test_train_operator import RUN_ID, free_port, ray_cluster  # noqa: F401 (fixture)
+from tests.helpers.operator_runs import RUN_ID
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = "registry.example.com/verl-grpo-train@sha256:" + "0" * 64
@@ -201,8 +202,8 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
     from operators.train import GRPOTrainOperator
     from pipeline_steps.training import verl_main
     from pipeline_steps.training.rayjob_manifest import rayjob_name
-    from tests.deferral import deferred, run_trigger
-    from tests.k8s_api_stand_in import SUCCESS
+    from tests.helpers.deferral import deferred, run_trigger
+    from tests.helpers.k8s_api_stand_in import SUCCESS
 
     monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_DEFAULT", json.dumps({"conn_type": "http", "host": server}))
     mnt = tmp_path / "mnt"
@@ -256,7 +257,7 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
     assert out["tensorboard"] is None  # gsm8k_qwen2_5_3b does not log to tensorboard
 
     # the report of the cluster run: no train_summary.json, the record beside the checkpoints
-    from tests.conftest import run_step
+    from tests.helpers.step_cli import run_step
 
     code, summary, err = run_step("report", "--run-dir", str(mnt / "runs/gsm8k/run1"))
     assert code == 0, err[-2000:]

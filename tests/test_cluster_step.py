@@ -3,7 +3,7 @@
 Local backend: nothing is mocked; the real ``evaluate`` step runs as a child process on the tiny model.
 
 KubeRay backend: no Kubernetes API server, KubeRay or GPU can run here, so
-- the Kubernetes API is the in-process stand-in of ``tests/k8s_api_stand_in.py`` (see its docstring for what it
+- the Kubernetes API is the in-process stand-in of ``tests/helpers/k8s_api_stand_in.py`` (see its docstring for what it
   does not cover); the operator's real clients (cncf-kubernetes ``KubernetesHook``, ``kubernetes_asyncio`` in the
   trigger) talk HTTP to it, and it validates every created RayJob against the KubeRay v1.7.0 CRD schema;
 - its scripted controller only plays the RayJob's status. The job itself is played by the test: it runs the
@@ -37,8 +37,8 @@ from operators.failures import JobFailed
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob_manifest import rayjob_name
-from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE
-from tests.deferral import deferred, run_trigger
+from tests.helpers.deferral import deferred, run_trigger
+from tests.helpers.k8s_connection import K8S_CONN_ID, K8S_NAMESPACE
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -381,7 +381,7 @@ def test_kuberay_evaluate_runs_as_gpu_rayjob_and_returns_the_local_xcom_shape(cl
 
 
 def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_promoted(cluster):
-    from tests.k8s_api_stand_in import SUCCESS
+    from tests.helpers.k8s_api_stand_in import SUCCESS
 
     api, store, mnt = cluster["api"], cluster["store"], cluster["mnt"]
     name = rayjob_name("t_export", RUN_ID, "export", "export")

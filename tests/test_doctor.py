@@ -1,60 +1,23 @@
-"""``python -m pipeline_steps doctor`` against the Kubernetes API stand-in (tests/k8s_api_stand_in.py): one run of a
-ready cluster, and one run per failing check with the message a user sees. The real ``kubernetes`` client makes the
+"""``python -m pipeline_steps doctor`` against the Kubernetes API stand-in (tests/helpers/k8s_api_stand_in.py): one run
+of a ready cluster, and one run per failing check with the message a user sees. The real ``kubernetes`` client makes the
 requests; the stand-in answers CRD, namespace, PVC, Secret, SelfSubjectAccessReview, Deployment and node requests
 from the cluster state each test sets (it does not evaluate RBAC objects: the allowed verbs are given directly).
 The sandbox, MLflow and store checks: tests/test_doctor_services.py."""
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
-import pytest
 import yaml
 
 from pipeline_steps.diagnostics.kuberay import KUBERAY_VERSION
 from pipeline_steps.steps.doctor import VERBS
-from tests.conftest import run_step
-from tests.k8s_api_stand_in import gpu_node, kuberay_operator
+from tests.helpers.doctor_cluster import LINGJUN, NS, SECRET_VALUE, b64
+from tests.helpers.k8s_api_stand_in import gpu_node, kuberay_operator
+from tests.helpers.step_cli import run_step
 
 ROOT = Path(__file__).resolve().parents[1]
-NS = "verl-pipeline"
-SECRET_VALUE = "s3cr3t-V4LUE-never-printed"
-# a Lingjun GPU node's taints, as the ACK guide's pods tolerate them (the preset's cluster.tolerations)
-LINGJUN = [
-    {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"},
-    {"key": "node-role.alibabacloud.com/lingjun", "value": "", "effect": "NoSchedule"},
-]
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    """A ready ACK cluster for gsm8k_qwen2_5_3b: CRD and KubeRay 1.7.0, namespace, every verb, the bucket PVC bound,
-    its Secrets, one 8-GPU Lingjun node with the taints the preset tolerates."""
-    from tests.k8s_api_stand_in import StandIn
-
-    api = StandIn()
-    api.start()
-    api.pvcs[(NS, "verl-store")] = "Bound"
-    api.secrets[(NS, "oss-credentials")] = {"akId": b64(SECRET_VALUE), "akSecret": b64(SECRET_VALUE)}
-    api.access = {(g, r, sub, v, NS) for g, r, sub, v in VERBS} | {("", "secrets", "", "get", NS)}
-    api.access.add(("apiextensions.k8s.io", "customresourcedefinitions", "", "get", ""))
-    api.access |= {("apps", "deployments", "", "list", ""), ("", "nodes", "", "list", "")}
-    api.deployments.append(kuberay_operator())
-    api.nodes.append(
-        gpu_node("cn-hangzhou.10.0.0.7", 8, {"node.kubernetes.io/instance-type": "ml.gu7xf.8xlarge"}, LINGJUN)
-    )
-    api.nodes.append(gpu_node("cn-hangzhou.10.0.0.2", 0))  # a CPU node: no nvidia.com/gpu
-    config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
-    try:
-        yield api, config
-    finally:
-        api.stop()
 
 
 def doctor(config: Path):

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from tests.k8s_api_stand_in import kuberay_operator
-from tests.test_doctor import NS, ROOT, cluster  # noqa: F401 - a fixture
+from tests.helpers.doctor_cluster import NS
+from tests.helpers.k8s_api_stand_in import kuberay_operator
+from tests.helpers.step_cli import ROOT
 
 DAG_FILE = ROOT / "dags" / "verl_doctor.py"
 HEAVY = {"torch", "ray", "verl", "pandas", "datasets", "transformers", "vllm", "pyarrow", "kubernetes", "mlflow"}

@@ -1,7 +1,7 @@
 """``doctor``'s questions to the services a run talks to, each with the credentials the run would use: the sandbox
 service (a tiny E2B-API stand-in answering as OpenKruise's sandbox-manager does: ``GET /health`` open, ``GET
 /v2/sandboxes`` behind ``X-API-KEY``, a refused key echoed in the 401 body), a real local MLflow server
-(pipeline_steps/local/mlflow_server.py) and the OSS test server (tests/storage_servers.py). The cluster is
+(pipeline_steps/local/mlflow_server.py) and the OSS test server (tests/helpers/storage_servers.py). The cluster is
 tests/test_doctor.py's ready one; the preset is the tool-agent preset with mlflow added to its loggers and the
 stand-in as its sandbox endpoint."""
 
@@ -14,9 +14,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from tests.conftest import run_step
-from tests.storage_servers import OSS_SECRET, free_port, oss_server  # noqa: F401 - a fixture
-from tests.test_doctor import NS, ROOT, b64, cluster  # noqa: F401 - a fixture
+from tests.helpers.doctor_cluster import NS, b64
+from tests.helpers.ports import free_port
+from tests.helpers.step_cli import ROOT, run_step
+from tests.helpers.storage_servers import OSS_SECRET
 
 PRESET = "doctor_tool_agent"
 API_KEY = "e2b_k3y-never-printed"

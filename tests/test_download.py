@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pipeline_steps import cli
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 
 def step(capsys, *argv):

@@ -13,7 +13,7 @@ import pytest
 from pipeline_steps import cli
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.steps import evaluate
-from tests import fsdp_checkpoint
+from tests.helpers import fsdp_checkpoint
 
 K, TOKENS = 3, 6
 

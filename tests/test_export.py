@@ -1,4 +1,4 @@
-"""Export: a REAL verl FSDP checkpoint (tests/fsdp_checkpoint.py: two gloo processes on CPU, verl's
+"""Export: a REAL verl FSDP checkpoint (tests/helpers/fsdp_checkpoint.py: two gloo processes on CPU, verl's
 own FSDPCheckpointManager) merged by verl's merger, checked with transformers, carded, uploaded to
 the real file:// store and gated. Nothing is mocked; the Hugging Face Hub push is not exercised
 (no Hub access here).
@@ -12,8 +12,8 @@ import pytest
 from pipeline_steps import cli
 from pipeline_steps.errors import UserError
 from pipeline_steps.training.checkpoints import check_model, dir_sha256, merge_checkpoint, resolve_checkpoint
-from tests import fsdp_checkpoint
-from tests.test_promotion import answers
+from tests.helpers import fsdp_checkpoint
+from tests.helpers.eval_results import LINEAGE, export_results
 
 
 @pytest.fixture(scope="module")
@@ -90,54 +90,6 @@ def test_bad_checkpoint_dirs_give_one_clear_line(ckpt, tmp_path):
         resolve_checkpoint(cks, step=9)
 
 
-def _results(avg, eval_sha="e" * 64):
-    return {
-        "overall": {
-            "avg@k": avg,
-            "k": 2,
-            "problems": 2,
-            "samples_scored": 4,
-            "maj@k": avg,
-            "pass@k": {"1": avg, "2": avg},
-            "answers": answers(avg),  # what evaluate records: a varied model, a low prior
-        },
-        "eval_set": {"sha256": eval_sha, "name": "aime2024", "rows": 2},
-        "sampling": {"k": 2, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},
-        "model": {},
-        "scorer": "verl.utils.reward_score.default_compute_score",
-    }
-
-
-LINEAGE = {
-    "base_model": {"name": "local/tiny", "revision": "rev-0a1b2c"},
-    "datasets": [
-        {
-            "name": "gsm8k",
-            "role": "train",
-            "repo_id": "openai/gsm8k",
-            "revision": "e53f048",
-            "content_hash": "c0ffee" * 4,
-        },
-        {
-            "name": "aime2024",
-            "role": "eval",
-            "repo_id": "Maxwell-Jia/AIME_2024",
-            "revision": "v1",
-            "content_hash": "beef" * 6,
-        },
-    ],
-    "experiment": {
-        "name": "local_tiny",
-        "preset_sha256": "ab" * 32,
-        "overrides": ["trainer.total_training_steps=3"],
-        "overrides_sha256": "cd" * 32,
-    },
-    "verl_version": "0.9.1",
-    "dag_id": "verl_grpo_pipeline",
-    "run_id": "manual__2026-11-22T03:00:00+00:00",
-}
-
-
 def _write(tmp_path, name, obj):
     p = tmp_path / name
     p.write_text(json.dumps(obj))
@@ -158,9 +110,9 @@ def _export_args(cks, tmp_path, store_root, avg, step=None, extra=()):
         "--lineage",
         _write(tmp_path, "lineage.json", LINEAGE),
         "--eval-results",
-        _write(tmp_path, f"results{avg}.json", _results(avg)),
+        _write(tmp_path, f"results{avg}.json", export_results(avg)),
         "--base-results",
-        _write(tmp_path, "base.json", _results(0.25)),
+        _write(tmp_path, "base.json", export_results(0.25)),
         "--keep",
         "1",
         *extra,
@@ -235,7 +187,7 @@ def test_merged_model_that_fails_to_load_is_not_exported(ckpt, tmp_path, capsys)
 def test_model_card_with_sparse_lineage_says_not_recorded():
     from pipeline_steps.evaluation import model_card
 
-    res = _results(0.5)
+    res = export_results(0.5)
     res["overall"]["k"] = 1
     res["overall"]["pass@k"] = {"1": 0.5}
     card = model_card.render({"version": "step1-x", "experiment": "e", "lineage": {}}, res, None)
@@ -246,11 +198,8 @@ def test_model_card_with_sparse_lineage_says_not_recorded():
 def test_eval_results_of_another_model_are_rejected(ckpt, tmp_path, capsys):
     store_root = f"file://{tmp_path}/store"
     argv = _export_args(ckpt["checkpoints"], tmp_path, store_root, 0.9)
-    res = _results(0.9)
-    res["model"] = {
-        "content_sha256": dir_sha256(ckpt["model"]),
-        "source": "hf_model",
-    }  # the base model's hash
+    res = export_results(0.9)
+    res["model"] = {"content_sha256": dir_sha256(ckpt["model"]), "source": "hf_model"}  # the base model's hash
     argv[argv.index("--eval-results") + 1] = _write(tmp_path, "other.json", res)
     code, s, _ = run_cli(argv, capsys)
     assert code == 2 and "scored a different model" in s["error"] and not (tmp_path / "store").exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 
 def _rows(n):

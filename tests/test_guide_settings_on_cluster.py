@@ -14,8 +14,8 @@ import copy
 
 import yaml
 
-from tests.k8s_api_stand_in import kuberay_validation_error
-from tests.test_render_rayjob import ACK, GKE, render
+from tests.helpers.k8s_api_stand_in import kuberay_validation_error
+from tests.helpers.render import ACK, GKE, render
 
 AGS = "ap-shanghai.tencentags.com"  # guide 003's AGS region domain
 

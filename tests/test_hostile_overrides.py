@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline_steps.errors import UserError
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 SENTINEL_TEXT = "precious\n"
 

@@ -16,7 +16,7 @@ import json
 import pyarrow.parquet as pq
 
 from pipeline_steps.data.preprocessors import jsonl
-from tests.conftest import assert_refused, run_step
+from tests.helpers.step_cli import assert_refused, run_step
 
 
 def row(i: int, question: str | None = None, answer: str | None = None) -> str:

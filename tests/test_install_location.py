@@ -138,7 +138,7 @@ def test_preflight_and_render_rayjob_run_from_the_install(installed):
     assert p.returncode == 0, p.stderr[-3000:]
     job = yaml.safe_load((installed["work"] / "rayjob.yaml").read_text())
     assert job["kind"] == "RayJob" and "pipeline_steps.training.verl_main" in job["spec"]["entrypoint"]
-    from tests.k8s_api_stand_in import _validator
+    from tests.helpers.k8s_api_stand_in import _validator
 
     errors = [e.message for e in _validator(str(CRD)).iter_errors(job)]
     assert errors == []

@@ -1,12 +1,12 @@
 """The whole kuberay path in one DAG run (issue 13 item 4): ``airflow dags test`` with ``backend=kuberay`` against
 the Kubernetes API stand-in, whose controller runs every RayJob's real entrypoint as its pod would
-(:class:`tests.k8s_api_stand_in.PodRunner`: ``/bin/sh -c`` on the rendered entrypoint, the container's env, secrets
-by reference, the job's runtime env, the bucket mount path ``/mnt/store`` mapped onto the local store).
+(:class:`tests.helpers.k8s_api_stand_in.PodRunner`: ``/bin/sh -c`` on the rendered entrypoint, the container's env,
+secrets by reference, the job's runtime env, the bucket mount path ``/mnt/store`` mapped onto the local store).
 
 Swapped, because they cannot run here: the trainer module (``pipeline_steps.training.verl_main`` -> the CPU trainer
-``tests.cpu_main_ppo``, which takes the same Hydra overrides) and evaluate's vLLM generator (``--generator vllm`` ->
-``hf``). Everything else runs as in the pods: argv quoting, env, mounts, ``resume_mode``, the checkpoint directory,
-the step summaries written through the mount and read back by the operator, export's upload and promotion.
+``tests.helpers.cpu_main_ppo``, which takes the same Hydra overrides) and evaluate's vLLM generator (``--generator
+vllm`` -> ``hf``). Everything else runs as in the pods: argv quoting, env, mounts, ``resume_mode``, the checkpoint
+directory, the step summaries written through the mount and read back by the operator, export's upload and promotion.
 The metrics history kept across the killed attempt is the CPU trainer's doing here (it replaces the entrypoint
 module); the real entrypoint's history keeping is tested with verl's own FileLogger in tests/test_verl_main.py.
 The preset is a cluster-shaped copy of ``local_tiny`` (1 node x 1 GPU) so that CPU training finishes in seconds.
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.k8s_api_stand_in import PodRunner, StandIn
+from tests.helpers.k8s_api_stand_in import PodRunner, StandIn
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -105,11 +105,13 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
     venv_bin = str(Path(sys.executable).parent)
     runner = PodRunner(
         pods,
-        ROOT,  # the working directory: `python -m tests.cpu_main_ppo` imports the swapped trainer from the checkout
+        # the working directory: `python -m tests.helpers.cpu_main_ppo` imports the swapped trainer from the checkout
+        ROOT,
         MOUNT,
         store,
         swaps=[
-            ("pipeline_steps.training.verl_main", "tests.cpu_main_ppo"),  # no GPU: the CPU trainer, same overrides
+            # no GPU: the CPU trainer, same overrides
+            ("pipeline_steps.training.verl_main", "tests.helpers.cpu_main_ppo"),
             ("--generator vllm", "--generator hf"),  # no vLLM here
         ],
         base_env={
@@ -118,7 +120,7 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
             "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1",
         },
-        kill_first=("tests.cpu_main_ppo", _step_logged(hold)),
+        kill_first=("tests.helpers.cpu_main_ppo", _step_logged(hold)),
     )
     api = StandIn(crd_file=ROOT / "k8s/crds/ray.io_rayjobs.v1.7.0.yaml", executor=runner)
     api.start()

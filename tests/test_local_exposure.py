@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import listening
+from tests.helpers import listening
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_local import REQUIRED_METRICS, VARIED_REWARD, write_gsm8k_parquet
+from tests.helpers.train_local_runs import REQUIRED_METRICS, VARIED_REWARD, write_gsm8k_parquet
 
 pytestmark = pytest.mark.slow
 

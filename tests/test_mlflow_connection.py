@@ -25,8 +25,8 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.hooks.mlflow import MlflowHook
 from operators.train import GRPOTrainOperator
-from tests.deferral import deferred, run_trigger
-from tests.test_train_operator import RUN_ID, free_port, ray_cluster, write_parquet  # noqa: F401 (fixture)
+from tests.helpers.deferral import deferred, run_trigger
+from tests.helpers.operator_runs import RUN_ID, write_parquet
 
 PASSWORD = "pw-Must-Not-Leak-7f3a9c"  # found nowhere but in the connection and the credentials file
 CONN = "AIRFLOW_CONN_MLFLOW_DEFAULT"
@@ -114,7 +114,7 @@ def test_the_rayjob_gets_the_uri_plain_and_the_credentials_by_secret_reference(
     """The train task's RayJob and the export step's RayJob (which logs the evaluation and the card to the run)."""
     from operators.cluster_step import PipelineStepJobOperator
     from pipeline_steps.training.rayjob_manifest import rayjob_name
-    from tests.k8s_api_stand_in import SUCCESS
+    from tests.helpers.k8s_api_stand_in import SUCCESS
 
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv(CONN, f"https://alice:{PASSWORD}@mlflow.team.example:8443")

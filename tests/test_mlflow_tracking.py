@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from tests.test_export import LINEAGE, _results
-from tests.test_train_local import _train_args, assets, run_cli  # noqa: F401  (assets: the module fixture)
+from tests.helpers.eval_results import LINEAGE, export_results
+from tests.helpers.train_local_runs import run_cli, train_local_args
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def test_training_metrics_reach_mlflow_under_the_file_logger_names(server, asset
 
     uri, _ = server
     out = tmp_path / "run"
-    args = _train_args(assets, out, steps=2)
+    args = train_local_args(assets, out, steps=2)
     args += ["--override", "trainer.experiment_name=mlflow_test"]
     proc = run_cli(*args, env={"MLFLOW_TRACKING_URI": uri, "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -76,8 +76,8 @@ def test_training_metrics_reach_mlflow_under_the_file_logger_names(server, asset
 
     # export finds the run beside the checkpoints (no MLFLOW_TRACKING_URI needed) and adds the evaluation and card
     (tmp_path / "lineage.json").write_text(json.dumps(LINEAGE))
-    (tmp_path / "results.json").write_text(json.dumps(_results(0.5)))
-    (tmp_path / "base.json").write_text(json.dumps(_results(0.25)))
+    (tmp_path / "results.json").write_text(json.dumps(export_results(0.5)))
+    (tmp_path / "base.json").write_text(json.dumps(export_results(0.25)))
     exp = run_cli(
         "export",
         *("--checkpoint-dir", str(out / "checkpoints"), "--output", str(tmp_path / "export")),
@@ -104,7 +104,7 @@ def test_training_metrics_reach_mlflow_under_the_file_logger_names(server, asset
 def test_without_a_tracking_uri_mlflow_is_skipped_with_a_warning(assets, tmp_path, monkeypatch):  # noqa: F811
     out = tmp_path / "run"
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    proc = run_cli(*_train_args(assets, out, steps=1), env={"VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
+    proc = run_cli(*train_local_args(assets, out, steps=1), env={"VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "MLFLOW_TRACKING_URI is not set" in proc.stderr
     assert json.loads((out / "train_summary.json").read_text())["mlflow"] is None
@@ -150,7 +150,7 @@ def test_the_local_server_serves_the_web_ui_and_the_run_pages_data(server, tmp_p
         pytest.skip("Debian's chromium is not installed: the run page was not rendered")
     from playwright.sync_api import sync_playwright
 
-    from tests.test_ui_trigger_form import CHROMIUM_ARGS
+    from tests.helpers.chromium import CHROMIUM_ARGS
 
     page_url = tracking_run.url(uri, run_id, exp_id)  # the link the XCom, the card and the report carry
     with sync_playwright() as p:

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from pipeline_steps.outputs import MARKER
-from tests.conftest import assert_refused, run_step
+from tests.helpers.step_cli import assert_refused, run_step
 
 
 def _tree(root):

@@ -5,9 +5,9 @@ the pinned psycopg2 driver, Airflow's scheduler, triggerer, DAG processor and AP
 code path, the whole DAG on the local profile, Airflow's REST API. What it shows:
 
 * a backfill over four dates with four active runs that resolve the same dataset revisions, their Asset
-  registrations forced to meet (tests/airflow_plugins/force_asset_race.py, fault injection in the API server, not the
-  product): every run succeeds, and no two registrations of one new Asset ever met (Airflow 3.3's check-then-insert
-  race, issue 29: on the code before operators/assets.py two of the four runs lost their upload task);
+  registrations forced to meet (tests/helpers/airflow_plugins/force_asset_race.py, fault injection in the API server,
+  not the product): every run succeeds, and no two registrations of one new Asset ever met (Airflow 3.3's
+  check-then-insert race, issue 29: on the code before operators/assets.py two of the four runs lost their upload task);
 * the same four runs on a ``gpu`` pool of 8 slots and 8 slots per training task: no two training jobs hold the GPUs
   at once (their start and end times do not overlap);
 * all runs export the same experiment: the store's latest-model pointer ends consistent (contiguous promotion
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_api import api
+from tests.helpers.airflow_api import api
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +87,7 @@ def airflow_pg(postgres, tmp_path_factory):
     race = tmp / "asset-race"
     race.mkdir()
     settings = {
-        "AIRFLOW__CORE__PLUGINS_FOLDER": str(Path(__file__).parent / "airflow_plugins"),
+        "AIRFLOW__CORE__PLUGINS_FOLDER": str(Path(__file__).parent / "helpers" / "airflow_plugins"),
         "ASSET_RACE_DIR": str(race),
         "ASSET_RACE_WAIT": "20",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": postgres,

@@ -10,7 +10,7 @@ import pytest
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment
 from pipeline_steps.training import preflight_checks as preflight
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 CLUSTER_PRESETS = [
     "gsm8k_qwen2_5_3b",

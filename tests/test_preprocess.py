@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_steps import cli
-from tests.conftest import assert_refused, run_step
+from tests.helpers.step_cli import assert_refused, run_step
 
 DATASETS = ["gsm8k", "dapo_math", "geometry3k", "aime2024"]
 

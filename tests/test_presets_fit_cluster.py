@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_render_rayjob import EXAMPLES, GKE, render
+from tests.helpers.render import EXAMPLES, GKE, render
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"

@@ -328,7 +328,7 @@ def test_tool_agent_presets_reach_their_sandbox_service(preset):
 
 
 def test_retool_preset_uses_the_guides_region_and_reward():
-    from tests.test_render_rayjob import helm_env
+    from tests.helpers.render import helm_env
 
     exp = experiment.load("dapo_retool_qwen3_4b")
     services = json.loads(helm_env("PIPELINE_SANDBOX_SERVICES")["PIPELINE_SANDBOX_SERVICES"])  # the shipped values

@@ -11,45 +11,11 @@ import pytest
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation import promotion
 from pipeline_steps.store import open_store
-
-
-def answers(avg):
-    """evaluate's answer figures for a model with many distinct answers on a set whose best constant scores 10%."""
-    return {
-        "modal_ground_truth": "7",
-        "ground_truth_distinct": 10,
-        "ground_truth_top_share": 0.1,
-        "best_constant": 0.1,
-        "non_modal_problems": 90,
-        "non_modal_avg@k": avg,
-        "majority_distinct": 9,
-        "majority_top": "3",
-        "majority_top_share": 0.15,
-    }
-
-
-def results(avg, k=4, eval_sha="e" * 64, temperature=1.0):
-    return {
-        "overall": {
-            "avg@k": avg,
-            "k": k,
-            "problems": 3,
-            "samples_scored": 3 * k,
-            "maj@k": avg,
-            "pass@k": {str(k): avg},
-            "answers": answers(avg),  # what evaluate records: a varied model, a low prior
-        },
-        "eval_set": {"sha256": eval_sha, "name": "aime"},
-        "sampling": {"k": k, "temperature": temperature, "top_p": 1.0, "max_new_tokens": 8, "max_problems": 0},
-        "model": {"content_sha256": "m" * 64},
-    }
+from tests.helpers.eval_results import BASE, results
 
 
 def latest_of(avg, **kw):
     return {"version": "step1-aaaa", **promotion.summary_of(results(avg, **kw))}
-
-
-BASE = results(0.25)
 
 
 def test_better_than_latest_is_promoted():

@@ -2,7 +2,7 @@
 
 No Kubernetes API server can run here, so the operator's real client code (the
 cncf-kubernetes ``KubernetesHook`` on the ``kubernetes`` package, and ``kubernetes_asyncio``
-in the trigger) talks HTTP to ``tests/k8s_api_stand_in.py`` through an Airflow connection
+in the trigger) talks HTTP to ``tests/helpers/k8s_api_stand_in.py`` through an Airflow connection
 (``AIRFLOW_CONN_K8S_STANDIN``) whose kube config points at ``http://127.0.0.1:PORT``. A
 scripted controller in the stand-in moves status the way KubeRay does; see its docstring
 for what it does not cover (admission webhooks, the real controller, schema defaulting).
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import shlex
-from pathlib import Path
 
 import pytest
 from airflow.sdk.exceptions import AirflowFailException
@@ -25,9 +24,10 @@ from operators.backends import GROUP_LABEL
 from operators.failures import JobFailed
 from operators.rayjob_operator import RayJobOperator
 from operators.triggers.kuberay_job import RayJobTrigger
-from tests.conftest import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
-from tests.deferral import deferred, run_trigger
-from tests.k8s_api_stand_in import SUCCESS
+from tests.helpers.deferral import deferred, run_trigger
+from tests.helpers.k8s_api_stand_in import SUCCESS
+from tests.helpers.k8s_connection import K8S_CONN_ID, K8S_NAMESPACE, RAYJOB_CRD
+from tests.helpers.rayjob_operators import make_op, rayjob_body
 
 CRD = RAYJOB_CRD
 CONN, NS = K8S_CONN_ID, K8S_NAMESPACE
@@ -36,49 +36,6 @@ CONN, NS = K8S_CONN_ID, K8S_NAMESPACE
 @pytest.fixture
 def api(k8s_api):
     return k8s_api
-
-
-def rayjob_body(name: str, ckpt: str) -> dict:
-    """A minimal RayJob of the shape render_rayjob produces (verl entrypoint with quoted Hydra overrides)."""
-    args = [
-        "python3",
-        "-m",
-        "verl.trainer.main_ppo",
-        "algorithm.adv_estimator=grpo",
-        f"trainer.default_local_dir={ckpt}",
-        "trainer.resume_mode=disable",
-    ]
-    return {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayJob",
-        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "verl-grpo"}},
-        "spec": {
-            "entrypoint": shlex.join(args),
-            "jobId": f"{name}-job",
-            "shutdownAfterJobFinishes": True,
-            "ttlSecondsAfterFinished": 60,
-            "activeDeadlineSeconds": 3600,
-            "rayClusterSpec": {
-                "headGroupSpec": {
-                    "rayStartParams": {},
-                    "template": {"spec": {"containers": [{"name": "ray-head", "image": "verlai/verl:latest"}]}},
-                }
-            },
-        },
-    }
-
-
-def make_op(name: str, tmp_path: Path, **kw) -> RayJobOperator:
-    return RayJobOperator(
-        task_id="train",
-        rayjob=rayjob_body(name, "/mnt/ckpt/run1"),
-        namespace=NS,
-        kubernetes_conn_id=CONN,
-        poll_interval=0.01,
-        metrics_uri=str(tmp_path / "metrics.jsonl"),
-        checkpoint_uri=str(tmp_path / "ckpt"),
-        **kw,
-    )
 
 
 def defer(op: RayJobOperator) -> RayJobTrigger:

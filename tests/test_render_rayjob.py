@@ -23,13 +23,11 @@ from pipeline_steps.training import experiment
 from pipeline_steps.training import rayjob_manifest as render_rayjob
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob_manifest import build_rayjob, label_value, rayjob_name
-from tests.k8s_api_stand_in import kuberay_validation_error
+from tests.helpers.k8s_api_stand_in import kuberay_validation_error
+from tests.helpers.render import ACK, EXAMPLES, GKE, RUN, derived, render
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "k8s" / "crds" / "ray.io_rayjobs.v1.7.0.yaml"
-ACK = MountMap.from_config(json.loads((ROOT / "k8s/overlays/ack/mounts.json").read_text()))
-GKE = MountMap.from_config(json.loads((ROOT / "k8s/overlays/gke/mounts.json").read_text()))
-RUN = "manual__2026-01-01T00:00:00+00:00"
 NASTY = [
     "it's",
     'say "hi"',
@@ -42,25 +40,10 @@ NASTY = [
     "tab\there & | > < * ?",
     "",
 ]
-# (preset, mounts, bucket) for the committed examples in k8s/examples/
-EXAMPLES = [
-    ("gsm8k_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k"),
-    ("dapo_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
-    ("gsm8k_tool_agent_qwen2_5_3b", ACK, "oss://verl-store", "gsm8k"),
-    ("dapo_retool_qwen3_4b", ACK, "oss://verl-store", "dapo_math"),
-    ("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k"),
-    ("gspo", ACK, "oss://verl-store", "gsm8k"),
-    ("geo3k_qwen2_5_vl_7b", ACK, "oss://verl-store", "geometry3k"),
-    ("geo3k_qwen2_5_vl_3b", ACK, "oss://verl-store", "geometry3k"),
-]
 
 
 # What a deployment sets (Helm values): the image it built, by digest. Presets name no image.
 TRAIN_IMAGE = "registry.example.com/verl-grpo-train@sha256:" + "0" * 64
-
-
-# and, for the code sandbox tool, its sandbox service (sandbox-manager's domain on ACK): the seed-000 preset names none
-SANDBOX_DOMAIN = "sandbox.example.com"
 
 
 @pytest.fixture(autouse=True)
@@ -83,42 +66,6 @@ def crd_schema():
     doc = yaml.safe_load(CRD.read_text())
     version = next(v for v in doc["spec"]["versions"] if v["name"] == "v1")
     return version["schema"]["openAPIV3Schema"]
-
-
-def derived(bucket: str, preset: str, dataset: str) -> dict:
-    exp = experiment.load(preset)
-    model = exp.spec["model"]["source"]
-    return {
-        "data.train_files": [f"{bucket}/datasets/{dataset}/rev1/0123abcd/train.parquet"],
-        "data.val_files": [f"{bucket}/datasets/{dataset}/rev1/0123abcd/test.parquet"],
-        "actor_rollout_ref.model.path": f"{bucket}/models/{model}/main",
-        "trainer.default_local_dir": render_rayjob.checkpoint_uri(f"{bucket}/runs", preset, RUN),
-    }
-
-
-def render(
-    preset="gsm8k_qwen2_5_3b", mounts=ACK, bucket="oss://verl-store", dataset="gsm8k", overrides=(), pipeline=None, **kw
-):
-    """``pipeline``: derived keys the pipeline sets differently (users cannot override them)."""
-    keys = {**derived(bucket, preset, dataset), **(pipeline or {})}
-    exp = experiment.load(preset, overrides=list(overrides), derived=keys)
-    args = dict(dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", namespace="verl-pipeline", mounts=mounts)
-    args.update(kw)
-    # the deployment's sandbox services as its Helm values set them, unless the test sets its own
-    deployment = {render_rayjob.SANDBOX_DOMAIN_ENV: SANDBOX_DOMAIN, **helm_env(render_rayjob.SANDBOX_SERVICES_ENV)}
-    added = [k for k in deployment if k not in os.environ]
-    os.environ.update({k: deployment[k] for k in added})
-    try:
-        return exp, build_rayjob(exp, **args)
-    finally:
-        for k in added:
-            del os.environ[k]
-
-
-def helm_env(*names: str) -> dict[str, str]:
-    """Values of ``env:`` entries in the shipped Helm values (k8s/airflow/values.yaml)."""
-    values = yaml.safe_load((ROOT / "k8s" / "airflow" / "values.yaml").read_text())
-    return {e["name"]: e["value"] for e in values["env"] if e["name"] in names}
 
 
 def validate(job, schema):

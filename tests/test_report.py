@@ -20,7 +20,7 @@ import pytest
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.steps import report
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KEYS = ("critic/score/mean", "actor/entropy", "response_length/mean", "perf/throughput", "timing_s/step")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.airflow_api import api
+from tests.helpers.airflow_api import api
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -93,7 +93,7 @@ def _create_backfill_in_the_ui(url: str, shots: Path) -> None:
 
     from playwright.sync_api import expect, sync_playwright
 
-    from tests.test_ui_trigger_form import CHROMIUM_ARGS
+    from tests.helpers.chromium import CHROMIUM_ARGS
 
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is not installed: apt-get install -y chromium (.ci/run does it)"

@@ -12,7 +12,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from tests.conftest import K8S_NAMESPACE, RAYJOB_CRD
+from tests.helpers.k8s_connection import K8S_NAMESPACE, RAYJOB_CRD
 
 
 def test_the_kubernetes_stand_in_refuses_a_wrong_token_as_an_api_server_does(tmp_path, monkeypatch):
     from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
     from kubernetes.client.exceptions import ApiException
 
-    from tests.k8s_api_stand_in import StandIn
+    from tests.helpers.k8s_api_stand_in import StandIn
 
     api = StandIn(crd_file=RAYJOB_CRD)
     api.start()
@@ -38,7 +38,7 @@ def test_the_kubernetes_stand_in_refuses_a_wrong_token_as_an_api_server_does(tmp
 
 
 def test_the_oss_test_server_stops_cleanly(tmp_path):
-    from tests.storage_servers import OssServer
+    from tests.helpers.storage_servers import OssServer
 
     srv = OssServer(tmp_path)
     srv.stop()  # asserts the server process ran its own stop() and exited 0 (it raised before)

@@ -2,8 +2,8 @@
 
 - ``file://``: a temporary directory.
 - ``gs://``: fake-gcs-server (real GCS JSON API emulator, subprocess). It does not check credentials.
-- ``oss://``: tests/oss_test_server.py, an OSS-dialect layer over moto's S3 backend (see its docstring for what it
-  does and does not cover); the real alibabacloud-oss-v2 client, its upload/download managers and CRC64 checks run.
+- ``oss://``: tests/helpers/oss_test_server.py, an OSS-dialect layer over moto's S3 backend (see its docstring for what
+  it does and does not cover); the real alibabacloud-oss-v2 client, its upload/download managers and CRC64 checks run.
   Part uploads are slowed by 50 ms on that server so a test can kill an upload midway.
 - the last test runs that OSS layer with its objects in SeaweedFS, a real S3 server (the upload benchmark's
   throughput reference), so the layer the benchmark measures is tested, against S3 semantics that are not moto's
@@ -26,9 +26,8 @@ import pytest
 
 from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.store import open_store
-from tests.storage_servers import ROOT, run_step
-
-PART_KB = 128  # >= OSS's 100 KiB minimum part; a multiple of GCS's 256 KiB chunk rounding is applied there
+from tests.helpers.storage_servers import ROOT, run_step
+from tests.helpers.store_under_test import Backend
 
 
 def _write_tree(root: Path, seed: int = 0, n_small: int = 6, big_kb: int = 1100) -> Path:
@@ -41,77 +40,6 @@ def _write_tree(root: Path, seed: int = 0, n_small: int = 6, big_kb: int = 1100)
     (root / "README.md").write_text("dataset card\n")
     (root / "weights.bin").write_bytes(rnd.randbytes(big_kb * 1024))  # several parts: exercises multipart/resumable
     return root
-
-
-class Backend:
-    """One store under test: its root URI, the env the step needs, and direct access to stored bytes."""
-
-    def __init__(self, name, root_uri, env, read, tamper, open_uploads=lambda prefix: []):
-        self.name, self.root_uri, self.env = name, root_uri, env
-        self.read, self.tamper, self.open_uploads = read, tamper, open_uploads
-
-
-@pytest.fixture(params=["file", "oss", "gs"])
-def backend(request, tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
-    common = {
-        "PIPELINE_CACHE_DIR": str(cache),
-        "PIPELINE_STORE_PART_MB": str(PART_KB / 1024),
-        "PIPELINE_STORE_PARALLEL": "2",
-        "PIPELINE_STORE_CONN_ID": "test_store",
-    }
-    name = request.param
-    if name == "file":
-        root = tmp_path / "store"
-
-        def read(key):
-            return (root / key).read_bytes()
-
-        def tamper(key, data):
-            (root / key).parent.mkdir(parents=True, exist_ok=True)
-            (root / key).write_bytes(data)
-
-        b = Backend(name, f"file://{root}", common, read, tamper)
-    elif name == "oss":
-        srv = request.getfixturevalue("oss_server")
-        prefix = f"t{time.monotonic_ns()}"
-        client = srv.client()
-        import alibabacloud_oss_v2 as oss
-
-        def read(key):
-            return client.get_object(oss.GetObjectRequest(bucket="test-bucket", key=f"{prefix}/{key}")).body.read()
-
-        def tamper(key, data):
-            client.put_object(oss.PutObjectRequest(bucket="test-bucket", key=f"{prefix}/{key}", body=data))
-
-        b = Backend(
-            name,
-            f"oss://test-bucket/{prefix}",
-            {**common, **srv.env()},
-            read,
-            tamper,
-            lambda p: srv.open_uploads("test-bucket", f"{prefix}/{p}"),
-        )
-    else:
-        srv = request.getfixturevalue("gcs_server")
-        prefix = f"t{time.monotonic_ns()}"
-        for k, v in srv.env().items():
-            monkeypatch.setenv(k, v)
-        from google.auth.credentials import AnonymousCredentials
-        from google.cloud import storage
-
-        bucket = storage.Client(project="test-project", credentials=AnonymousCredentials()).bucket("test-bucket")
-
-        def read(key):
-            return bucket.blob(f"{prefix}/{key}").download_as_bytes()
-
-        def tamper(key, data):
-            bucket.blob(f"{prefix}/{key}").upload_from_string(data)
-
-        b = Backend(name, f"gs://test-bucket/{prefix}", {**common, **srv.env()}, read, tamper)
-    for k, v in b.env.items():
-        monkeypatch.setenv(k, v)
-    return b
 
 
 def _upload(backend: Backend, src: Path, dest: str) -> dict:
@@ -307,7 +235,7 @@ def test_oss_virtual_hosted_addressing_as_on_alibaba_cloud(oss_server, tmp_path,
     a wrong secret refused in one line. The stand-in reads the bucket from the host and logs each request's form:
     every request for this test's prefix came virtual-hosted, none path-style."""
     from pipeline_steps.store import open_store
-    from tests.storage_servers import OSS_KEY_ID
+    from tests.helpers.storage_servers import OSS_KEY_ID
 
     env = {**oss_server.env(virtual_hosted=True), "PIPELINE_CACHE_DIR": str(tmp_path / "cache")}
     backend = Backend("oss", "oss://test-bucket/vhost", env, None, None)
@@ -358,7 +286,7 @@ def test_oss_test_server_crc64_is_the_sdks():
 
     from alibabacloud_oss_v2.crc import Crc64
 
-    from tests.oss_test_server import _combine, crc64
+    from tests.helpers.oss_test_server import _combine, crc64
 
     rnd = random.Random(7)
     for data in (b"", b"123456789", rnd.randbytes(1), rnd.randbytes(100_003)):
@@ -393,7 +321,7 @@ def _race(backend, monkeypatch, scores: list[float], tmp_path) -> tuple[list, st
     import threading
 
     from pipeline_steps.evaluation import promotion
-    from tests.test_promotion import BASE, results
+    from tests.helpers.eval_results import BASE, results
 
     for k, v in backend.env.items():
         monkeypatch.setenv(k, v)

@@ -1,7 +1,7 @@
 """Store failures a user meets: one line naming the connection id and the problem, exit 2, no secret printed.
 
-Servers: tests/oss_test_server.py (OSS dialect over moto; it verifies V4 signatures, so a wrong secret is refused
-the way OSS refuses it) and fake-gcs-server (does not authenticate: GCS credential errors are checked with a
+Servers: tests/helpers/oss_test_server.py (OSS dialect over moto; it verifies V4 signatures, so a wrong secret is
+refused the way OSS refuses it) and fake-gcs-server (does not authenticate: GCS credential errors are checked with a
 malformed key file, which fails before any request).
 Also: key validation, and ``operators.hooks.store_connection.store_env`` reading real Airflow connections (from
 AIRFLOW_CONN_* environment variables, Airflow's own secrets backend) and driving a real upload.
@@ -16,7 +16,8 @@ import pytest
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import parse_uri, validate_key
-from tests.storage_servers import OSS_SECRET, free_port, run_step
+from tests.helpers.ports import free_port
+from tests.helpers.storage_servers import OSS_SECRET, run_step
 
 CONN = "my_store_conn"
 

@@ -1,6 +1,6 @@
-"""Store faults a passing outage causes, injected by a fault proxy (tests/fault_proxy.py) on the loopback in front of
-the real OSS and GCS test servers, and by small tmpfs mounts: each ends the step with exit 1 and one line (Airflow
-retries it), never exit 2 "bad input"; a checksum cache on a full disk only costs time.
+"""Store faults a passing outage causes, injected by a fault proxy (tests/helpers/fault_proxy.py) on the loopback in
+front of the real OSS and GCS test servers, and by small tmpfs mounts: each ends the step with exit 1 and one line
+(Airflow retries it), never exit 2 "bad input"; a checksum cache on a full disk only costs time.
 
 The SDKs' own retries are cut to one attempt and a one-second deadline (PIPELINE_STORE_RETRIES /
 PIPELINE_STORE_RETRY_DEADLINE, as tests/test_store_errors.py does) so an outage "longer than the SDK's retries" is one
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from pipeline_steps.errors import TransientError
-from tests.fault_proxy import FaultProxy
-from tests.storage_servers import OSS_SECRET, gcs_server, oss_server, run_step  # noqa: F401  (fixtures)
+from tests.helpers.fault_proxy import FaultProxy
+from tests.helpers.storage_servers import OSS_SECRET, run_step
 
 CONN = "faulty_store"
 

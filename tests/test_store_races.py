@@ -18,8 +18,7 @@ import pytest
 
 from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.store import open_store
-from tests.storage_servers import run_step
-from tests.test_store_backends import backend  # noqa: F401  (the file/oss/gs fixture)
+from tests.helpers.storage_servers import run_step
 
 ROUNDS = 6
 
@@ -116,7 +115,7 @@ def test_upload_of_other_content_to_a_committed_version_is_refused(backend, tmp_
 
 def _promote(store, exp_uri: str, version: str, score: float, **kw):
     from pipeline_steps.evaluation import promotion
-    from tests.test_promotion import BASE, results
+    from tests.helpers.eval_results import BASE, results
 
     decide = lambda c: promotion.decide(results(score), BASE, c, 0.0)  # noqa: E731
     return promotion.promote(

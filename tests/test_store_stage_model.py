@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.storage_servers import run_step
+from tests.helpers.storage_servers import run_step
 
 
 def _summary(r):

@@ -8,7 +8,7 @@ from collections import Counter
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import run_step
+from tests.helpers.step_cli import run_step
 
 REPO = "pipeline-local/arithmetic"
 

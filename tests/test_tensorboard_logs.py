@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_render_rayjob import helm_env
-from tests.test_train_local import _train_args, assets, run_cli  # noqa: F401  (assets: the module fixture)
+from tests.helpers.render import helm_env
+from tests.helpers.train_local_runs import run_cli, train_local_args
 
 ROOT = Path(__file__).resolve().parents[1]
 GUIDE_003_LOGGER = "trainer.logger=['console','tensorboard']"  # seed 003's script, verbatim
@@ -40,7 +40,7 @@ def test_guide_003_logger_writes_event_files_into_the_run_directory(assets, tmp_
     from pipeline_steps import metrics_log
 
     out = tmp_path / "run"
-    args = _train_args(assets, out, steps=3) + ["--override", GUIDE_003_LOGGER]
+    args = train_local_args(assets, out, steps=3) + ["--override", GUIDE_003_LOGGER]
     proc = run_cli(*args, env={"VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"), "TENSORBOARD_DIR": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     logdir = out / "tensorboard"
@@ -70,7 +70,7 @@ def test_guide_003_logger_writes_event_files_into_the_run_directory(assets, tmp_
 def test_the_reported_command_serves_the_scalars(assets, tmp_path):  # noqa: F811
     """The ``tensorboard --logdir`` command the run reports, as a user runs it: its HTTP API serves the steps."""
     out = tmp_path / "run"
-    args = _train_args(assets, out, steps=2) + ["--override", GUIDE_003_LOGGER]
+    args = train_local_args(assets, out, steps=2) + ["--override", GUIDE_003_LOGGER]
     proc = run_cli(*args, env={"VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     command = json.loads(proc.stdout.strip().splitlines()[-1])["tensorboard"]["command"]
@@ -98,7 +98,7 @@ def test_the_reported_command_serves_the_scalars(assets, tmp_path):  # noqa: F81
 @pytest.mark.slow
 def test_without_the_tensorboard_logger_no_event_files(assets, tmp_path):  # noqa: F811
     out = tmp_path / "run"
-    args = _train_args(assets, out, steps=1) + ["--override", "trainer.logger=['console']"]
+    args = train_local_args(assets, out, steps=1) + ["--override", "trainer.logger=['console']"]
     proc = run_cli(*args, env={"VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl")})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tensorboard"] is None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cloud_store_dag import _dags_test
+from tests.helpers.airflow_cli import dags_test
 
 pytestmark = [
     pytest.mark.needs_root(reason="the local sandbox server needs root (uids, namespaces)"),
@@ -40,7 +40,7 @@ def test_tool_agent_preset_runs_the_dag(tmp_path):
     airflow = str(Path(sys.executable).with_name("airflow"))
     try:
         conf = {"experiment": "local_tiny_tool_agent", "smoke": True}
-        rc = _dags_test(airflow, "verl_grpo_pipeline", conf, env, tmp_path / "pipeline.log")
+        rc = dags_test(airflow, "verl_grpo_pipeline", conf, env, tmp_path / "pipeline.log")
         log = (tmp_path / "pipeline.log").read_text()
         assert rc == 0, log[-6000:]
         db = airflow_home / "airflow.db"

@@ -21,59 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.train_local_runs import REQUIRED_METRICS, compose, run_cli, train_local_args
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-VARIED_REWARD = (
-    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-    "    # differs between samples of one prompt, so GRPO advantages are not zero\n"
-    "    return float(len(set(solution_str)) % 3)\n"
-)
-
-
-def write_gsm8k_parquet(path: Path, n: int = 8) -> Path:
-    """gsm8k-style rows in verl's schema (what the preprocess step writes)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = []
-    for i in range(n):
-        a, b = i + 2, 3 * i + 1
-        rows.append(
-            {
-                "data_source": "openai/gsm8k",
-                "prompt": [
-                    {
-                        "role": "user",
-                        "content": f"What is {a} + {b}? Let's think step by step and output the final answer "
-                        'after "####".',
-                    }
-                ],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {"split": "train", "index": i, "answer": f"{a} + {b} = {a + b} #### {a + b}"},
-            }
-        )
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory, tiny_model):  # tiny_model: the session fixture in conftest.py
-    d = tmp_path_factory.mktemp("assets")
-    model = tiny_model
-    train = write_gsm8k_parquet(d / "train.parquet")
-    varied = d / "varied_reward.py"
-    varied.write_text(VARIED_REWARD)
-    return {"model": model, "train": train, "varied": varied, "dir": d}
-
-
-def compose(assets, out: Path, overrides: list[str]):
-    from pipeline_steps.steps import train_local
-    from pipeline_steps.training import experiment
-
-    derived = train_local.derived_keys([assets["train"]], [], assets["model"], out)
-    return experiment.compose(experiment.load("local_tiny", overrides, derived=derived))
 
 
 def initial_weights(model_dir: Path) -> dict:
@@ -95,17 +46,6 @@ def diff_keys(a: dict, b: dict) -> list[str]:
     common = sorted(set(a) & set(b))
     assert len(common) >= len(a) - 1, f"checkpoint and model share too few tensors: {set(a) ^ set(b)}"
     return [k for k in common if not torch.equal(a[k].float(), b[k].float())]
-
-
-def run_cli(*args, env=None, timeout=300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [PY, "-m", "pipeline_steps", *args],
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 # ----------------------------------------------------------------------------- learning signal
@@ -158,42 +98,6 @@ def test_parameters_stay_exactly_equal_when_all_rewards_equal(assets, tmp_path):
 # ----------------------------------------------------------------------------- CLI, layout, resume
 
 
-def _train_args(assets, out: Path, steps: int) -> list[str]:
-    return [
-        "train-local",
-        "--experiment",
-        "local_tiny",
-        "--train-files",
-        str(assets["train"]),
-        "--val-files",
-        str(assets["train"]),
-        "--model-path",
-        str(assets["model"]),
-        "--output-dir",
-        str(out),
-        "--override",
-        f"trainer.total_training_steps={steps}",
-        "--override",
-        "trainer.save_freq=1",
-        "--override",
-        "trainer.val_before_train=false",  # validation before training and on resume: tests/test_trainer_parity.py
-        "--override",
-        f"reward.custom_reward_function.path={assets['varied']}",
-        "--override",
-        "reward.custom_reward_function.name=compute_score",
-    ]
-
-
-REQUIRED_METRICS = (
-    "critic/score/mean",
-    "actor/entropy",
-    "response_length/mean",
-    "perf/throughput",
-    "timing_s/step",
-    "actor/pg_loss",
-)
-
-
 def _comparable(lines):
     return [(x["step"], {k: v for k, v in x["data"].items() if not k.startswith(("timing", "perf/"))}) for x in lines]
 
@@ -208,7 +112,7 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     # keep 1, as verl counts it: the checkpoints this process saved (tested on the crashed run below)
     keep_one = ["--override", "trainer.max_actor_ckpt_to_keep=1"]
     clean = tmp_path / "clean"
-    res = run_cli(*_train_args(assets, clean, steps), *keep_one)
+    res = run_cli(*train_local_args(assets, clean, steps), *keep_one)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["ok"] and summary["last_step"] == steps and summary["resumed_from_step"] == 0
@@ -268,7 +172,7 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     # however loaded the machine is.
     crashed = tmp_path / "crashed"
     proc = subprocess.Popen(
-        [PY, "-m", "pipeline_steps", *_train_args(assets, crashed, steps), *keep_one],
+        [PY, "-m", "pipeline_steps", *train_local_args(assets, crashed, steps), *keep_one],
         cwd=ROOT,
         env=dict(os.environ),
         stdout=subprocess.DEVNULL,
@@ -290,7 +194,7 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     assert proc.wait(timeout=30) == -signal.SIGKILL
     killed_at = int(tracker.read_text())
     assert killed_at == 1
-    res = run_cli(*_train_args(assets, crashed, steps), *keep_one)
+    res = run_cli(*train_local_args(assets, crashed, steps), *keep_one)
     assert res.returncode == 0, res.stderr[-2000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["resumed_from_step"] == killed_at and summary["last_step"] == steps
@@ -305,7 +209,7 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     assert _comparable(grpo_cpu.read_metrics(crashed / "metrics.jsonl")) == _comparable(lines)
 
     # Running again after the end trains nothing and reports the same result.
-    res = run_cli(*_train_args(assets, crashed, steps))
+    res = run_cli(*train_local_args(assets, crashed, steps))
     assert res.returncode == 0, res.stderr[-2000:]
     again = json.loads(res.stdout.strip().splitlines()[-1])
     assert again["resumed_from_step"] == steps and again["last_step"] == steps

@@ -7,7 +7,7 @@ model); the trigger polls it through Ray's ``JobSubmissionClient``. A failure is
 through verl's own ``reward.custom_reward_function`` seam after the first checkpoint;
 the retry must start a new attempt that resumes from that checkpoint.
 
-KubeRay backend: the Kubernetes API is the stand-in of ``tests/k8s_api_stand_in.py``
+KubeRay backend: the Kubernetes API is the stand-in of ``tests/helpers/k8s_api_stand_in.py``
 (see its docstring for what it does not cover); the RayJob body is rendered by the real
 ``pipeline_steps.training.rayjob_manifest.build_rayjob``. The operator is attached to a real ``DAG``
 object and gets a context holding ``run_id`` (no task instance: the XCom push of the
@@ -17,11 +17,7 @@ dashboard link is not exercised here).
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import socket
-import uuid
-from pathlib import Path
 
 import pytest
 from airflow.sdk import DAG
@@ -29,9 +25,8 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.failures import JobFailed
 from operators.train import GRPOTrainOperator, normalize_overrides
-from tests.deferral import deferred, run_trigger
-
-RUN_ID = "manual__2026-01-01T00:00:00+00:00"
+from tests.helpers.deferral import deferred, run_trigger
+from tests.helpers.operator_runs import RUN_ID, write_parquet
 
 REWARD = """\
 from pathlib import Path
@@ -44,30 +39,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         raise RuntimeError("injected failure after the first checkpoint")
     return float(len(set(solution_str)) % 3)  # differs within a group: a learning signal
 """
-
-
-def write_parquet(path: Path, n: int = 4) -> Path:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = [
-        {
-            "data_source": "openai/gsm8k",
-            "prompt": [{"role": "user", "content": f'What is {i} + {i + 1}? Answer after "####".'}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
-            "extra_info": {"split": "train", "index": i},
-        }
-        for i in range(n)
-    ]
-    pq.write_table(pa.Table.from_pylist(rows), path)
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_normalize_overrides_accepts_form_shapes_and_rejects_others():
@@ -95,24 +66,6 @@ def test_bad_override_fails_in_preflight_without_retry(tmp_path, tiny_model):
     with pytest.raises(AirflowFailException, match=r"pre-flight: .*actor_rollout_ref\.actor\.optim\.lrr"):
         op.execute({"run_id": RUN_ID})
     assert not (tmp_path / "run").exists()  # nothing was submitted
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    """A private local Ray cluster (own ports, own temp dir), stopped at the end."""
-    from pipeline_steps.local import ray_cluster as local_ray
-
-    temp = Path(f"/tmp/rb2-{uuid.uuid4().hex[:6]}")  # short: Ray puts Unix sockets below it
-    old = {k: os.environ.get(k) for k in ("RAY_ADDRESS",)}
-    os.environ.pop("RAY_ADDRESS", None)
-    address = local_ray.ensure_cluster(
-        port=free_port(), dashboard_port=free_port(), num_cpus=2, temp_dir=temp, timeout=240
-    )
-    yield address
-    local_ray.shutdown_cluster(temp_dir=temp)
-    for k, v in old.items():
-        if v is not None:
-            os.environ[k] = v
 
 
 @pytest.mark.slow
@@ -204,7 +157,7 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(
 def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s_api, tmp_path, monkeypatch, capsys):
     """The cluster path of the train task: pre-flight, B1's real render, the stand-in API server."""
     from pipeline_steps.training.rayjob_manifest import rayjob_name
-    from tests.k8s_api_stand_in import SUCCESS
+    from tests.helpers.k8s_api_stand_in import SUCCESS
 
     api = k8s_api
     mnt = tmp_path / "mnt"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_train_local import compose, write_gsm8k_parquet
+from tests.helpers.train_local_runs import compose, write_gsm8k_parquet
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train_local import compose, write_gsm8k_parquet
+from tests.helpers.train_local_runs import compose, write_gsm8k_parquet
 
 
 @pytest.fixture(scope="module")

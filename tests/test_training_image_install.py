@@ -27,7 +27,7 @@ import pytest
 import yaml
 from packaging.utils import canonicalize_name
 
-from tests.test_training_image import (
+from tests.helpers.image_scan import (
     DOCKER,
     base_packages,
     closure,

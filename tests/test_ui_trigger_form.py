@@ -21,19 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.airflow_api import api
+from tests.helpers.airflow_api import api
+from tests.helpers.chromium import CHROMIUM_ARGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from tests.conftest import assert_refused, run_step
+from tests.helpers.step_cli import assert_refused, run_step
 
 
 def _src(tmp_path):

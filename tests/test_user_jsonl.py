@@ -14,8 +14,7 @@ import pytest
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.planning import plan
-from tests.conftest import assert_refused, run_step
-from tests.storage_servers import gcs_server, oss_server  # noqa: F401  (fixtures)
+from tests.helpers.step_cli import assert_refused, run_step
 
 HUB = "hf://datasets/pipeline-local/chat-jsonl"
 CHAT = "pipeline-local/chat-jsonl"

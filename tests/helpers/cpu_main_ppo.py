@@ -1,7 +1,7 @@
 """Stand-in for ``verl.trainer.main_ppo`` in the simulated kuberay run (no GPU, no vLLM here): the same argv of Hydra
 overrides that the RayJob's entrypoint passes, composed with verl's own ``ppo_trainer`` config, trained on CPU by
 :mod:`pipeline_steps.local.grpo_cpu` (which keeps the metrics history of a resumed run the way the cluster
-entrypoint does). ``python -m tests.cpu_main_ppo key=value ...``."""
+entrypoint does). ``python -m tests.helpers.cpu_main_ppo key=value ...``."""
 
 from __future__ import annotations
 

@@ -1,0 +1,33 @@
+"""Fixtures for models and the Hugging Face Hub: an offline Hugging Face cache built from the shipped fixtures
+(``hub_cache``, and ``offline_hub`` pointing the process at it) and the tiny local model (``tiny_model``).
+Registered for every test module by ``pytest_plugins`` in tests/conftest.py."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory):
+    """A Hugging Face cache (HF_HUB_CACHE) holding every fixture repository; the Hub itself is unreachable here."""
+    from pipeline_steps.local import offline_hub as local_hub
+
+    cache = tmp_path_factory.mktemp("hf-cache")
+    index = local_hub.build_cache(local_hub.FIXTURES, cache)
+    return {"path": cache, "index": index}
+
+
+@pytest.fixture
+def offline_hub(hub_cache, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache["path"]))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return hub_cache
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from pipeline_steps.local import tiny_model
+
+    # without the format warm-up: the random-weight model the trainer and step tests were written against (its
+    # responses vary in form, which their rewards rely on); tests/test_learning.py builds the warmed-up default
+    return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model", format_warmup_steps=0)
