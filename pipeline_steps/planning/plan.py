@@ -678,6 +678,16 @@ def load(run_dir: str) -> dict:
     return load_file(f"{run_dir.rstrip('/')}/{PLAN_FILE}")
 
 
+def experiment_from_file(path_or_uri: str, overrides: list[str] | None = None, derived: dict | None = None):
+    """The run's experiment from its ``plan.json`` (a step's ``--plan``): the preset as planned, no preset file
+    read; a step's own ``--override`` would change the planned run, so it is refused."""
+    from pipeline_steps.training import experiment
+
+    if overrides:
+        raise UserError("--override: a plan holds its run's overrides; pass --experiment to add your own")
+    return experiment.from_plan(load_file(path_or_uri), derived)
+
+
 def load_file(path_or_uri: str) -> dict:
     """A plan from its ``plan.json`` (a local path, or a store URI); a step given ``--plan`` reads it here."""
     from pipeline_steps.store import open_store

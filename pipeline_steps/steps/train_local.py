@@ -79,9 +79,7 @@ def load_experiment(args, derived: dict):
     if args.plan:
         from pipeline_steps.planning import plan
 
-        if args.override:
-            raise UserError("--override: a plan holds its run's overrides; pass --experiment to add your own")
-        return experiment.from_plan(plan.load_file(args.plan), derived)
+        return plan.experiment_from_file(args.plan, args.override, derived)
     return experiment.load(args.experiment, args.override, derived=derived)
 
 
