@@ -16,7 +16,6 @@ from airflow.sdk import AssetAlias, Param, dag, task
 from operators.cluster_step import PipelineStepJobOperator
 from pipeline_steps import settings
 from pipeline_steps.planning import plan as planning
-from pipeline_steps.uris import strip_file_scheme
 
 STORE_CONN_ID = settings.get(settings.STORE_CONN_ID)
 
@@ -57,65 +56,25 @@ STORE_CONN_ID = settings.get(settings.STORE_CONN_ID)
     doc_md=__doc__,
 )
 def verl_evaluate_model():
-    @task(task_id="plan")
-    def plan(params=None, triggering_asset_events=None, run_id=None) -> dict:
-        """Which model and which evaluation parquet, as arguments for the evaluate step."""
-        import json
-
-        from airflow.sdk.exceptions import AirflowFailException
-
+    @task(task_id="plan", multiple_outputs=True)
+    def plan(params=None, triggering_asset_events=None, run_id=None, dag=None) -> dict:
+        """The run's plan, made once: which model, which evaluation parquet, and the evaluate step's argv."""
         from operators.failures import user_errors
         from operators.hooks.store_connection import store_environment
-        from pipeline_steps.store import open_store
 
-        store_root = (params.get("store_uri") or planning.default_store()).rstrip("/")
-        model = params.get("model_uri")
-        if not model and triggering_asset_events:
-            events = [e for evs in triggering_asset_events.values() for e in evs]
-            model = events[-1].asset.uri if events else ""
-        if not model:
-            raise AirflowFailException(
-                "model_uri: empty and no exported-model event triggered this run; name a model to evaluate"
-            )
-        data = params.get("eval_data_uri")
-        if not data:
-            with store_environment(STORE_CONN_ID, store_root), user_errors():  # the worker reads the store itself
-                pointer = open_store(store_root).read_bytes(
-                    f"{store_root}/datasets/{params['eval_dataset']}/last_processed.json"
-                )
-            if pointer is None:
-                raise AirflowFailException(
-                    f"eval_dataset {params['eval_dataset']!r}: no processed version in {store_root}; "
-                    "run verl_grpo_pipeline with it first or pass eval_data_uri"
-                )
-            data = json.loads(pointer)["uri"].rstrip("/") + "/test.parquet"
-        out = f"{settings.home() / 'work' / 'evaluations' / planning.run_key(run_id)}"
-        args = [
-            "--model",
-            strip_file_scheme(model),
-            "--data",
-            strip_file_scheme(data),
-            "--output",
-            out,
-            "--k",
-            str(params["k"]),
-            "--temperature",
-            str(params["temperature"]),
-            "--top-p",
-            str(params["top_p"]),
-            "--max-new-tokens",
-            str(params["max_new_tokens"]),
-        ]
-        return {"args": args, "carry": {"model": model, "data": data}, "store": store_root}
+        events = [e for evs in (triggering_asset_events or {}).values() for e in evs]
+        store = (params.get("store_uri") or planning.default_store()).rstrip("/")
+        with store_environment(STORE_CONN_ID, store), user_errors():  # the worker reads the store itself
+            run = planning.evaluation_plan(dict(params), events[-1].asset.uri if events else None, run_id, dag.dag_id)
+        return {"run": run, "store": run["store"]}
 
     planned = plan()
-    PipelineStepJobOperator(  # in the worker; model and data on a cloud store are fetched into its local mirror
+    PipelineStepJobOperator(  # the backend and the argv as planned
         task_id="evaluate",
         step="evaluate",
-        backend="local",
-        request=planned,
+        plan=planned["run"],
         uri_args=("--model", "--data"),
-        store_uri="{{ ti.xcom_pull(task_ids='plan')['store'] }}",
+        store_uri=planned["store"],
         store_conn_id=STORE_CONN_ID,
         pool="gpu",
         pool_slots=1,

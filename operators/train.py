@@ -298,13 +298,22 @@ class GRPOTrainOperator(BaseOperator):
             local_run = mirror.local_for(run_dir)
             if mirror.is_remote(run_dir) and not local_run.exists():  # another worker's run: resume from the store
                 mirror.fetch(run_dir)
-        argv = ["train-local", "--experiment", self.plan["experiment"] if self.plan else self.experiment]
-        # "--override=K=V" keeps a value that starts with '-' from being read as an option
-        argv += [f"--override={o}" for o in self._overrides()]
-        argv += ["--train-files", *train]
-        if val:
-            argv += ["--val-files", *val]
-        argv += ["--model-path", model, "--output-dir", str(local_run)]
+        if self.plan:  # the argv the plan recorded, with the local copies filled in
+            from pipeline_steps.planning import plan as planning
+
+            with store_environment(self.store_conn_id, run_dir), user_errors("fetch the plan"):
+                plan_file = str(mirror.fetch(f"{run_dir}/{planning.PLAN_FILE}"))
+            facts = {"plan_file": plan_file, "train_files": train, "val_files": val, "model_path": model}
+            with user_errors():
+                argv = planning.train_local_argv(self.plan, {**facts, "output_dir": str(local_run)})
+        else:
+            argv = ["train-local", "--experiment", self.experiment]
+            # "--override=K=V" keeps a value that starts with '-' from being read as an option
+            argv += [f"--override={o}" for o in self._overrides()]
+            argv += ["--train-files", *train]
+            if val:
+                argv += ["--val-files", *val]
+            argv += ["--model-path", model, "--output-dir", str(local_run)]
         self.progress_uri = str(local_run / "metrics.jsonl")
         env = {"VERL_FILE_LOGGER_PATH": self.progress_uri, "TOKENIZERS_PARALLELISM": "false"}
         base = submission_base(**self._ids(context))

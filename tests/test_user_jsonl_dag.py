@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.airflow_cli import dags_test
+from tests.helpers.count_plan_calls import assert_launched_as_planned
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -135,6 +136,8 @@ def test_jsonl_files_chosen_in_the_form_train_and_validate_in_a_run_planned_once
         run_dir = Path(plan["run_dir"].removeprefix("file://"))
         assert json.loads((run_dir / "plan.json").read_text()) == plan
         assert plan["backend"] == "local" and plan["overrides"][0] == "actor_rollout_ref.actor.optim.lr=1e-05"
+        # every step ran the argv the plan recorded (placeholders filled in from upstream results only)
+        assert_launched_as_planned(plan, recorded)
         lineage = json.loads((run_dir / "lineage.json").read_text())
         assert lineage["experiment"]["preset_sha256"] == plan["preset_sha256"]
         assert lineage["experiment"]["overrides"] == plan["overrides"]

@@ -9,11 +9,12 @@ from pipeline_steps.training.preflight_checks import preflight
 
 
 def add_arguments(p):
-    p.add_argument(
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--experiment",
-        required=True,
         help="preset name (a packaged preset or one in $PIPELINE_PRESETS_DIR) or a YAML file",
     )
+    which.add_argument("--plan", help="a run's plan.json (path or store URI): its preset and overrides as planned")
     p.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"
     )
@@ -25,5 +26,10 @@ def add_arguments(p):
 
 
 def run(args) -> dict:
-    exp = experiment.load(args.experiment, overrides=args.override)
+    if args.plan:
+        from pipeline_steps.planning import plan
+
+        exp = plan.experiment_from_file(args.plan, args.override, None)
+    else:
+        exp = experiment.load(args.experiment, overrides=args.override)
     return preflight(exp, check_store=not args.skip_store_check)

@@ -32,11 +32,12 @@ def _mounts_arg(value: str | None, exp: Experiment) -> MountMap:
 
 
 def add_arguments(p):
-    p.add_argument(
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--experiment",
-        required=True,
         help="preset name (a packaged preset or one in $PIPELINE_PRESETS_DIR) or a YAML file",
     )
+    which.add_argument("--plan", help="a run's plan.json (path or store URI): its preset and overrides as planned")
     p.add_argument(
         "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"
     )
@@ -54,10 +55,16 @@ def add_arguments(p):
 def run(args) -> dict:
     mounts_file = args.mounts[1:] if args.mounts and args.mounts.startswith("@") else None
     outputs.refuse_overlap(
-        args.output, {"--experiment": args.experiment if "/" in args.experiment else None, "--mounts": mounts_file}
+        args.output,
+        {"--experiment": args.experiment if "/" in (args.experiment or "") else None, "--mounts": mounts_file},
     )
     derived = {"trainer.default_local_dir": args.checkpoint_uri} if args.checkpoint_uri else None
-    exp = experiment.load(args.experiment, overrides=args.override, derived=derived)
+    if args.plan:
+        from pipeline_steps.planning import plan
+
+        exp = plan.experiment_from_file(args.plan, args.override, derived)
+    else:
+        exp = experiment.load(args.experiment, overrides=args.override, derived=derived)
     mounts = _mounts_arg(args.mounts, exp)
     job = build_rayjob(
         exp, dag_id=args.dag_id, run_id=args.run_id, task_id=args.task_id, namespace=args.namespace, mounts=mounts

@@ -1,7 +1,10 @@
 """Step ``train-local``: GRPO on CPU, the process that runs inside the local Ray job.
 
 ``python -m pipeline_steps train-local --experiment local_tiny --train-files T.parquet
---val-files V.parquet --model-path MODEL --output-dir RUN_DIR [--override K=V ...]``
+--val-files V.parquet --model-path MODEL --output-dir RUN_DIR [--override K=V ...]``, or, in a pipeline run,
+``train-local --plan RUN_DIR/plan.json ...``: the preset and the overrides as the run's ``plan`` task recorded them
+(no preset file is read, so a preset edited after ``plan`` does not change the run; a plan whose preset does not
+match its ``preset_sha256`` is refused).
 
 Composes verl's config from the preset, the keys derived here (data files, model
 path, checkpoint dir) and the user's overrides, then trains with
@@ -30,13 +33,21 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p):
-    p.add_argument(
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--experiment",
-        required=True,
         help="preset name (a packaged preset or one in $PIPELINE_PRESETS_DIR) or a YAML file",
     )
+    which.add_argument(
+        "--plan",
+        help="a run's plan.json (path or store URI): its preset and overrides as planned; no preset file is read",
+    )
     p.add_argument(
-        "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override; repeatable"
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="verl Hydra override; repeatable (with --experiment: a plan holds its run's overrides)",
     )
     p.add_argument("--train-files", nargs="+", required=True, help="verl-schema parquet files for training")
     p.add_argument(
@@ -61,6 +72,17 @@ def derived_keys(train_files, val_files, model_path, output_dir) -> dict:
     }
 
 
+def load_experiment(args, derived: dict):
+    """The experiment to train: the plan's (``--plan``: no preset file read) or the named preset's."""
+    from pipeline_steps.training import experiment
+
+    if args.plan:
+        from pipeline_steps.planning import plan
+
+        return plan.experiment_from_file(args.plan, args.override, derived)
+    return experiment.load(args.experiment, args.override, derived=derived)
+
+
 def run(args) -> dict:
     from pipeline_steps.training import experiment
 
@@ -78,9 +100,7 @@ def run(args) -> dict:
         {"--model-path": args.model_path, "--train-files": args.train_files, "--val-files": args.val_files},
         what="--output-dir",
     )
-    exp = experiment.load(
-        args.experiment, args.override, derived=derived_keys(args.train_files, args.val_files, args.model_path, out)
-    )
+    exp = load_experiment(args, derived_keys(args.train_files, args.val_files, args.model_path, out))
     cfg = experiment.compose(exp)
     metrics_path = os.environ.get("VERL_FILE_LOGGER_PATH") or str(out / "metrics.jsonl")
 

@@ -256,9 +256,18 @@ def merged(base: Experiment, overrides: list[str] | None = None, derived: dict |
 
 def from_plan(run: dict, derived: dict | None = None) -> Experiment:
     """The run's experiment from its plan (:func:`pipeline_steps.planning.plan.plan`): the preset the plan read, the
-    run's derived keys, then the run's overrides. Reads no preset file."""
+    run's derived keys, then the run's overrides. Reads no preset file: the preset as planned is what runs, whatever
+    its file says now.
+
+    :raises UserError: the plan's preset does not match its ``preset_sha256`` (the plan was edited after ``plan``).
+    """
     preset = run["preset"]
     base = Experiment(name=preset["name"], spec=preset["spec"], verl=preset["verl"])
+    if run.get("preset_sha256") and base.digest() != run["preset_sha256"]:
+        raise UserError(
+            f"plan: preset {base.name!r} does not match the plan's preset_sha256 {run['preset_sha256'][:12]}: the "
+            "plan was changed after the plan task made it; re-run the DAG (a new plan) instead of editing plan.json"
+        )
     return merged(base, run.get("overrides") or [], derived)
 
 

@@ -4,7 +4,10 @@ the plan task, ``collect_inputs``, the operators and the request tasks; a step's
 
 Counted: reading a preset (``experiment.read``, or ``experiment.load`` where there is no ``read``), resolving the
 backend (``constants.resolve_backend``) and turning the form into verl overrides (``overrides`` of the form's
-module). Written as JSON to ``$PIPELINE_CALL_COUNTS`` when the process exits.
+module). Recorded: every step's argv as launched (``PipelineStepOperator.command``, and the local Ray job's
+``ray_cluster.job_argv``) and every argv made from the plan's recorded argv (``planning.plan.step_argv``: the
+template and its result), so a test can check that each launched step ran the plan's argv. Written as JSON to
+``$PIPELINE_CALL_COUNTS`` when the process exits.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ import traceback
 
 COUNTS: collections.Counter = collections.Counter()
 WHERE: dict[str, list[str]] = collections.defaultdict(list)
+LAUNCHED: list[dict] = []  # {"step": ..., "argv": [...]}: each step process as started
+RESOLVED: list[dict] = []  # {"template": [...], "argv": [...]}: each argv made from the plan's
 
 
 def dump() -> None:
     path = os.environ.get("PIPELINE_CALL_COUNTS")
     if path:
         with open(path, "w") as f:
-            json.dump({"counts": dict(COUNTS), "where": WHERE}, f, indent=2, sort_keys=True)
+            json.dump(
+                {"counts": dict(COUNTS), "where": WHERE, "launched": LAUNCHED, "resolved": RESOLVED},
+                f,
+                indent=2,
+                sort_keys=True,
+            )
 
 
 def _count(module, attr: str, name: str) -> None:
@@ -51,7 +61,60 @@ def install() -> None:
     module = "pipeline_steps.planning.form" if hasattr(experiment, "read") else "pipeline_steps.training.plan"
     _count(importlib.import_module(module), "overrides", "overrides_computations")
 
+    _record_argv()
     atexit.register(dump)
+
+
+def _record_argv() -> None:
+    step_op = importlib.import_module("operators.step").PipelineStepOperator
+    command = step_op.command
+
+    def launched(self, args):
+        LAUNCHED.append({"step": self.step, "argv": [str(a) for a in args]})
+        dump()
+        return command(self, args)
+
+    step_op.command = launched
+    ray_cluster = importlib.import_module("pipeline_steps.local.ray_cluster")
+    job_argv = ray_cluster.job_argv
+
+    def job(python=None, *step_argv):
+        LAUNCHED.append({"step": step_argv[0], "argv": [str(a) for a in step_argv[1:]]})
+        dump()
+        return job_argv(python, *step_argv)
+
+    ray_cluster.job_argv = job
+    planning = importlib.import_module("pipeline_steps.planning.plan")
+    if hasattr(planning, "step_argv"):
+        resolve = planning.step_argv
+
+        def resolved(template, facts=None):
+            out = resolve(template, facts)
+            RESOLVED.append({"template": [str(a) for a in template], "argv": out})
+            return out
+
+        planning.step_argv = resolved
+
+
+def assert_launched_as_planned(run: dict, recorded: dict) -> None:
+    """Every step process a whole run launched (``recorded``: this module) ran an argv the plan
+    recorded: the plan's own argv, or one made from it by filling in its placeholders (``step_argv``), and the
+    training job got the plan (``--plan``), never a preset name."""
+    planned: dict[str, list[list[str]]] = {}
+    for step, argv in run["steps"].items():
+        planned.setdefault(step, []).append(argv)
+    for item in run["datasets"]:
+        for step, argv in item["steps"].items():
+            planned.setdefault(step, []).append(argv)
+    made = [(r["template"], r["argv"]) for r in recorded["resolved"]]
+    launched = recorded["launched"]
+    steps = {x["step"] for x in launched}
+    assert {"download", "preprocess", "upload", "stage-model", "train-local", "evaluate", "export", "report"} <= steps
+    for x in launched:
+        templates = planned.get(x["step"]) or []
+        assert x["argv"] in templates or any(t in templates and a == x["argv"] for t, a in made), (x, templates)
+    (train,) = [x["argv"] for x in launched if x["step"] == "train-local"]
+    assert "--plan" in train and "--experiment" not in train and not any(a.startswith("--override") for a in train)
 
 
 if __name__ == "__main__":
