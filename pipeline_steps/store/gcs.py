@@ -55,7 +55,8 @@ class GcsStore(Store):
         self.timeout = (settings.get_float(settings.STORE_CONNECT_TIMEOUT), 120)
         project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
         emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-        self.endpoint = emulator or "storage.googleapis.com"
+        # API_ENDPOINT_OVERRIDE: the client library's own endpoint setting (a private endpoint), used with credentials
+        self.endpoint = emulator or os.environ.get("API_ENDPOINT_OVERRIDE") or "storage.googleapis.com"
         credentials = None
         keyfile_json = os.environ.get("GCS_KEYFILE_JSON")
         with self._errors("connect", ""):
@@ -126,6 +127,13 @@ class GcsStore(Store):
                 raise UserError(
                     f"store connection {cid!r}: no GCS credentials found; set the connection's key_path/keyfile_dict "
                     "(or GOOGLE_APPLICATION_CREDENTIALS)"
+                ) from None
+            if isinstance(exc, gae.RefreshError) and not exc.retryable:  # e.g. invalid_grant: a deleted or wrong key
+                reason = str(exc.args[0] if exc.args else "").strip().split("\n")[0][:200]  # "invalid_grant: ..."
+                raise UserError(
+                    f"store connection {cid!r}: Google's token endpoint refused the connection's key for {op} {where} "
+                    f"({reason or exc.__class__.__name__}); check the key file (a deleted or rotated key, another "
+                    "service account) and update the connection"
                 ) from None
             if isinstance(
                 exc,

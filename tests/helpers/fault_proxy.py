@@ -10,12 +10,15 @@ set; ``proxy.fault`` may be changed between requests:
   status line and headers, then close the connection before the body (what a dying load balancer does);
 * ``("corrupt", None, seconds)``: flip one byte in the middle of each object body (a checksum mismatch).
 
-``proxy.hits`` counts the faulted responses.
+``proxy.hits`` counts the faulted responses. ``authorize`` (a function of the request's headers) makes the proxy
+check authentication as the real service does: a request it refuses gets GCS's 401 ``Invalid Credentials`` and is
+counted in ``proxy.refused`` (tests/helpers/google_auth.py).
 """
 
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,8 +28,9 @@ HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te"
 
 
 class FaultProxy:
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, authorize=None):
         target = urlsplit(upstream)
+        self.authorize, self.refused = authorize, 0
         self.upstream = (target.hostname, target.port)
         self.fault: tuple | None = None
         self.hits = 0
@@ -43,6 +47,18 @@ class FaultProxy:
             def _handle(self):
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else None
+                if proxy.authorize is not None and not proxy.authorize(self.headers):
+                    with proxy._lock:
+                        proxy.refused += 1
+                    error = {"code": 401, "message": "Invalid Credentials", "errors": [{"reason": "authError"}]}
+                    data = json.dumps({"error": error}).encode()
+                    self.send_response(401)
+                    self.send_header("Content-Type", "application/json; charset=UTF-8")
+                    self.send_header("WWW-Authenticate", 'Bearer realm="https://accounts.google.com/"')
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 fault = proxy._active()
                 if fault and fault[0] == "status":
                     proxy._hit()
