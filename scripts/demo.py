@@ -242,6 +242,7 @@ def _run(home: Path) -> int:
         f"their log: {log}) ...",
         flush=True,
     )
+    paused_here = _pause_before_start(airflow_home / "airflow.db")
     proc, url = airflow_local.start(home, airflow_home, _free_port(), log)
     run_id, state, was_paused = None, None, None
     try:
@@ -256,6 +257,7 @@ def _run(home: Path) -> int:
                 time.sleep(2)
         if was_paused:
             airflow_local.api(url, dag, "PATCH", {"is_paused": False})
+        was_paused = was_paused and not paused_here
         run = airflow_local.api(url, f"{dag}/dagRuns", "POST", {"logical_date": logical, "conf": conf})
         run_id = run["dag_run_id"]
         print(f"running verl_grpo_pipeline on the local profile: run {run_id}", flush=True)
@@ -305,6 +307,23 @@ def _wait(url: str, run_path: str, deadline: float) -> str | None:
         time.sleep(5)  # two small API calls a poll: little beside the tasks on two cores
     print(f"the run did not end within {RUN_DEADLINE} s", flush=True)
     return None
+
+
+def _pause_before_start(db: Path) -> bool:
+    """Pause the DAG if an earlier ``make airflow`` left it unpaused; whether it did. Until the DAG processor parses
+    the file again with no schedule, the scheduler goes by the stored schedule, and an unpaused DAG whose interval
+    has passed would start a scheduled run that the demo's run then waits behind (one active run at a time)."""
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
+            row = c.execute("SELECT is_paused FROM dag WHERE dag_id='verl_grpo_pipeline'").fetchone()
+    except sqlite3.Error:  # no database or no DAG yet: a new DAG is paused at creation
+        return False
+    if not row or row[0]:
+        return False
+    airflow = str(Path(sys.executable).with_name("airflow"))
+    env = dict(os.environ, AIRFLOW_HOME=str(db.parent))
+    subprocess.run([airflow, "dags", "pause", "verl_grpo_pipeline"], env=env, check=True, capture_output=True)
+    return True
 
 
 def _end_run(url: str, run_id: str) -> None:
