@@ -267,7 +267,9 @@ def verl_grpo_pipeline():
         from pipeline_steps.store import open_store
 
         with user_errors():
-            inputs = planning.collect(list(uploaded), staged, run)
+            # a slice is one request; iterating a mapped task's results probes past the end, and Airflow's client
+            # logs that 404 at ERROR in a successful task's log
+            inputs = planning.collect(list(uploaded[:]), staged, run)
         lineage_uri = f"{run['run_dir']}/lineage.json"
         with store_environment(STORE_CONN_ID, run["store"]), user_errors():  # the worker opens the store itself
             store = open_store(run["store"])

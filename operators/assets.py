@@ -50,7 +50,9 @@ class RegisterAssetsOperator(BaseOperator):
     def execute(self, context) -> list[str]:
         from airflow.sdk import Asset, AssetAlias
 
-        results = [self.results] if isinstance(self.results, dict) else list(self.results or [])
+        # a mapped task's results: sliced (one request); iterating probes past the end, and Airflow's client logs
+        # that 404 at ERROR in a successful task's log
+        results = [self.results] if isinstance(self.results, dict) else list((self.results or [])[:])
         emitted = []
         for result in results:
             summary = dict(result.get(self.summary_key) or {})

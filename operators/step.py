@@ -21,6 +21,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from operators.hooks.huggingface import hf_env
 from operators.hooks.store_connection import store_env
+from pipeline_steps.log_levels import LineLevels
 
 
 class PipelineStepOperator(BaseOperator):
@@ -97,9 +98,10 @@ class PipelineStepOperator(BaseOperator):
         reader = threading.Thread(target=lambda: out_chunks.append(self._proc.stdout.read()), daemon=True)
         reader.start()
         last_error = ""
+        levels = LineLevels()  # each line at the level the step gave it (Airflow files raw stderr as ERROR)
         for line in self._proc.stderr:  # the step's log, streamed into the task log as it runs
             line = line.rstrip()
-            self.log.info("%s", line)
+            self.log.log(levels.level(line), "%s", line)
             if line.startswith(("error:", "unexpected error")):
                 last_error = line
         reader.join()

@@ -11,6 +11,7 @@ Airflow, the MLflow server and the Ray cluster it started.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,7 +69,26 @@ def start(home: Path, airflow_home: Path, port: int, log_path: Path) -> tuple[su
     raise RuntimeError(f"the Airflow UI did not answer at {url} within 5 minutes; see {log_path}")
 
 
+def api(url: str, path: str, method: str = "GET", body: dict | None = None, timeout: float = 60):
+    """One call to Airflow's REST API (``/api/v2``; no login on the local profile): JSON in, JSON out."""
+    req = urllib.request.Request(
+        f"{url}/api/v2{path}",
+        method=method,
+        data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json", "Accept": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
 def stop(proc: subprocess.Popen, home: Path) -> None:
+    """Stop Airflow's components, then the local Ray cluster and MLflow server of profile ``home``."""
+    stop_components(proc)
+    stop_services(home)
+
+
+def stop_components(proc: subprocess.Popen) -> None:
+    """Stop the supervisor started by :func:`start` and every process left in its group."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -79,7 +99,6 @@ def stop(proc: subprocess.Popen, home: Path) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    stop_services(home)
 
 
 class Stop(BaseException):

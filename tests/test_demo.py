@@ -1,6 +1,7 @@
 """``make demo`` as a user runs it: the whole DAG on the local profile, then nothing left running.
 
-Real Airflow (``airflow dags test``), a real local Ray cluster on free ports, the real steps. The demo must stop the
+Real Airflow (its scheduler, DAG processor, triggerer and API server, as ``make airflow`` starts them), a real
+local Ray cluster on free ports, the real steps. The demo must stop the
 Ray cluster it started (before: 21 processes, 2.1 GB RSS left on the fixed ports 6379 and 8265).
 """
 
@@ -26,7 +27,7 @@ def demo(tmp_path_factory):
     p = subprocess.run(
         [sys.executable, "-m", "scripts.demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
     )
-    return {"proc": p, "home": home}
+    return {"proc": p, "home": home, "airflow_home": airflow_home, "tmp": tmp}
 
 
 def _figures(out: str) -> dict:
@@ -89,3 +90,41 @@ def test_demo_model_learns_a_skill_that_depends_on_the_input(demo):
     assert f["non_modal"][0] >= f["non_modal"][1] + 10
     assert f["distinct"][0] >= f["distinct"][1] - 2 > 1
     assert "promoted: True (promoted: avg@k" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.budget(300)
+def test_after_the_demo_airflow_shows_every_task_s_log_at_its_levels(demo):
+    """``make airflow`` after ``make demo`` in the same homes: the demo's run keeps its states (no deferred task or
+    trigger left to be cancelled) and the REST API the UI reads returns every task instance's log, non-empty; in
+    the train task's log verl's "All configuration checks passed successfully!" is INFO, and no line of the
+    successful run is ERROR (Airflow files raw stderr as ERROR)."""
+    import urllib.parse
+
+    from scripts.airflow_local import api, start, stop
+    from scripts.demo import _free_port, newest_run
+
+    assert demo["proc"].returncode == 0, demo["proc"].stdout[-3000:]
+    home, airflow_home = demo["home"], demo["airflow_home"]
+    run_id = newest_run(airflow_home / "airflow.db")
+    proc, url = start(home, airflow_home, _free_port(), demo["tmp"] / "airflow-after.log")  # `make airflow`'s path
+    try:
+        run = f"/dags/verl_grpo_pipeline/dagRuns/{urllib.parse.quote(run_id, safe='')}"
+        tis = api(url, f"{run}/taskInstances?limit=100")["task_instances"]
+        assert len(tis) >= 10 and {t["state"] for t in tis} <= {"success", "skipped"}, tis
+        errors, passed = [], []
+        for ti in tis:
+            path = f"{run}/taskInstances/{ti['task_id']}/logs/{ti['try_number']}?map_index={ti['map_index']}"
+            content = api(url, path)["content"]
+            lines = [e for e in content if isinstance(e, dict) and e.get("event") and "level" in e]
+            assert lines, f"{ti['task_id']}[{ti['map_index']}]: empty log {content!r:.500}"
+            errors += [(ti["task_id"], e["level"], e["event"]) for e in lines if e["level"] in ("error", "critical")]
+            passed += [e for e in lines if "All configuration checks passed successfully" in e["event"]]
+        assert passed and all(e["level"] == "info" for e in passed), passed
+        assert not errors, errors
+        assert {t["state"] for t in api(url, f"{run}/taskInstances?limit=100")["task_instances"]} <= {
+            "success",
+            "skipped",
+        }
+    finally:
+        stop(proc, home)

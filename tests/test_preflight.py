@@ -30,6 +30,17 @@ def check(name="local_tiny", overrides=(), derived=None, check_store=False):
     )
 
 
+def test_verl_s_prints_are_info_records_not_stderr(capfd, caplog):
+    """In an Airflow task (the train operator runs the pre-flight in process) raw stderr is filed as ERROR: verl's
+    "All configuration checks passed successfully!" must reach the log as an INFO record, not as stderr."""
+    with caplog.at_level("INFO", logger=preflight.__name__):
+        check("local_tiny")
+    out, err = capfd.readouterr()
+    assert "All configuration checks passed" not in out + err
+    passed = [r for r in caplog.records if "All configuration checks passed successfully" in r.getMessage()]
+    assert passed and all(r.levelname == "INFO" for r in passed), caplog.records
+
+
 @pytest.mark.parametrize(
     "name", ["local_tiny", "local_tiny_tool_agent", "local_tiny_custom_rollout", "local_arithmetic"] + CLUSTER_PRESETS
 )

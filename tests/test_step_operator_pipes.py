@@ -32,3 +32,32 @@ def test_a_megabyte_on_each_stream_does_not_hang_and_the_summary_is_read():
     t.join(60)
     assert not t.is_alive(), "the operator hung on a full pipe"
     assert done["result"]["flood"] == {"n": 16384}
+
+
+@pytest.mark.budget(60)
+def test_a_step_s_lines_reach_the_task_log_at_the_levels_the_step_gave_them():
+    """Airflow files whatever a task writes to stderr as ERROR; the operator relays the step's stderr line by line at
+    the level each line carries. Real step (``preflight``: verl's own ``validate_config``): verl's "All configuration
+    checks passed successfully!" is not an error; the step's own ``error:`` line on a rejected config is."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from structlog.testing import capture_logs
+
+    def run(*extra: str) -> list[dict]:
+        args = ["--experiment", "local_tiny", "--skip-store-check", *extra]
+        op = PipelineStepOperator(
+            task_id="preflight", step="preflight", request={"args": args}, hf_conn_id=None, store_conn_id=None
+        )
+        with capture_logs() as records:
+            try:
+                op.execute({"ti": None})
+            except AirflowFailException:
+                pass
+        return records
+
+    ok = run()
+    passed = [r for r in ok if "All configuration checks passed successfully" in r["event"]]
+    assert passed and all(r["log_level"] == "info" for r in passed), ok
+    assert not [r for r in ok if r["log_level"] in ("error", "critical")], ok
+    bad = run("--override=algorithm.adv_estimator=no_such_estimator")
+    errors = [r for r in bad if r["event"].startswith("error:")]
+    assert errors and all(r["log_level"] == "error" for r in errors), bad

@@ -15,6 +15,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from operators.progress import ProgressTracker, format_progress, new_log_lines, scalar_metrics
+from pipeline_steps.log_levels import LineLevels
 
 
 @dataclasses.dataclass
@@ -99,6 +100,7 @@ class JobPollTrigger(BaseTrigger):
         progress = ProgressTracker(self.metrics_uri, self.metrics_reader, self.last_step, self.store_conn_id)
         shown: list[str] = []
         seen, errors = None, 0
+        levels = LineLevels()  # the job's lines at the levels the job gave them
         while True:
             try:
                 poll = await self.poll()
@@ -120,7 +122,7 @@ class JobPollTrigger(BaseTrigger):
             await progress.poll(self.log)
             tail = await self.log_tail(poll)
             for line in new_log_lines(shown, tail):
-                self.log.info("job log | %s", line)
+                self.log.log(levels.level(line), "job log | %s", line)
             shown = tail or shown
             if poll.state != "running":
                 ok = poll.state == "succeeded"

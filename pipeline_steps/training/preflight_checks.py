@@ -15,13 +15,14 @@ Every failure is a :class:`UserError` whose one line names the key.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import os
-import sys
 import time
 import warnings
 from pathlib import Path
 
+from pipeline_steps import log_levels
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import experiment as experiment_mod
 from pipeline_steps.training.experiment import Experiment
@@ -333,12 +334,15 @@ def check_batch_sizes(cfg) -> dict:
 
 
 def run_verl_validate(cfg, ppo_utils) -> None:
-    """verl's own ``validate_config``; its prints go to stderr (stdout ends with the JSON summary)."""
+    """verl's own ``validate_config``; its prints become this module's log records, each at the level its text
+    gives (stdout ends with the step's JSON summary; and in an Airflow task raw stderr is filed as ERROR, which made
+    verl's "All configuration checks passed successfully!" read as an error)."""
     from hydra.errors import InstantiationException  # verl builds its dataclasses through hydra.instantiate
     from verl.utils.config import validate_config
 
+    printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+        with contextlib.redirect_stdout(printed), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             validate_config(
                 config=cfg,
@@ -356,6 +360,8 @@ def run_verl_validate(cfg, ppo_utils) -> None:
     ) as exc:
         msg = " ".join(str(exc).split()) or exc.__class__.__name__
         raise UserError(f"verl's validate_config rejected the config: {msg[:400]}") from None
+    finally:
+        log_levels.relay(log, printed.getvalue().splitlines(), "verl: %s")
 
 
 # -- staged inputs ------------------------------------------------------------------------------------
