@@ -403,3 +403,11 @@ def test_the_trigger_waits_for_a_job_that_moves_with_time_not_with_reads(api, ru
     assert event["status"] == "success", event
     assert elapsed >= len(SUCCESS) * 1.0 - 0.5, elapsed  # not before the controller got there
     assert reads > 2 * len(SUCCESS), reads  # read far more often than the job changed
+
+
+def test_a_trigger_an_earlier_release_serialized_still_loads():
+    """Triggers serialized before ``metrics_reader`` was removed carry it (always None): the triggerer still loads
+    them after an upgrade, so a deferred train task keeps waiting instead of failing."""
+    kwargs = {"name": "grpo-old", "namespace": NS, "metrics_uri": "gs://b/run/metrics.jsonl", "metrics_reader": None}
+    path, again = RayJobTrigger(**kwargs).serialize()
+    assert "metrics_reader" not in again and again["metrics_uri"] == kwargs["metrics_uri"]
