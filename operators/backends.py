@@ -1,20 +1,22 @@
 """Where a job runs, as strategies the operators delegate to: KubeRay (a ``RayJob`` per attempt) or the local Ray
 cluster (a Ray job per attempt). Each returns the trigger that waits for the job; :func:`complete` turns the
-trigger's event into the task's outcome the same way for both.
+trigger's event into the task's outcome the same way for both. An operator gives a strategy the values it needs
+(its logger, connection, namespace, :class:`Polling`), not itself.
 
 Attempts: a job's name is deterministic per DAG run and task, so a retried or restarted worker finds its job
 instead of submitting a second one. KubeRay: every attempt carries the label :data:`GROUP_LABEL` (= the attempt-0
-name); a failed attempt is deleted (its Ray cluster goes with it) and the next is ``<base>-r<N>``, built from the
-resume body. Local: attempts are ``<base>-a<N>``; a live or finished attempt is re-attached.
+name); a failed attempt is deleted (its Ray cluster goes with it) and the next is ``<base>-r<N>``, the same body
+under its own name (a rendered training entrypoint resumes from the run's checkpoints by itself). Local: attempts
+are ``<base>-a<N>``; a live or finished attempt is re-attached.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import re
-import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -55,14 +57,6 @@ def attempt_body(body: dict, base: str, attempt: int) -> dict:
     return out
 
 
-def with_resume_args(body: dict, args: Sequence[str]) -> dict:
-    """``body`` whose entrypoint ends with ``args``, each shell-quoted (Hydra: the last value wins)."""
-    out = copy.deepcopy(body)
-    if args:
-        out["spec"]["entrypoint"] = out["spec"]["entrypoint"].rstrip() + " " + " ".join(shlex.quote(a) for a in args)
-    return out
-
-
 def submission_base(dag_id: str, run_id: str, task_id: str) -> str:
     """Deterministic Ray submission id prefix for one task of one DAG run (readable part + hash)."""
     digest = hashlib.sha256(f"{dag_id}\0{run_id}\0{task_id}".encode()).hexdigest()[:12]
@@ -70,32 +64,70 @@ def submission_base(dag_id: str, run_id: str, task_id: str) -> str:
     return f"{readable}-{digest}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Polling:
+    """What a job's trigger is given (see :class:`operators.triggers.job_poll.JobPollTrigger`).
+
+    :param interval: seconds between polls of the job.
+    :param log_tail_lines: lines of the job's log to show.
+    :param metrics_uri: verl's file-logger output, read for progress (None: the job reports no training progress).
+    :param store_conn_id: the store connection ``metrics_uri`` is read with.
+    """
+
+    interval: float = 30.0
+    log_tail_lines: int = 20
+    metrics_uri: str | None = None
+    store_conn_id: str | None = None
+
+    def trigger_kwargs(self) -> dict:
+        return {
+            "poll_interval": self.interval,
+            "metrics_uri": self.metrics_uri,
+            "store_conn_id": self.store_conn_id,
+            "log_tail_lines": self.log_tail_lines,
+        }
+
+
 class KubeRayJobs:
     """Create or re-attach this task's current RayJob attempt through :class:`RayJobHook`.
 
-    :param op: the operator (its ``log``, and the RayJob options: ``namespace``, ``kubernetes_conn_id``,
-        ``cluster_context``, ``poll_interval``, ``metrics_uri``, ``metrics_reader``, ``log_tail_lines``,
-        ``dashboard_url_template``, ``resume_args``).
+    :param log: the operator's logger.
+    :param conn_id: the Kubernetes connection.
+    :param cluster_context: kube config context.
+    :param namespace: namespace (default: the body's, then the connection's, then ``default``).
+    :param dashboard_url_template: Ray dashboard link; ``{dashboard_url}``, ``{namespace}``, ``{name}`` and
+        ``{ray_cluster}`` are filled from the RayJob status (for an ingress, give its URL pattern).
+    :param polling: what the trigger is given.
     """
 
-    def __init__(self, op):
-        self.op, self.log = op, op.log
+    def __init__(
+        self,
+        log,
+        *,
+        conn_id: str | None,
+        cluster_context: str | None = None,
+        namespace: str | None = None,
+        dashboard_url_template: str = "http://{dashboard_url}",
+        polling: Polling = Polling(),
+    ):
+        self.log, self.conn_id, self.cluster_context, self.namespace = log, conn_id, cluster_context, namespace
+        self.dashboard_url_template, self.polling = dashboard_url_template, polling
 
     @cached_property
     def hook(self) -> RayJobHook:
         from operators.hooks.rayjob_api import RayJobHook
 
-        return RayJobHook(conn_id=self.op.kubernetes_conn_id, cluster_context=self.op.cluster_context)
+        return RayJobHook(conn_id=self.conn_id, cluster_context=self.cluster_context)
 
     def namespace_for(self, body: dict | None = None) -> str:
         """The operator's namespace, else the body's, the connection's, then ``default``."""
         body_ns = ((body or {}).get("metadata") or {}).get("namespace")
-        return self.op.namespace or body_ns or self.hook.get_namespace() or "default"
+        return self.namespace or body_ns or self.hook.get_namespace() or "default"
 
-    def submit(
-        self, context, body: dict, resume_body: dict | None, prepare: Callable[[dict], dict] | None = None
-    ) -> RayJobTrigger:
-        """The trigger waiting for this task's current attempt (created when there is none alive).
+    def submit(self, context, body: dict, prepare: Callable[[dict], dict] | None = None) -> RayJobTrigger:
+        """The trigger waiting for this task's current attempt (created when there is none alive). Every attempt
+        runs ``body`` under its own name: a training entrypoint resumes from the run's checkpoints by itself, a step
+        re-runs.
 
         :param prepare: applied to each new attempt's body just before it is created (e.g. a per-attempt path).
         """
@@ -123,7 +155,6 @@ class KubeRayJobs:
                     attempt,
                 )
                 self.hook.delete_rayjob(latest["metadata"]["name"], namespace)
-                body = resume_body or with_resume_args(body, self.op.resume_args)
             new = attempt_body(body, base, attempt)
             obj = self._create(prepare(new) if prepare else new, namespace)
         push_job(context, obj["metadata"]["name"], self._dashboard_url(obj))
@@ -136,9 +167,9 @@ class KubeRayJobs:
             name=obj["metadata"]["name"],
             namespace=namespace,
             submission_mode=mode,
-            kubernetes_conn_id=self.op.kubernetes_conn_id,
-            cluster_context=self.op.cluster_context,
-            **poll_settings(self.op),
+            kubernetes_conn_id=self.conn_id,
+            cluster_context=self.cluster_context,
+            **self.polling.trigger_kwargs(),
         )
 
     def _create(self, body: dict, namespace: str) -> dict:
@@ -162,7 +193,7 @@ class KubeRayJobs:
             return None
         if dashboard.startswith(("http://", "https://")):
             return dashboard
-        return self.op.dashboard_url_template.format(
+        return self.dashboard_url_template.format(
             dashboard_url=dashboard,
             namespace=obj["metadata"].get("namespace", ""),
             name=obj["metadata"]["name"],
@@ -189,18 +220,19 @@ class KubeRayJobs:
 class LocalRayJobs:
     """Submit or re-attach this task's current attempt on the local Ray cluster.
 
-    :param op: the operator (its ``log``, ``ray_address``, ``poll_interval``, ``metrics_uri``, ``metrics_reader``,
-        ``log_tail_lines``).
+    :param log: the operator's logger.
+    :param ray_address: the Ray dashboard address (None: ``$RAY_ADDRESS`` or a local cluster).
+    :param polling: what the trigger is given.
     """
 
-    def __init__(self, op):
-        self.op, self.log = op, op.log
+    def __init__(self, log, *, ray_address: str | None = None, polling: Polling = Polling()):
+        self.log, self.ray_address, self.polling = log, ray_address, polling
         self.job: tuple[str, str] | None = None
 
     def submit(self, context, base: str, argv: list[str], env: dict[str, str]) -> LocalRayJobTrigger:
         from pipeline_steps.local import ray_cluster
 
-        address = ray_cluster.ensure_cluster(self.op.ray_address)
+        address = ray_cluster.ensure_cluster(self.ray_address)
         attempt, status = 0, None
         while True:  # find the latest attempt of this task
             try:
@@ -228,7 +260,7 @@ class LocalRayJobs:
         return LocalRayJobTrigger(
             address=address,
             submission_id=sid,
-            **poll_settings(self.op),
+            **self.polling.trigger_kwargs(),
         )
 
     def kill(self) -> None:
@@ -244,17 +276,6 @@ class LocalRayJobs:
             pass
 
 
-def poll_settings(op) -> dict:
-    """What every job trigger takes from its operator (see :class:`operators.triggers.job_poll.JobPollTrigger`)."""
-    return {
-        "poll_interval": op.poll_interval,
-        "metrics_uri": getattr(op, "progress_uri", None) or op.metrics_uri,
-        "metrics_reader": op.metrics_reader,
-        "store_conn_id": getattr(op, "store_conn_id", None),
-        "log_tail_lines": op.log_tail_lines,
-    }
-
-
 def push_job(context, name: str, dashboard_url: str | None) -> None:
     """The job's name (the failure notice names it even when the task fails) and its dashboard link."""
     ti = context.get("ti") if context else None
@@ -265,14 +286,14 @@ def push_job(context, name: str, dashboard_url: str | None) -> None:
         ti.xcom_push(key=DASHBOARD_XCOM_KEY, value=dashboard_url)
 
 
-def complete(op, context, event: dict, dashboard_url: str | None = None) -> None:
+def complete(log, context, event: dict, dashboard_url: str | None = None) -> None:
     """Resumed from a trigger: log the last progress; fail with the job's reason on failure.
 
     A spec the API rejected (``ValidationFailed``) fails without retry; any other failure raises
     :class:`JobFailed` so the task's retries apply (the next attempt resumes).
     """
     if event.get("last_progress"):
-        op.log.info("last progress %s", event["last_progress"])
+        log.info("last progress %s", event["last_progress"])
     # the job's log is not logged again here: the trigger logged each line as it came, into this task's log
     if dashboard_url and context and context.get("ti") is not None:
         context["ti"].xcom_push(key=DASHBOARD_XCOM_KEY, value=dashboard_url)
@@ -283,13 +304,13 @@ def complete(op, context, event: dict, dashboard_url: str | None = None) -> None
         raise JobFailed(message)
 
 
-def training_result(event: dict, checkpoint_uri: str | None, metrics_uri: str | None, reader: str | None) -> dict:
+def training_result(event: dict, checkpoint_uri: str | None, metrics_uri: str | None) -> dict:
     """The training XCom: where the checkpoints are, how far training got, and the final metrics."""
     return {
         "backend": event.get("backend"),
         "job": event.get("name"),
         "checkpoint_uri": checkpoint_uri,
-        "checkpoint_step": checkpoint_step(checkpoint_uri, reader),
+        "checkpoint_step": checkpoint_step(checkpoint_uri),
         "metrics_uri": metrics_uri,
         "last_step": event.get("last_step"),
         "metrics": event.get("metrics") or {},

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from operators.backends import KubeRayJobs, complete
+from operators.backends import KubeRayJobs, Polling, complete
 from operators.failures import JobFailed, user_errors
 from operators.hooks.store_connection import store_environment
 from operators.links import RayDashboardLink
@@ -141,7 +141,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
     :param cluster_context: kuberay backend: kube config context.
     :param poll_interval: seconds between polls of the RayJob.
     :param log_tail_lines: lines of the job's log to show.
-    :param dashboard_url_template: Ray dashboard link (see :class:`operators.rayjob_operator.RayJobOperator`).
+    :param dashboard_url_template: Ray dashboard link (see :class:`operators.backends.KubeRayJobs`).
     :param kwargs: :class:`operators.step.PipelineStepOperator` options (``store_conn_id``, ``hf_conn_id``,
         ``summary_key``, ``skip_unless``) and ``BaseOperator``'s.
     """
@@ -186,8 +186,6 @@ class PipelineStepJobOperator(PipelineStepOperator):
         self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context
         self.poll_interval, self.log_tail_lines = poll_interval, log_tail_lines
         self.dashboard_url_template = dashboard_url_template
-        self.metrics_uri = self.metrics_reader = None  # a step reports no training progress
-        self.resume_args: tuple[str, ...] = ()  # a retry re-runs the same step
         self.rayjob: dict | None = None
         self.plan, self.backend, self.experiment, self.overrides = plan, backend, experiment, overrides
         self.uri_args, self.output_args, self.job_kind = tuple(uri_args), tuple(output_args), job_kind or step
@@ -279,6 +277,16 @@ class PipelineStepJobOperator(PipelineStepOperator):
         pod_summary = to_pod_arg(self.summary_uri(attempt_name), "summary_dir", self._entry["mounts"])
         return [*ENTRY, "--summary-file", pod_summary, "--", self.step, *self._entry["args"]]
 
+    def _kuberay(self) -> KubeRayJobs:
+        return KubeRayJobs(
+            self.log,
+            conn_id=self.kubernetes_conn_id,
+            cluster_context=self.cluster_context,
+            namespace=self.namespace,
+            dashboard_url_template=self.dashboard_url_template,
+            polling=Polling(self.poll_interval, self.log_tail_lines),  # a step reports no training progress
+        )
+
     def _submit_kuberay(self, context):
         from pipeline_steps import tracking_run
         from pipeline_steps.training.rayjob_manifest import build_rayjob, join_argv, rayjob_name
@@ -292,7 +300,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         dag_id = self.dag_id if self.has_dag() else "adhoc"
         ids = {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
         mounts = self._mounts(exp)
-        jobs = KubeRayJobs(self)
+        jobs = self._kuberay()
         with user_errors(f"step {self.step}: render RayJob"):
             args = map_uri_args([str(a) for a in self.request.get("args", [])], self.uri_args, mounts)
             self._entry = {"mounts": mounts, "args": args}
@@ -315,7 +323,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
             attempt["spec"]["entrypoint"] = join_argv(self._entrypoint(attempt["metadata"]["name"]))
             return attempt
 
-        return jobs.submit(context, body, body, prepare=per_attempt)  # a retry re-runs the same step
+        return jobs.submit(context, body, prepare=per_attempt)  # a retry re-runs the same step
 
     def read_summary(self, attempt_name: str) -> dict | None:
         """``{"exit_code": N, "summary": {...}}`` written by the attempt, or None when it wrote none."""
@@ -338,7 +346,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         """Resumed from the trigger: fail with KubeRay's reason (and the step's error), or return the step's XCom."""
         name = event.get("name") or ""
         try:
-            complete(self, context, event, KubeRayJobs(self).dashboard_from_event(event))
+            complete(self.log, context, event, self._kuberay().dashboard_from_event(event))
         except (JobFailed, AirflowFailException) as exc:
             record = self._try_read(name)
             summary = (record or {}).get("summary") or {}
@@ -380,6 +388,6 @@ class PipelineStepJobOperator(PipelineStepOperator):
 
     def on_kill(self) -> None:
         if self.rayjob:
-            KubeRayJobs(self).kill(self.rayjob)
+            self._kuberay().kill(self.rayjob)
         else:
             super().on_kill()

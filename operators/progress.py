@@ -1,15 +1,13 @@
 """Job status and training progress, the same for both backends: what the triggers report and the XCom holds.
 
-Progress comes from verl's file-logger metrics (:mod:`pipeline_steps.metrics_log`), read through a reader named by
-``module.function`` (so triggers serialize): a local path or a store URI (:func:`read_text`, with the store
-connection's credentials in the environment), or the worker's bucket mount (:func:`read_mounted`).
+Progress comes from verl's file-logger metrics (:mod:`pipeline_steps.metrics_log`), read by :func:`read_text`: a
+local path or a store URI, with the store connection's credentials in the environment.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pipeline_steps import metrics_log
 from pipeline_steps.constants import CHECKPOINT_TRACKER
@@ -46,7 +44,7 @@ def describe_failure(name: str, status: dict) -> str:
 
 
 def read_text(uri: str) -> str | None:
-    """Default reader for the metrics file and checkpoint marker: a local path, or a store URI
+    """The reader of the metrics file and checkpoint marker: a local path, or a store URI
     (``file://``, ``oss://``, ``gs://``) read through :mod:`pipeline_steps.store` with the
     credentials in the environment. ``None`` when it does not exist (yet)."""
     if "://" not in uri:
@@ -59,22 +57,6 @@ def read_text(uri: str) -> str | None:
 
     data = open_store(uri).read_bytes(uri)
     return None if data is None else data.decode("utf-8", errors="replace")
-
-
-def read_mounted(uri: str) -> str | None:
-    """Reader for workers that mount the buckets like the Ray pods do (``$PIPELINE_MOUNTS``):
-    a store URI is read at its mount path."""
-    from pipeline_steps.training.mounts import MountMap
-
-    return read_text(MountMap.from_env().to_pod_path(uri) if "://" in uri else uri)
-
-
-def resolve_reader(dotted: str | None) -> Callable[[str], str | None]:
-    """The reader named by ``module.function`` (kept as a string so triggers serialize)."""
-    if not dotted:
-        return read_text
-    module, _, attr = dotted.rpartition(".")
-    return getattr(importlib.import_module(module), attr)
 
 
 def parse_metrics(text: str | None) -> list[dict]:
@@ -107,10 +89,8 @@ def new_log_lines(previous: Sequence[str], tail: Sequence[str]) -> list[str]:
 class ProgressTracker:
     """Reads the metrics file and yields the rows not reported yet (state kept in ``last_step``)."""
 
-    def __init__(
-        self, metrics_uri: str | None, reader: str | None, last_step: int = 0, store_conn_id: str | None = None
-    ):
-        self.metrics_uri, self.reader, self.last_step = metrics_uri, reader, last_step
+    def __init__(self, metrics_uri: str | None, last_step: int = 0, store_conn_id: str | None = None):
+        self.metrics_uri, self.last_step = metrics_uri, last_step
         self.store_conn_id = store_conn_id
         self.last_row: dict | None = None
         self.warned = False
@@ -137,15 +117,15 @@ class ProgressTracker:
         from operators.hooks.store_connection import store_environment
 
         with store_environment(self.store_conn_id, self.metrics_uri):  # a cloud store: the connection's credentials
-            return resolve_reader(self.reader)(self.metrics_uri)
+            return read_text(self.metrics_uri)
 
 
-def checkpoint_step(checkpoint_uri: str | None, reader: str | None) -> int | None:
+def checkpoint_step(checkpoint_uri: str | None) -> int | None:
     """verl's ``latest_checkpointed_iteration.txt`` under the checkpoint dir, if readable."""
     if not checkpoint_uri:
         return None
     try:
-        text = resolve_reader(reader)(checkpoint_uri.rstrip("/") + "/" + CHECKPOINT_TRACKER)
+        text = read_text(checkpoint_uri.rstrip("/") + "/" + CHECKPOINT_TRACKER)
         return int(text.strip()) if text and text.strip().isdigit() else None
     except Exception:
         return None

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base, training_result
+from operators.backends import KubeRayJobs, LocalRayJobs, Polling, complete, submission_base, training_result
 from operators.failures import user_errors
 from operators.hooks.store_connection import store_environment
 from operators.links import RayDashboardLink
@@ -98,10 +98,8 @@ class GRPOTrainOperator(BaseOperator):
     :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
     :param cluster_context: kuberay backend: kube config context.
     :param poll_interval: seconds between polls of the job.
-    :param metrics_reader: ``module.function`` that reads the metrics file (default: local path or store URI).
     :param log_tail_lines: lines of the job's log to show.
-    :param dashboard_url_template: Ray dashboard link for KubeRay (see
-        :class:`operators.rayjob_operator.RayJobOperator`).
+    :param dashboard_url_template: Ray dashboard link for KubeRay (see :class:`operators.backends.KubeRayJobs`).
     :param mlflow_conn_id: a team's MLflow server (:class:`operators.hooks.mlflow.MlflowHook`), used when the
         preset's ``trainer.logger`` has mlflow and the connection exists: the local job logs there instead of the
         embedded server; the RayJob gets its URI and its credentials by Secret reference.
@@ -140,7 +138,6 @@ class GRPOTrainOperator(BaseOperator):
         kubernetes_conn_id: str | None = "kubernetes_default",
         cluster_context: str | None = None,
         poll_interval: float = 30.0,
-        metrics_reader: str | None = None,
         log_tail_lines: int = 20,
         dashboard_url_template: str = "http://{dashboard_url}",
         mlflow_conn_id: str | None = "mlflow_default",
@@ -153,11 +150,9 @@ class GRPOTrainOperator(BaseOperator):
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
         self.run_dir, self.ray_address, self.check_store = run_dir, ray_address, check_store
         self.store_conn_id = store_conn_id
-        self.progress_uri: str | None = None  # where the trigger reads progress, when not metrics_uri
         self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context
-        self.poll_interval, self.metrics_reader, self.log_tail_lines = poll_interval, metrics_reader, log_tail_lines
+        self.poll_interval, self.log_tail_lines = poll_interval, log_tail_lines
         self.dashboard_url_template = dashboard_url_template
-        self.resume_args: tuple[str, ...] = ()  # the rendered entrypoint always resumes
         self.rayjob: dict | None = None
         self._local: LocalRayJobs | None = None
 
@@ -168,6 +163,19 @@ class GRPOTrainOperator(BaseOperator):
     @property
     def metrics_uri(self) -> str:
         return f"{str(self.run_dir).rstrip('/')}/metrics.jsonl"
+
+    def _polling(self, metrics_uri: str) -> Polling:
+        return Polling(self.poll_interval, self.log_tail_lines, metrics_uri, self.store_conn_id)
+
+    def _kuberay(self) -> KubeRayJobs:
+        return KubeRayJobs(
+            self.log,
+            conn_id=self.kubernetes_conn_id,
+            cluster_context=self.cluster_context,
+            namespace=self.namespace,
+            dashboard_url_template=self.dashboard_url_template,
+            polling=self._polling(self.metrics_uri),
+        )
 
     def _load(self, backend: str):
         """The experiment with the pipeline's derived keys and the user's overrides (user wins)."""
@@ -218,18 +226,18 @@ class GRPOTrainOperator(BaseOperator):
     def execute_complete(self, context, event: dict) -> dict:
         from pipeline_steps.store import mirror
 
-        url = KubeRayJobs(self).dashboard_from_event(event) if event.get("backend") == "kuberay" else None
+        url = self._kuberay().dashboard_from_event(event) if event.get("backend") == "kuberay" else None
         if event.get("backend") != "kuberay":  # the job has read its MLflow credentials (if it got any) long ago
             from operators.hooks.mlflow import remove_credentials_file
 
             remove_credentials_file(submission_base(**self._ids(context)))
-        complete(self, context, event, url)
+        complete(self.log, context, event, url)
         run_dir = str(self.run_dir).rstrip("/")
         with store_environment(self.store_conn_id, run_dir):
             if event.get("backend") != "kuberay" and mirror.is_remote(run_dir):
                 with user_errors("upload the run directory"):
                     self.log.info("uploaded the run directory to %s: %s", run_dir, mirror.publish(run_dir))
-            result = training_result(event, self.checkpoint_uri, self.metrics_uri, self.metrics_reader)
+            result = training_result(event, self.checkpoint_uri, self.metrics_uri)
         result.update(self._tracking(event.get("backend"), run_dir))
         if result["mlflow"]:
             self.log.info("MLflow run: %s", result["mlflow"].get("url") or result["mlflow"]["run_id"])
@@ -251,10 +259,10 @@ class GRPOTrainOperator(BaseOperator):
                 "mlflow": tracking_run.read(mirror.local_for(run_dir) / "checkpoints"),
                 "tensorboard": tracking_run.tensorboard_info(tb_uri, tb_local) if tb_local.is_dir() else None,
             }
-        from operators.progress import resolve_reader
+        from operators import progress
 
         with store_environment(self.store_conn_id, run_dir):
-            text = resolve_reader(self.metrics_reader)(f"{self.checkpoint_uri}/{tracking_run.FILE}")
+            text = progress.read_text(f"{self.checkpoint_uri}/{tracking_run.FILE}")
         logger = self._load("kuberay").verl.get("trainer.logger")
         return {
             "mlflow": tracking_run.parse(text),
@@ -272,7 +280,7 @@ class GRPOTrainOperator(BaseOperator):
         cluster = exp.spec.get("cluster") or {}
         if "mlflow" in tracking_run.loggers(exp.verl.get("trainer.logger")):  # a team server from the connection
             cluster = MlflowHook(self.mlflow_conn_id).cluster_settings(cluster)
-        jobs = KubeRayJobs(self)
+        jobs = self._kuberay()
         with user_errors("render RayJob"):
             body = build_rayjob(
                 exp,
@@ -282,7 +290,7 @@ class GRPOTrainOperator(BaseOperator):
                 **self._ids(context),
             )
         self.rayjob = body
-        return jobs.submit(context, body, body)  # the entrypoint resumes by itself: a retry re-submits it
+        return jobs.submit(context, body)  # the entrypoint resumes by itself: a retry re-submits it
 
     def _submit_local(self, context, exp):
         """The train-local step as a local Ray job, on local files: on a cloud store, the inputs' and the run
@@ -314,11 +322,11 @@ class GRPOTrainOperator(BaseOperator):
             if val:
                 argv += ["--val-files", *val]
             argv += ["--model-path", model, "--output-dir", str(local_run)]
-        self.progress_uri = str(local_run / "metrics.jsonl")
-        env = {"VERL_FILE_LOGGER_PATH": self.progress_uri, "TOKENIZERS_PARALLELISM": "false"}
+        progress_uri = str(local_run / "metrics.jsonl")  # the local copy: the run directory is uploaded at the end
+        env = {"VERL_FILE_LOGGER_PATH": progress_uri, "TOKENIZERS_PARALLELISM": "false"}
         base = submission_base(**self._ids(context))
         env.update(local_tracking_env(exp, self.mlflow_conn_id, base))
-        self._local = LocalRayJobs(self)
+        self._local = LocalRayJobs(self.log, ray_address=self.ray_address, polling=self._polling(progress_uri))
         return self._local.submit(context, base, ray_cluster.job_argv(None, *argv), env)
 
     def _overrides(self) -> list[str]:
@@ -328,7 +336,7 @@ class GRPOTrainOperator(BaseOperator):
         if self._local is not None:
             self._local.kill()
         else:
-            KubeRayJobs(self).kill(self.rayjob)
+            self._kuberay().kill(self.rayjob)
 
 
 def local_tracking_env(exp, mlflow_conn_id: str | None = None, job: str = "job") -> dict[str, str]:

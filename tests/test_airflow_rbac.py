@@ -60,11 +60,12 @@ def service_account(component: str) -> str:
 
 
 def components_calling_the_api() -> set[str]:
-    """worker when an operator uses the RayJob hook; triggerer when a trigger does (read from the sources)."""
+    """worker when an operator uses the RayJob hook (itself or through ``operators.backends.KubeRayJobs``);
+    triggerer when a trigger does (read from the sources)."""
     out = set()
     for path in (ROOT / "operators").rglob("*.py"):
         tree = ast.parse(path.read_text())
-        uses_hook = "RayJobHook" in path.read_text()
+        uses_hook = any(name in path.read_text() for name in ("RayJobHook", "KubeRayJobs"))
         for node in ast.walk(tree):
             if isinstance(node, ast.ClassDef) and uses_hook:
                 bases = {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases}
@@ -136,7 +137,7 @@ def _run_as_components(api, tmp_path, monkeypatch, rbac_docs) -> dict:
 
     from tests.helpers.deferral import deferred, run_trigger
     from tests.helpers.k8s_connection import K8S_CONN_ID, K8S_NAMESPACE
-    from tests.helpers.rayjob_operators import make_op
+    from tests.helpers.rayjob_operators import CONTEXT, kuberay_deployment, make_op
 
     _, airflow_ns = release()
     configs = {}
@@ -151,8 +152,9 @@ def _run_as_components(api, tmp_path, monkeypatch, rbac_docs) -> dict:
             f"AIRFLOW_CONN_{K8S_CONN_ID.upper()}", _json.dumps({"conn_type": "kubernetes", "extra": extra})
         )
 
+    kuberay_deployment(monkeypatch, tmp_path)
     use("worker")
-    trigger = deferred(make_op("grpo-rbac", tmp_path), {})
+    trigger = deferred(make_op("grpo_rbac"), CONTEXT)
     use("triggerer")
     return run_trigger(trigger)
 

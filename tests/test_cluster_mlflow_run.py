@@ -204,10 +204,12 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
     from pipeline_steps.training.rayjob_manifest import rayjob_name
     from tests.helpers.deferral import deferred, run_trigger
     from tests.helpers.k8s_api_stand_in import SUCCESS
+    from tests.helpers.rayjob_operators import read_through_mounts
 
     monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_DEFAULT", json.dumps({"conn_type": "http", "host": server}))
     mnt = tmp_path / "mnt"
     monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "store", "path": str(mnt)}]))
+    read_through_mounts(monkeypatch)  # the worker reads the run directory at its mount path (no bucket here)
     monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", IMAGE)
     run_dir = "gs://verl-bucket/runs/gsm8k/run1"
     k8s_api.script(rayjob_name("t_record", RUN_ID, "train", "train"), SUCCESS)
@@ -224,7 +226,6 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
             check_store=False,
             kubernetes_conn_id="k8s_standin",
             poll_interval=0.01,
-            metrics_reader="operators.progress.read_mounted",
         )
     trigger = deferred(op, {"run_id": RUN_ID})
     (body,) = k8s_api.creates

@@ -27,6 +27,7 @@ from operators.hooks.mlflow import MlflowHook
 from operators.train import GRPOTrainOperator
 from tests.helpers.deferral import deferred, run_trigger
 from tests.helpers.operator_runs import RUN_ID, write_parquet
+from tests.helpers.rayjob_operators import read_through_mounts
 
 PASSWORD = "pw-Must-Not-Leak-7f3a9c"  # found nowhere but in the connection and the credentials file
 CONN = "AIRFLOW_CONN_MLFLOW_DEFAULT"
@@ -120,6 +121,7 @@ def test_the_rayjob_gets_the_uri_plain_and_the_credentials_by_secret_reference(
     monkeypatch.setenv(CONN, f"https://alice:{PASSWORD}@mlflow.team.example:8443")
     mnt = tmp_path / "mnt"
     monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "store", "path": str(mnt)}]))
+    read_through_mounts(monkeypatch)  # the worker reads the run directory at its mount path (no bucket here)
     monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", IMAGE)
     run_dir = "gs://verl-bucket/runs/gsm8k/run1"
     kind = "export" if step else "train"
@@ -151,7 +153,6 @@ def test_the_rayjob_gets_the_uri_plain_and_the_credentials_by_secret_reference(
                 check_store=False,
                 kubernetes_conn_id="k8s_standin",
                 poll_interval=0.01,
-                metrics_reader="operators.progress.read_mounted",
             )
     trigger = deferred(op, {"run_id": RUN_ID})
     (body,) = k8s_api.creates

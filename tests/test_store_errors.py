@@ -246,7 +246,7 @@ def test_progress_of_a_cloud_run_is_read_with_the_store_connection(oss_server, m
     )
     uri = "oss://test-bucket/runs/r1/metrics.jsonl"
     log = logging.getLogger("test-progress")
-    without = ProgressTracker(uri, None)  # no connection: nothing read, one warning, the wait goes on
+    without = ProgressTracker(uri)  # no connection: nothing read, one warning, the wait goes on
     asyncio.run(without.poll(log))
     assert without.last_step == 0 and without.warned
     conn = {
@@ -256,7 +256,7 @@ def test_progress_of_a_cloud_run_is_read_with_the_store_connection(oss_server, m
         "extra": {"region": "cn-test", "endpoint": oss_server.endpoint, "path_style": "true"},
     }
     monkeypatch.setenv(f"AIRFLOW_CONN_{CONN.upper()}", json.dumps(conn))
-    tracker = ProgressTracker(uri, None, store_conn_id=CONN)
+    tracker = ProgressTracker(uri, store_conn_id=CONN)
     asyncio.run(tracker.poll(log))
     assert tracker.last_step == 2 and tracker.last_row["data"]["critic/score/mean"] == 0.75
     assert "OSS_ACCESS_KEY_SECRET" not in os.environ  # the credentials were set only while reading

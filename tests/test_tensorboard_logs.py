@@ -108,9 +108,9 @@ def test_without_the_tensorboard_logger_no_event_files(assets, tmp_path):  # noq
 def _render(preset: str, overrides=()):
     from pipeline_steps.training import experiment
     from pipeline_steps.training.mounts import MountMap
-    from pipeline_steps.training.rayjob_manifest import build_rayjob, checkpoint_uri
+    from pipeline_steps.training.rayjob_manifest import build_rayjob
 
-    ckpt = checkpoint_uri("oss://verl-store/runs", preset, "manual__1")
+    ckpt = f"oss://verl-store/runs/{preset}/manual__1/checkpoints"  # the plan's run directory layout
     exp = experiment.load(preset, list(overrides), derived={"trainer.default_local_dir": ckpt})
     mounts = MountMap.from_config(json.loads((ROOT / "k8s/overlays/ack/mounts.json").read_text()))
     job = build_rayjob(exp, dag_id="d", run_id="manual__1", task_id="train", mounts=mounts)

@@ -27,6 +27,7 @@ from operators.failures import JobFailed
 from operators.train import GRPOTrainOperator, normalize_overrides
 from tests.helpers.deferral import deferred, run_trigger
 from tests.helpers.operator_runs import RUN_ID, write_parquet
+from tests.helpers.rayjob_operators import read_through_mounts
 
 REWARD = """\
 from pathlib import Path
@@ -164,6 +165,7 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
     monkeypatch.setenv(
         "PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "verl-store", "path": str(mnt)}])
     )
+    read_through_mounts(monkeypatch)  # the worker reads the run directory at its mount path (no bucket here)
     monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     run_dir = "gs://verl-bucket/runs/gsm8k/run1"
     name = rayjob_name("t_kuberay", RUN_ID, "train", "train")
@@ -211,7 +213,6 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
                 check_store=False,
                 kubernetes_conn_id="k8s_standin",
                 poll_interval=0.01,
-                metrics_reader="operators.progress.read_mounted",
             )
 
     first = make_op()

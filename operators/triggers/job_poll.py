@@ -32,8 +32,8 @@ class JobPollTrigger(BaseTrigger):
     """Base for the job triggers.
 
     :param poll_interval: seconds between polls.
-    :param metrics_uri: verl's file-logger JSON lines (a local path, or a store URI its reader can read).
-    :param metrics_reader: ``module.function`` reading a URI to text (default: local path or store URI).
+    :param metrics_uri: verl's file-logger JSON lines (a local path or a store URI,
+        :func:`operators.progress.read_text`).
     :param store_conn_id: the store connection the metrics are read with (a store URI on a cloud store).
     :param log_tail_lines: how many lines of the job's log to show and keep in the event.
     :param last_step: metric steps up to this one were already reported.
@@ -46,14 +46,14 @@ class JobPollTrigger(BaseTrigger):
         self,
         poll_interval: float = 30.0,
         metrics_uri: str | None = None,
-        metrics_reader: str | None = None,
         store_conn_id: str | None = None,
         log_tail_lines: int = 20,
         last_step: int = 0,
         max_api_errors: int = 10,
+        metrics_reader: None = None,  # in triggers an earlier release serialized (always None there): ignored
     ):
         super().__init__()
-        self.poll_interval, self.metrics_uri, self.metrics_reader = poll_interval, metrics_uri, metrics_reader
+        self.poll_interval, self.metrics_uri = poll_interval, metrics_uri
         self.store_conn_id = store_conn_id
         self.log_tail_lines, self.last_step, self.max_api_errors = log_tail_lines, last_step, max_api_errors
 
@@ -88,7 +88,6 @@ class JobPollTrigger(BaseTrigger):
         common = {
             "poll_interval": self.poll_interval,
             "metrics_uri": self.metrics_uri,
-            "metrics_reader": self.metrics_reader,
             "store_conn_id": self.store_conn_id,
             "log_tail_lines": self.log_tail_lines,
             "last_step": self.last_step,
@@ -97,7 +96,7 @@ class JobPollTrigger(BaseTrigger):
         return f"{type(self).__module__}.{type(self).__qualname__}", {**self.job_fields(), **common}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        progress = ProgressTracker(self.metrics_uri, self.metrics_reader, self.last_step, self.store_conn_id)
+        progress = ProgressTracker(self.metrics_uri, self.last_step, self.store_conn_id)
         shown: list[str] = []
         seen, errors = None, 0
         levels = LineLevels()  # the job's lines at the levels the job gave them

@@ -87,12 +87,6 @@ def label_value(value: str) -> str:
     return safe
 
 
-def checkpoint_uri(runs_uri: str, experiment: str, run_id: str) -> str:
-    """Where a run's checkpoints live: ``<runs_uri>/<experiment>/<run slug>/checkpoints``."""
-    run = _slug(run_id)[:80] or "run"
-    return f"{runs_uri.rstrip('/')}/{_slug(experiment) or 'experiment'}/{run}-{_digest(run_id)[:8]}/checkpoints"
-
-
 def metrics_uri(ckpt_uri: str) -> str:
     """verl's file-logger output, next to the checkpoints directory."""
     return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "metrics.jsonl")
@@ -395,7 +389,8 @@ def build_rayjob(
     """The RayJob (a dict) for ``exp``, filled into ``k8s/templates/rayjob.yaml``.
 
     :param exp: the experiment; ``exp.verl['trainer.default_local_dir']`` must be the run's checkpoint
-        store URI when ``entrypoint`` is None (see :func:`checkpoint_uri`)
+        store URI when ``entrypoint`` is None (``<run_dir>/checkpoints``, the run directory of
+        :func:`pipeline_steps.planning.plan.plan`)
     :param dag_id: Airflow DAG id (name, labels, annotations)
     :param run_id: Airflow run id
     :param task_id: Airflow task id

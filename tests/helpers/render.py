@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline_steps.planning.plan import run_key
 from pipeline_steps.training import experiment
 from pipeline_steps.training import rayjob_manifest as render_rayjob
 from pipeline_steps.training.mounts import MountMap
@@ -50,7 +51,7 @@ def derived(bucket: str, preset: str, dataset: str) -> dict:
         "data.train_files": [f"{bucket}/datasets/{dataset}/rev1/0123abcd/train.parquet"],
         "data.val_files": [f"{bucket}/datasets/{dataset}/rev1/0123abcd/test.parquet"],
         "actor_rollout_ref.model.path": f"{bucket}/models/{model}/main",
-        "trainer.default_local_dir": render_rayjob.checkpoint_uri(f"{bucket}/runs", preset, RUN),
+        "trainer.default_local_dir": f"{bucket}/runs/{exp.name}/{run_key(RUN)}/checkpoints",  # as the plan lays out
     }
 
 
