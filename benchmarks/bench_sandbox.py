@@ -8,7 +8,7 @@ memory          resident memory of each sandbox's processes with 32 sandboxes al
 rollout         per multi-turn rollout of the CPU trainer (tiny model, ``local_tiny_tool_agent``, verl's ToolAgentLoop,
                 the code tool on this server): seconds verl's loop spent generating against seconds in tool calls,
                 as the trainer logs them (``timing_s/agent_loop/{generate_sequences,tool_calls}/mean``); the first
-                assistant turn is scripted as a tool call (tests/test_agent_grpo_cpu.py: ScriptedFirstTurn), as a
+                assistant turn is scripted as a tool call (tests/e2e/test_agent_grpo_cpu.py: ScriptedFirstTurn), as a
                 randomly initialised model writes none; the 8 rollouts of a step run concurrently, as on the cluster,
                 so both figures are wall time and include waiting for the others' turns on the CPU
 

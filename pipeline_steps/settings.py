@@ -3,7 +3,8 @@
 Every variable the project itself defines has the prefix ``PIPELINE_`` and is read only through this module
 (:func:`get` and its typed forms), at call time: tests and the Makefile set them per process, so nothing is cached at
 import. Variables of the libraries (``HF_TOKEN``, ``MLFLOW_TRACKING_URI``, ``AIRFLOW__*``, ``E2B_*``, ``RAY_*``, ...)
-stay read where they are used. docs/settings.md lists every setting below (tests/test_settings.py checks both ways).
+stay read where they are used. docs/settings.md lists every setting below (tests/unit/pipeline_steps/test_settings.py
+checks both ways).
 
 The ``VERL_PIPELINE_*`` names of earlier releases (and ``AIRFLOW_HOST``, ``AIRFLOW_PORT``,
 ``SANDBOX_SERVER_API_KEY``) still work as deprecated aliases of their ``PIPELINE_*`` names:

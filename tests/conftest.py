@@ -63,7 +63,7 @@ def budget_of(item) -> float:
 
 # Modules whose tests each get a worker of their own (each test starts its own PostgreSQL and Airflow, or its own
 # store server and Airflow home); every other module's tests stay on one worker, sharing its module fixtures.
-SPLIT_MODULES = {"tests/test_postgres_profile.py", "tests/test_cloud_store_dag.py"}
+SPLIT_MODULES = {"tests/e2e/test_postgres_profile.py", "tests/e2e/test_cloud_store_dag.py"}
 
 
 def scope_of(nodeid: str) -> str:

@@ -1,7 +1,7 @@
 {{/*
 How the official Apache Airflow Helm chart names the service accounts of the components that talk to the
 Kubernetes API for this pipeline: verbatim from apache/airflow chart/templates/_helpers.yaml at commit
-002843d6fe7e8c699af0b8f8f2f0efe0da178e9f (Apache License 2.0). Not used by Helm from here: tests/test_airflow_rbac.py
+002843d6fe7e8c699af0b8f8f2f0efe0da178e9f (Apache License 2.0). Not used by Helm from here: tests/unit/k8s/test_airflow_rbac.py
 evaluates these rules with k8s/airflow/values.yaml and the install command's release name, and checks that
 k8s/base/rbac.yaml binds every resulting account. Update it from the chart version you install.
 */}}

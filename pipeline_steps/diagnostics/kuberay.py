@@ -7,7 +7,8 @@ import re
 from pipeline_steps.diagnostics import Check
 
 # The KubeRay release the pipeline is built and tested against: the vendored RayJob CRD (k8s/crds), docs/cluster.md's
-# install step and the stand-in's controller messages (tests/test_doctor.py checks they agree).
+# install step and the stand-in's controller messages (tests/unit/pipeline_steps/diagnostics/test_doctor.py checks they
+# agree).
 KUBERAY_VERSION = "1.7.0"
 SELECTOR = "app.kubernetes.io/name=kuberay-operator"  # the kuberay-operator chart's name label
 _VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")

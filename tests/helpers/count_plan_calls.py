@@ -1,6 +1,6 @@
 """``python -m tests.helpers.count_plan_calls <airflow CLI args>``: Airflow's CLI with counters on what a run should
-derive once (tests/test_user_jsonl_dag.py). ``airflow dags test`` runs every task in this process, so the counters see
-the plan task, ``collect_inputs``, the operators and the request tasks; a step's own child process is not counted.
+derive once (tests/e2e/test_user_jsonl_dag.py). ``airflow dags test`` runs every task in this process, so the counters
+see the plan task, ``collect_inputs``, the operators and the request tasks; a step's own child process is not counted.
 
 Counted: reading a preset (``experiment.read``, or ``experiment.load`` where there is no ``read``), resolving the
 backend (``constants.resolve_backend``) and turning the form into verl overrides (``overrides`` of the form's

@@ -1,7 +1,7 @@
 """What the training image holds and what the cluster presets' pods import, read without Docker (the scan behind
-tests/test_training_image.py and tests/test_training_image_install.py): the Dockerfile's ``pip install`` arguments,
-the base image's package list, their dependency closure from the installed metadata, and the imports of verl's and
-the pipeline's sources that run in a preset's pods."""
+tests/unit/k8s/test_training_image.py and tests/e2e/test_training_image_install.py): the Dockerfile's ``pip install``
+arguments, the base image's package list, their dependency closure from the installed metadata, and the imports of
+verl's and the pipeline's sources that run in a preset's pods."""
 
 from __future__ import annotations
 

@@ -29,5 +29,5 @@ def tiny_model(tmp_path_factory):
     from pipeline_steps.local import tiny_model
 
     # without the format warm-up: the random-weight model the trainer and step tests were written against (its
-    # responses vary in form, which their rewards rely on); tests/test_learning.py builds the warmed-up default
+    # responses vary in form, which their rewards rely on); tests/e2e/test_learning.py builds the warmed-up default
     return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model", format_warmup_steps=0)

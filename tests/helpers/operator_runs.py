@@ -1,6 +1,6 @@
-"""Driving the training operator as Airflow does (tests/test_train_operator.py and the MLflow tests): the run id, a
-small gsm8k-style parquet, and the module fixture ``ray_cluster``, a private local Ray cluster (registered for every
-test module by ``pytest_plugins`` in tests/conftest.py)."""
+"""Driving the training operator as Airflow does (tests/unit/operators/test_train_operator.py and the MLflow tests): the
+run id, a small gsm8k-style parquet, and the module fixture ``ray_cluster``, a private local Ray cluster (registered for
+every test module by ``pytest_plugins`` in tests/conftest.py)."""
 
 from __future__ import annotations
 

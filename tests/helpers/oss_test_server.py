@@ -73,8 +73,8 @@ _AUTH_RE = re.compile(
 
 def crc64(data: bytes, crc: int | None = None) -> int:
     """CRC-64/XZ, which is OSS's CRC64-ECMA (the SDK's crcmod-based ``Crc64`` gives the same values, checked in
-    tests/test_store_backends.py), from fastcrc: ~50x faster and without holding the GIL, so this layer's checks do
-    not become the bottleneck that throughput figures measure."""
+    tests/unit/pipeline_steps/store/test_store_backends.py), from fastcrc: ~50x faster and without holding the GIL, so
+    this layer's checks do not become the bottleneck that throughput figures measure."""
     return fastcrc.crc64.xz(data) if crc is None else fastcrc.crc64.xz(data, initial=crc)
 
 

@@ -1,6 +1,6 @@
-"""Rendering a preset's RayJob as the pipeline does (tests/test_render_rayjob.py and the tests that check presets and
-guides against the cluster): the shipped ACK and GKE mount maps, the committed examples' settings, the keys the
-pipeline derives, and the deployment's Helm values (k8s/airflow/values.yaml)."""
+"""Rendering a preset's RayJob as the pipeline does (tests/unit/pipeline_steps/training/test_render_rayjob.py and the
+tests that check presets and guides against the cluster): the shipped ACK and GKE mount maps, the committed examples'
+settings, the keys the pipeline derives, and the deployment's Helm values (k8s/airflow/values.yaml)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Multi-turn GRPO on the tiny model with the code tool (tests/test_agent_grpo_cpu.py and benchmarks/bench_sandbox.py):
-gsm8k-style rows in the tool agent's shape, and the trainer's model server with each trajectory's first assistant turn
-scripted as a hermes ``<tool_call>`` (a randomly initialised tiny model never writes one)."""
+"""Multi-turn GRPO on the tiny model with the code tool (tests/e2e/test_agent_grpo_cpu.py and
+benchmarks/bench_sandbox.py): gsm8k-style rows in the tool agent's shape, and the trainer's model server with each
+trajectory's first assistant turn scripted as a hermes ``<tool_call>`` (a randomly initialised tiny model never writes
+one)."""
 
 from __future__ import annotations
 

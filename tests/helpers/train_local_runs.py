@@ -95,7 +95,8 @@ def train_local_args(assets, out: Path, steps: int) -> list[str]:
         "--override",
         "trainer.save_freq=1",
         "--override",
-        "trainer.val_before_train=false",  # validation before training and on resume: tests/test_trainer_parity.py
+        # validation before training and on resume: tests/unit/pipeline_steps/local/test_trainer_parity.py
+        "trainer.val_before_train=false",
         "--override",
         f"reward.custom_reward_function.path={assets['varied']}",
         "--override",

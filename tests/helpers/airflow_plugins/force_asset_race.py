@@ -1,5 +1,6 @@
-"""Fault injection for tests/test_postgres_profile.py, loaded by the API server as an Airflow plugin (the test points
-``AIRFLOW__CORE__PLUGINS_FOLDER`` here): two task-success calls that create the same new Asset are forced to meet.
+"""Fault injection for tests/e2e/test_postgres_profile.py, loaded by the API server as an Airflow plugin (the test
+points ``AIRFLOW__CORE__PLUGINS_FOLDER`` here): two task-success calls that create the same new Asset are forced to
+meet.
 
 Airflow 3.3 looks an alias-emitted Asset up (``AssetManager.register_asset_change`` returns None when it does not
 exist) and then inserts it, inside the task-success request. Here a request that found the Asset missing waits, up
