@@ -30,7 +30,7 @@ import yaml
 from pipeline_steps import settings, tracking_run
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 from pipeline_steps.errors import UserError
-from pipeline_steps.store.base import SCHEMES
+from pipeline_steps.store.store_uri import SCHEMES
 from pipeline_steps.training.experiment import Experiment
 from pipeline_steps.training.mounts import MountMap, split_uri
 
