@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pipeline_steps.errors import UserError
 
-MARKER = ".pipeline-output.json"  # not uploaded with a version (store/base.py skips it)
+MARKER = ".pipeline-output.json"  # not uploaded with a version (store/local_files.py skips it)
 
 
 def _resolved(p: str | os.PathLike) -> Path:

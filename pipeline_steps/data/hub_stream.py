@@ -21,7 +21,9 @@ from pathlib import Path
 from pipeline_steps.data.hub import hub_errors
 from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.store import claim
-from pipeline_steps.store.base import MANIFEST, file_checksums, render_manifest, validate_key
+from pipeline_steps.store.checksums import file_checksums
+from pipeline_steps.store.manifest import MANIFEST, render_manifest
+from pipeline_steps.store.store_uri import validate_key
 
 log = logging.getLogger(__name__)
 

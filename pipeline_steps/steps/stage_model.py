@@ -24,7 +24,8 @@ from pathlib import Path
 from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import open_store, parse_uri
-from pipeline_steps.store.base import _ChecksumCache, _source_files, file_checksums
+from pipeline_steps.store.checksums import _ChecksumCache, file_checksums
+from pipeline_steps.store.local_files import _source_files
 
 log = logging.getLogger(__name__)
 

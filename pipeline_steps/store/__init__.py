@@ -15,7 +15,9 @@ fills it from a connection, see ``operators/hooks/store_connection.py``)::
 
 from __future__ import annotations
 
-from pipeline_steps.store.base import MANIFEST, Store, StoreURI, conn_id, parse_uri, validate_key
+from pipeline_steps.store.base import Store
+from pipeline_steps.store.manifest import MANIFEST
+from pipeline_steps.store.store_uri import StoreURI, conn_id, parse_uri, validate_key
 
 __all__ = ["MANIFEST", "Store", "StoreURI", "conn_id", "open_store", "parse_uri", "validate_key"]
 

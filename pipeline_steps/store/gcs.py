@@ -25,8 +25,9 @@ from pathlib import Path
 
 from pipeline_steps import settings
 from pipeline_steps.errors import TransientError, UserError, disk_full
-from pipeline_steps.store.base import ObjectInfo, Store, StoreURI, conn_id, transient_status
+from pipeline_steps.store.base import ObjectInfo, Store
 from pipeline_steps.store.oss import _tuning
+from pipeline_steps.store.store_uri import StoreURI, conn_id, transient_status
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,9 @@ import threading
 from pathlib import Path
 
 from pipeline_steps import atomic
-from pipeline_steps.store.base import ObjectInfo, Store, _ChecksumCache, copy_file, file_checksums
+from pipeline_steps.store.base import ObjectInfo, Store
+from pipeline_steps.store.checksums import _ChecksumCache, file_checksums
+from pipeline_steps.store.local_files import copy_file
 
 
 class LocalStore(Store):

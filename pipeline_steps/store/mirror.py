@@ -19,8 +19,9 @@ import os
 from pathlib import Path
 
 from pipeline_steps import atomic
-from pipeline_steps.store.base import MANIFEST, parse_uri
-from pipeline_steps.store.base import MIRROR_MARKER as MARKER  # {"uri", "manifest_sha256"} it was fetched from
+from pipeline_steps.store.manifest import MANIFEST
+from pipeline_steps.store.manifest import MIRROR_MARKER as MARKER  # {"uri", "manifest_sha256"} it was fetched from
+from pipeline_steps.store.store_uri import parse_uri
 
 SEARCH_UP = 4  # how many parents to look at for the version that holds a file (datasets/<name>/<rev>/<fp>/x)
 

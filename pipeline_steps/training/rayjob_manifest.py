@@ -17,6 +17,7 @@ shared mount,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import hashlib
 import json
@@ -30,7 +31,7 @@ import yaml
 from pipeline_steps import settings, tracking_run
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 from pipeline_steps.errors import UserError
-from pipeline_steps.store.base import SCHEMES
+from pipeline_steps.store.store_uri import SCHEMES
 from pipeline_steps.training.experiment import Experiment
 from pipeline_steps.training.mounts import MountMap, split_uri
 
@@ -408,6 +409,53 @@ def build_rayjob(
     cluster = (exp.spec.get("cluster") if cluster is None else cluster) or {}
     if not isinstance(cluster, dict):
         raise UserError("experiment: 'cluster' must be a mapping")
+    c = _cluster_settings(exp, cluster)
+    cluster = with_sandbox_service(exp, cluster)
+    plain_env = _plain_env(cluster)
+    env_vars = {"PYTHONUNBUFFERED": "1", **plain_env, **_ray_env(cluster)}
+    ray_start = _ray_start_params(cluster)
+    argv, annotations = _job_argv(exp, mounts, entrypoint, env_vars)
+
+    name = rayjob_name(dag_id, run_id, task_id, job_kind)
+    job = load_template()
+    _fill_metadata(job["metadata"], exp, name, namespace, dag_id, run_id, task_id, job_kind, c.queue, annotations)
+    spec = job["spec"]
+    _fill_job_spec(spec, name, argv, env_vars, c)
+    volumes, volume_mounts = mounts.volumes()
+    # cluster.env also goes into the containers: NCCL/gIB settings and LD_LIBRARY_PATH must be there when Ray starts
+    container_env = [{"name": k, "value": v} for k, v in plain_env.items()] + _secret_env(cluster)
+    pod_annotations = mounts.pod_annotations()
+    head_tpl = spec["rayClusterSpec"]["headGroupSpec"]["template"]
+    _fill_head_group(head_tpl, c, container_env, volumes, volume_mounts, pod_annotations)
+    group = spec["rayClusterSpec"]["workerGroupSpecs"][0]
+    _fill_worker_group(group, c, ray_start, container_env, volumes, volume_mounts, pod_annotations)
+    return job
+
+
+@dataclasses.dataclass(frozen=True)
+class _ClusterSettings:
+    """The ``cluster`` section's settings, validated (``cluster.env``, secrets and Ray settings are read apart)."""
+
+    nnodes: int
+    gpus: int
+    image: str
+    account: str
+    head: dict
+    worker: dict
+    deadline: int
+    ttl: int
+    tolerations: list
+    node_selector: dict
+    pull_secrets: list
+    worker_annotations: dict
+    security: dict | None
+    host_paths: dict
+    queue: object
+
+
+def _cluster_settings(exp: Experiment, cluster: dict) -> _ClusterSettings:
+    """Validate the ``cluster`` section's sizes, image, account, scheduling and pod settings (in this order: the
+    first bad one is the error)."""
     nnodes = _int(exp.verl.get("trainer.nnodes", cluster.get("nnodes", 1)), "trainer.nnodes", 1)
     gpus = _int(exp.verl.get("trainer.n_gpus_per_node", cluster.get("gpus_per_node", 0)), "trainer.n_gpus_per_node", 1)
     image = training_image(cluster)
@@ -447,11 +495,28 @@ def build_rayjob(
     queue = cluster.get("kueue_queue")
     if queue is not None and not (_DNS_SUBDOMAIN.match(str(queue)) and len(str(queue)) <= 63):
         raise UserError(f"cluster.kueue_queue={queue!r}: not a Kueue LocalQueue name")
+    return _ClusterSettings(
+        nnodes,
+        gpus,
+        image,
+        str(account),
+        head,
+        worker,
+        deadline,
+        ttl,
+        tolerations,
+        node_selector,
+        pull_secrets,
+        worker_annotations,
+        security,
+        host_paths,
+        queue,
+    )
 
-    cluster = with_sandbox_service(exp, cluster)
-    plain_env = _plain_env(cluster)
-    env_vars = {"PYTHONUNBUFFERED": "1", **plain_env, **_ray_env(cluster)}
-    ray_start = _ray_start_params(cluster)
+
+def _job_argv(exp: Experiment, mounts: MountMap, entrypoint: list[str] | None, env_vars: dict) -> tuple[list, dict]:
+    """(argv, annotations): the given ``entrypoint``, or verl's ``main_ppo`` with the run's derived locations
+    (checkpoints, metrics, rollouts, TensorBoard; their variables are added to ``env_vars``)."""
     annotations = {}
     if entrypoint is None:
         ckpt = exp.verl.get("trainer.default_local_dir")
@@ -480,10 +545,13 @@ def build_rayjob(
         ):
             raise UserError("entrypoint: expected a non-empty list of strings (argv)")
         argv = list(entrypoint)
+    return argv, annotations
 
-    name = rayjob_name(dag_id, run_id, task_id, job_kind)
-    job = load_template()
-    md = job["metadata"]
+
+def _fill_metadata(
+    md: dict, exp: Experiment, name: str, namespace: str, dag_id, run_id, task_id, job_kind, queue, annotations: dict
+) -> None:
+    """Name, namespace, the DAG run's labels (and the Kueue queue), the run's annotations."""
     md["name"], md["namespace"] = name, namespace
     md["labels"].update(
         {
@@ -505,12 +573,14 @@ def build_rayjob(
     }
     md["annotations"] = {ANNOTATION_PREFIX + k: str(v) for k, v in annotations.items()}
 
-    spec = job["spec"]
+
+def _fill_job_spec(spec: dict, name: str, argv: list[str], env_vars: dict, c: _ClusterSettings) -> None:
+    """The job's id, entrypoint, Ray runtime env, deadline, cleanup and token authentication."""
     spec["jobId"] = name
     spec["entrypoint"] = join_argv(argv)
     spec["runtimeEnvYAML"] = yaml.safe_dump({"env_vars": env_vars}, sort_keys=True, default_flow_style=False)
-    spec["activeDeadlineSeconds"] = deadline
-    spec["ttlSecondsAfterFinished"] = ttl
+    spec["activeDeadlineSeconds"] = c.deadline
+    spec["ttlSecondsAfterFinished"] = c.ttl
     auth = spec["rayClusterSpec"].setdefault("authOptions", {})
     auth["mode"] = "token"  # never rendered without: the template's value, kept even if the template is edited
     if secret := settings.get(RAY_AUTH_SECRET_ENV):
@@ -518,57 +588,71 @@ def build_rayjob(
             raise UserError(f"${RAY_AUTH_SECRET_ENV}={secret!r}: not a Kubernetes Secret name")
         auth["secretName"] = secret
 
-    volumes, volume_mounts = mounts.volumes()
-    # cluster.env also goes into the containers: NCCL/gIB settings and LD_LIBRARY_PATH must be there when Ray starts
-    secret_env = [{"name": k, "value": v} for k, v in plain_env.items()] + _secret_env(cluster)
-    pod_annotations = mounts.pod_annotations()
-    head_tpl = spec["rayClusterSpec"]["headGroupSpec"]["template"]
+
+def _fill_head_group(
+    head_tpl: dict, c: _ClusterSettings, container_env: list, volumes: list, volume_mounts: list, pod_annotations
+) -> None:
+    """The head pod: image, account, resources, env, security context, bucket volumes, pull secrets."""
     head_tpl["metadata"]["annotations"] = dict(pod_annotations)
     head_pod = head_tpl["spec"]
-    head_pod["serviceAccountName"] = str(account)
+    head_pod["serviceAccountName"] = c.account
     hc = head_pod["containers"][0]
-    hc["image"] = image
+    hc["image"] = c.image
     hc["resources"] = {
-        "requests": {"cpu": head["cpu"], "memory": head["memory"]},
-        "limits": {"cpu": head["cpu"], "memory": head["memory"]},
+        "requests": {"cpu": c.head["cpu"], "memory": c.head["memory"]},
+        "limits": {"cpu": c.head["cpu"], "memory": c.head["memory"]},
     }
-    hc["env"] = copy.deepcopy(secret_env)
-    if security:
-        hc["securityContext"] = copy.deepcopy(security)
+    hc["env"] = copy.deepcopy(container_env)
+    if c.security:
+        hc["securityContext"] = copy.deepcopy(c.security)
     hc["volumeMounts"] = copy.deepcopy(volume_mounts)
     head_pod["volumes"] = copy.deepcopy(volumes)
-    if pull_secrets:
-        head_pod["imagePullSecrets"] = [{"name": n} for n in pull_secrets]
+    if c.pull_secrets:
+        head_pod["imagePullSecrets"] = [{"name": n} for n in c.pull_secrets]
 
-    group = spec["rayClusterSpec"]["workerGroupSpecs"][0]
-    group["replicas"] = group["minReplicas"] = group["maxReplicas"] = nnodes
+
+def _fill_worker_group(
+    group: dict,
+    c: _ClusterSettings,
+    ray_start: dict,
+    container_env: list,
+    volumes: list,
+    volume_mounts: list,
+    pod_annotations,
+) -> None:
+    """The GPU worker group: replicas, Ray start parameters, annotations, the pod and its container."""
+    group["replicas"] = group["minReplicas"] = group["maxReplicas"] = c.nnodes
     group["rayStartParams"] = {**group.get("rayStartParams", {}), **ray_start}
     group["template"]["metadata"]["annotations"] = {
         **dict(pod_annotations),
-        **{k: str(v) for k, v in worker_annotations.items()},  # e.g. GKE's RDMA network interfaces
+        **{k: str(v) for k, v in c.worker_annotations.items()},  # e.g. GKE's RDMA network interfaces
     }
     wpod = group["template"]["spec"]
-    if pull_secrets:
-        wpod["imagePullSecrets"] = [{"name": n} for n in pull_secrets]
-    wpod["serviceAccountName"] = str(account)
+    if c.pull_secrets:
+        wpod["imagePullSecrets"] = [{"name": n} for n in c.pull_secrets]
+    wpod["serviceAccountName"] = c.account
     wc = wpod["containers"][0]
-    wc["image"] = image
-    res = {"cpu": worker["cpu"], "memory": worker["memory"], "nvidia.com/gpu": gpus}
+    wc["image"] = c.image
+    res = {"cpu": c.worker["cpu"], "memory": c.worker["memory"], "nvidia.com/gpu": c.gpus}
     wc["resources"] = {"requests": dict(res), "limits": dict(res)}
-    wc["env"] = copy.deepcopy(secret_env)
-    if security:
-        wc["securityContext"] = copy.deepcopy(security)
+    wc["env"] = copy.deepcopy(container_env)
+    if c.security:
+        wc["securityContext"] = copy.deepcopy(c.security)
+    _worker_volumes(wpod, wc, c, volumes, volume_mounts)
+    wpod["tolerations"] = copy.deepcopy(c.tolerations)
+    wpod["nodeSelector"] = {str(k): str(v) for k, v in c.node_selector.items()}
+
+
+def _worker_volumes(wpod: dict, wc: dict, c: _ClusterSettings, volumes: list, volume_mounts: list) -> None:
+    """The template's shared memory (sized), the bucket volumes and the read-only host paths."""
     wc["volumeMounts"] = [m for m in wc["volumeMounts"] if m["name"] == "dshm"] + copy.deepcopy(volume_mounts)
     wpod["volumes"] = [v for v in wpod["volumes"] if v["name"] == "dshm"] + copy.deepcopy(volumes)
     for v in wpod["volumes"]:
         if v["name"] == "dshm":
-            v["emptyDir"]["sizeLimit"] = worker["shm"]
-    for i, (mount_path, node_path) in enumerate(sorted(host_paths.items())):  # read-only: libraries and plugins
+            v["emptyDir"]["sizeLimit"] = c.worker["shm"]
+    for i, (mount_path, node_path) in enumerate(sorted(c.host_paths.items())):  # read-only: libraries and plugins
         wpod["volumes"].append({"name": f"host-{i}", "hostPath": {"path": node_path, "type": "Directory"}})
         wc["volumeMounts"].append({"name": f"host-{i}", "mountPath": mount_path, "readOnly": True})
-    wpod["tolerations"] = copy.deepcopy(tolerations)
-    wpod["nodeSelector"] = {str(k): str(v) for k, v in node_selector.items()}
-    return job
 
 
 class _Dumper(yaml.SafeDumper):
