@@ -52,7 +52,7 @@ def retrying(timeout: timedelta, retries: int = 2) -> dict:
 
 DEFAULT_EXPERIMENT = settings.get(settings.DEFAULT_EXPERIMENT)  # what scheduled runs train
 DEFAULT_BACKEND = settings.get(settings.DEFAULT_BACKEND)
-PRESET = experiment.preset_summary(DEFAULT_EXPERIMENT)  # the default preset's values, shown in the form
+PRESET = form.preset_summary(DEFAULT_EXPERIMENT)  # the default preset's values, shown in the form
 NAME = "^[a-z0-9][a-z0-9_.-]{0,63}$"
 # a JSONL file: a store object or a Hub dataset file (HfFileSystem's spelling, optional @revision after the repo)
 JSONL_URI = r"^(file:///|(oss|gs)://|hf://datasets/)[A-Za-z0-9._/@%=-]+\.jsonl$"

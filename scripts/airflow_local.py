@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline_steps import settings
-from scripts.demo import ROOT, _free_port, prepare, stop_services
+from scripts.local_profile import ROOT, _free_port, prepare, stop_services
 
 
 def airflow_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:

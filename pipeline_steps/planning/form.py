@@ -2,7 +2,7 @@
 
 The DAG builds the form's ``Param`` of each field from it (JSON schema, title, section, description), the plan turns
 a submitted form into verl overrides with it (:func:`overrides`), and the form shows each field's preset value
-(:func:`pipeline_steps.training.experiment.preset_summary`) read through it. Plain data: no Airflow, cheap to import.
+(:func:`preset_summary`) read through it. Plain data: no Airflow, cheap to import.
 """
 
 from __future__ import annotations
@@ -98,3 +98,30 @@ def overrides(params: dict) -> list[str]:
     if params.get("smoke"):
         out += ["trainer.total_training_steps=1", "trainer.save_freq=1"]
     return out + list(params.get("verl_overrides") or [])
+
+
+def preset_summary(name: str) -> dict[str, str]:
+    """A preset's main values as short text for the trigger form (empty when the preset cannot be read).
+
+    Reads the YAML only: cheap enough for DAG parsing.
+    """
+    import yaml
+
+    from pipeline_steps.training.experiment import resolve_path
+
+    try:
+        spec = yaml.safe_load(resolve_path(name).read_text(encoding="utf-8")) or {}
+    except Exception:  # the form must render even if a deployment's preset is broken; plan reports it
+        return {}
+    verl = spec.get("verl") or {}
+    model = spec.get("model") or {}
+    values = {
+        "datasets": ", ".join((spec.get("datasets") or {}).get("train") or []),
+        "eval_dataset": (spec.get("evaluation") or {}).get("dataset"),
+        "model": model.get("source") or model.get("repo_id"),
+        "model_revision": model.get("revision"),
+        **{name: field.preset_value(spec, verl) for name, field in FIELDS.items()},  # the form's verl fields
+    }
+    if values["total_training_steps"] is None:
+        values["total_training_steps"] = "epochs: " + str(verl.get("trainer.total_epochs", "verl's default"))
+    return {k: str(v) for k, v in values.items() if v not in (None, "")}

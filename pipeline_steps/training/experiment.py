@@ -43,31 +43,6 @@ def preset_names() -> list[str]:
     return sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml")})
 
 
-def preset_summary(name: str) -> dict[str, str]:
-    """A preset's main values as short text for the trigger form (empty when the preset cannot be read).
-
-    Reads the YAML only: cheap enough for DAG parsing.
-    """
-    try:
-        spec = yaml.safe_load(resolve_path(name).read_text(encoding="utf-8")) or {}
-    except Exception:  # the form must render even if a deployment's preset is broken; plan reports it
-        return {}
-    from pipeline_steps.planning.form import FIELDS
-
-    verl = spec.get("verl") or {}
-    model = spec.get("model") or {}
-    values = {
-        "datasets": ", ".join((spec.get("datasets") or {}).get("train") or []),
-        "eval_dataset": (spec.get("evaluation") or {}).get("dataset"),
-        "model": model.get("source") or model.get("repo_id"),
-        "model_revision": model.get("revision"),
-        **{name: field.preset_value(spec, verl) for name, field in FIELDS.items()},  # the form's verl fields
-    }
-    if values["total_training_steps"] is None:
-        values["total_training_steps"] = "epochs: " + str(verl.get("trainer.total_epochs", "verl's default"))
-    return {k: str(v) for k, v in values.items() if v not in (None, "")}
-
-
 def modalities(spec: dict) -> set[str]:
     """What a preset's model reads: ``model.modalities``, text when unset."""
     return set((spec.get("model") or {}).get("modalities") or ["text"])

@@ -59,7 +59,7 @@ def _listing(kind: str, server, prefix: str) -> list[str]:
 @pytest.mark.budget(900)  # 460 s (oss) and 424 s (gcs) in make test at a load average of 10
 @pytest.mark.parametrize("kind", ["oss", "gcs"])
 def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_path):
-    from scripts.demo import newest_run, prepare, stop_services, task_states, xcom
+    from scripts.local_profile import newest_run, prepare, stop_services, task_states, xcom
 
     server = request.getfixturevalue("oss_server" if kind == "oss" else "gcs_server")
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"

@@ -47,7 +47,7 @@ def _figures(out: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.budget(750)
 def test_demo_runs_the_dag_prints_the_baselines_and_leaves_nothing_running(demo):
-    from scripts.demo import ray_temp_dir
+    from scripts.local_profile import ray_temp_dir
 
     p, home = demo["proc"], demo["home"]
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -102,7 +102,7 @@ def test_after_the_demo_airflow_shows_every_task_s_log_at_its_levels(demo):
     import urllib.parse
 
     from scripts.airflow_local import api, start, stop
-    from scripts.demo import _free_port, newest_run
+    from scripts.local_profile import _free_port, newest_run
 
     assert demo["proc"].returncode == 0, demo["proc"].stdout[-3000:]
     home, airflow_home = demo["home"], demo["airflow_home"]

@@ -94,7 +94,7 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
     """3 training steps; the first train pod is killed (SIGKILL, as a lost node) after step 1: KubeRay reports
     Failed/AppFailed, Airflow retries the task, a new RayJob attempt resumes from the step-1 checkpoint, and the
     metrics history keeps step 1."""
-    from scripts.demo import newest_run, prepare, task_states, xcom
+    from scripts.local_profile import newest_run, prepare, task_states, xcom
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
     store = home / "store"
@@ -229,6 +229,6 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
     finally:
         api.stop()
         mlflow_server.shutdown_server(tmp_path / "team-mlflow")
-        from scripts.demo import stop_services
+        from scripts.local_profile import stop_services
 
         stop_services(home)

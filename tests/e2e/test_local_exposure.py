@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
-    from scripts.demo import _free_port
+    from scripts.local_profile import _free_port
 
     return _free_port()
 
@@ -177,7 +177,7 @@ def _wait_for(proc, out: Path, needle: str, timeout: float) -> None:
 
 def test_make_airflow_listens_on_loopback_and_stops_everything_on_sigterm(tmp_path):
     from pipeline_steps.local import ray_cluster
-    from scripts.demo import local_profile_env, ray_temp_dir
+    from scripts.local_profile import local_profile_env, ray_temp_dir
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow-home"
     env = dict(
@@ -280,7 +280,7 @@ def test_make_demo_stops_everything_on_sighup(tmp_path):
         except ProcessLookupError:
             pass
         from pipeline_steps.local import ray_cluster
-        from scripts.demo import ray_temp_dir
+        from scripts.local_profile import ray_temp_dir
 
         ray_cluster.shutdown_cluster(ray_temp_dir(home))
         mlflow_server.shutdown_server(home / "mlflow")

@@ -44,7 +44,7 @@ def _as_postgres(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def postgres(tmp_path_factory):
-    from scripts.demo import _free_port
+    from scripts.local_profile import _free_port
 
     assert (PG_BIN / "initdb").is_file(), "PostgreSQL 15 is not installed: apt-get install -y postgresql"
     base = Path(f"/tmp/pg-{os.getpid()}")  # short: the Unix socket path is limited to 107 bytes
@@ -81,7 +81,7 @@ def postgres(tmp_path_factory):
 @pytest.fixture(scope="module")
 def airflow_pg(postgres, tmp_path_factory):
     from scripts.airflow_local import start, stop
-    from scripts.demo import _free_port
+    from scripts.local_profile import _free_port
 
     tmp = tmp_path_factory.mktemp("pg-airflow")
     race = tmp / "asset-race"
@@ -211,7 +211,7 @@ def test_four_runs_sharing_dataset_versions_all_succeed_queue_on_the_gpu_pool_an
     # may take the slots first; the first task then ends only after the next job (#57210).
     from operators.backends import submission_base
     from pipeline_steps.local import ray_cluster
-    from scripts.demo import ray_temp_dir
+    from scripts.local_profile import ray_temp_dir
 
     address = json.loads((ray_temp_dir(airflow_pg["home"]) / ray_cluster.STATE_FILE).read_text())["address"]
     listed = ray_cluster._client(address, ray_temp_dir(airflow_pg["home"]) / "auth_token").list_jobs()
@@ -272,7 +272,7 @@ def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_p
     airflow_pg["up"]()  # the same database; Airflow notices the dead task and the triggerer resumes waiting
     states = _wait_runs(airflow_pg["url"], [run], timeout=600)
     assert states[run] == "success", Path(airflow_pg["log"]).read_text()[-4000:]
-    from scripts.demo import ray_temp_dir
+    from scripts.local_profile import ray_temp_dir
 
     address = json.loads((ray_temp_dir(airflow_pg["home"]) / ray_cluster.STATE_FILE).read_text())["address"]
     client = ray_cluster._client(address, ray_temp_dir(airflow_pg["home"]) / "auth_token")  # the cluster's token

@@ -31,7 +31,7 @@ pytestmark = [
 def test_tool_agent_preset_runs_the_dag(tmp_path):
     import pyarrow.parquet as pq
 
-    from scripts.demo import newest_run, prepare, ray_temp_dir, stop_services, task_states, xcom
+    from scripts.local_profile import newest_run, prepare, ray_temp_dir, stop_services, task_states, xcom
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
     env = prepare(home, airflow_home)

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser]
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory):
     from scripts.airflow_local import start, stop
-    from scripts.demo import _free_port
+    from scripts.local_profile import _free_port
 
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is not installed: apt-get install -y chromium (.ci/run does it)"

@@ -54,7 +54,7 @@ HUB = "hf://datasets/pipeline-local/chat-jsonl/data"
 def test_jsonl_files_chosen_in_the_form_train_and_validate_in_a_run_planned_once(where, tmp_path):
     import pyarrow.parquet as pq
 
-    from scripts.demo import newest_run, prepare, stop_services, task_states, xcom
+    from scripts.local_profile import newest_run, prepare, stop_services, task_states, xcom
 
     home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow"
     env = prepare(home, airflow_home)

@@ -150,19 +150,18 @@ def test_the_form_to_verl_table_has_one_home(dag, monkeypatch):
     import inspect
 
     from pipeline_steps.planning import form, plan
-    from pipeline_steps.training import experiment
 
     for name, field in form.FIELDS.items():
         schema = dag.params.get_param(name).schema
         assert {k: schema.get(k) for k in field.schema} == field.schema, name
         assert (schema["title"], schema["section"]) == (field.title, field.section), name
     assert not hasattr(plan, "HYPERPARAMETERS")
-    for text in (DAG_FILE.read_text(), inspect.getsource(plan), inspect.getsource(experiment.preset_summary)):
+    for text in (DAG_FILE.read_text(), inspect.getsource(plan), inspect.getsource(form.preset_summary)):
         assert not [f.verl_key for f in form.FIELDS.values() if f.verl_key in text], text[:200]
     # the preset values the form shows come through the table: a field added to it shows its preset value
     probe = form.Field("data.max_prompt_length", {"type": ["null", "integer"]}, "Prompt length")
     monkeypatch.setitem(form.FIELDS, "max_prompt_length", probe)
-    assert experiment.preset_summary("local_tiny")["max_prompt_length"] == "256"
+    assert form.preset_summary("local_tiny")["max_prompt_length"] == "256"
     assert form.overrides({"max_prompt_length": 128}) == ["data.max_prompt_length=128"]
 
 

@@ -31,7 +31,7 @@ TREES = ("dags", "operators", "pipeline_steps")
 MAY_IMPORT = {
     "data": {"store"},
     "planning": {"training", "data", "store"},
-    "training": {"data", "store", "tools", "rewards", "planning"},
+    "training": {"data", "store", "tools", "rewards"},
     "local": {"training", "data", "evaluation", "sandbox", "tools"},
     "sandbox": set(),
     "tools": set(),
@@ -41,8 +41,8 @@ MAY_IMPORT = {
     "store": set(),
     "diagnostics": {"training", "store", "tools"},
 }
-# What the training package may take from planning: the form's table of fields, not the plan.
-ONLY_MODULES = {("training", "planning"): {"pipeline_steps.planning.form"}}
+# Packages that may take only some modules of another (none today: training no longer reads planning's form).
+ONLY_MODULES: dict[tuple[str, str], set[str]] = {}
 # Imports a shared module makes inside a function, with the reason (they stay out of the shared modules' import time).
 SHARED_LAZY = {
     ("pipeline_steps/uris.py", "pipeline_steps.store"): "local_path checks a file:// URI with the store's parser",
