@@ -9,8 +9,6 @@ preprocessing and upload nothing.
 
 import json
 import os
-import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -18,18 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from scripts.local_profile import xcom
 from tests.helpers.airflow_api import api
+from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
 
 DATES = ["2026-10-04", "2026-10-11", "2026-10-18"]  # Sundays: @weekly logical dates
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -72,19 +66,6 @@ def airflow(tmp_path_factory):
             stop(proc, home)
         os.environ.clear()
         os.environ.update(saved)
-
-
-def xcoms(db: Path, run_id: str, task_id: str) -> list:
-    with sqlite3.connect(db) as c:
-        rows = c.execute(
-            "SELECT value FROM xcom WHERE run_id=? AND task_id=? AND key='return_value' ORDER BY map_index",
-            (run_id, task_id),
-        ).fetchall()
-    out = []
-    for (v,) in rows:
-        v = json.loads(v) if isinstance(v, (str, bytes)) else v
-        out.append(json.loads(v) if isinstance(v, str) else v)
-    return out
 
 
 def _create_backfill_in_the_ui(url: str, shots: Path) -> None:
@@ -164,10 +145,10 @@ def test_a_backfill_created_in_the_ui_trains_on_the_dataset_versions_of_each_dat
     v1, v2 = index[0]["commit"], index[1]["commit"]
     gsm8k = []
     for r in runs:
-        (done,) = [d for d in xcoms(airflow["db"], r["dag_run_id"], "upload_dataset") if d["dataset"] == "gsm8k"]
+        (done,) = [d for d in xcom(airflow["db"], r["dag_run_id"], "upload_dataset") if d["dataset"] == "gsm8k"]
         gsm8k.append(done)
         assert done["revision"] == done["download"]["commit"]
-        assert xcoms(airflow["db"], r["dag_run_id"], "train")[0]["last_step"] == 1  # smoke: one step
+        assert xcom(airflow["db"], r["dag_run_id"], "train")[0]["last_step"] == 1  # smoke: one step
     assert [d["revision"] for d in gsm8k] == [v1, v1, v2]
     # the second run of the unchanged revision reuses the processed version: no preprocessing, nothing uploaded
     assert gsm8k[0]["preprocess"]["skipped"] is False and gsm8k[1]["preprocess"]["skipped"] is True
