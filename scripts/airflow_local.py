@@ -23,6 +23,10 @@ from pathlib import Path
 from pipeline_steps import settings
 from scripts.local_profile import ROOT, _free_port, prepare, stop_services
 
+# a cold start (database migration, four components, the first parse) takes about a minute alone and over five
+# minutes on a two-core machine shared with another test suite
+START_TIMEOUT_S = 600
+
 
 def airflow_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
     env = prepare(home, airflow_home)
@@ -52,7 +56,7 @@ def start(home: Path, airflow_home: Path, port: int, log_path: Path) -> tuple[su
         start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    deadline = time.time() + START_TIMEOUT_S
     try:
         while time.time() < deadline:
             if proc.poll() is not None:
@@ -66,7 +70,7 @@ def start(home: Path, airflow_home: Path, port: int, log_path: Path) -> tuple[su
         stop(proc, home)
         raise
     stop(proc, home)
-    raise RuntimeError(f"the Airflow UI did not answer at {url} within 5 minutes; see {log_path}")
+    raise RuntimeError(f"the Airflow UI did not answer at {url} within {START_TIMEOUT_S // 60} minutes; see {log_path}")
 
 
 def api(url: str, path: str, method: str = "GET", body: dict | None = None, timeout: float = 60):

@@ -156,13 +156,16 @@ def _run(home: Path) -> int:
     run_id, state, was_paused = None, None, None
     try:
         dag = "/dags/verl_grpo_pipeline"
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + airflow_local.START_TIMEOUT_S
         while was_paused is None:  # the DAG processor parses the DAG files first
             try:
                 was_paused = airflow_local.api(url, dag)["is_paused"]
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"Airflow did not parse verl_grpo_pipeline within 5 minutes; see {log}")
+                    raise RuntimeError(
+                        f"Airflow did not parse verl_grpo_pipeline within {airflow_local.START_TIMEOUT_S // 60} "
+                        f"minutes; see {log}"
+                    )
                 time.sleep(2)
         if was_paused:
             airflow_local.api(url, dag, "PATCH", {"is_paused": False})

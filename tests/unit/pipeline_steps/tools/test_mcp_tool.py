@@ -35,7 +35,7 @@ def mcp_server(tmp_path_factory):
         cmd = [sys.executable, "-m", "pipeline_steps.tools.mcp_code_server", "--port", str(port)]
         proc = subprocess.Popen(cmd, env={**os.environ, **sandboxes.env()}, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120  # a cold import of the MCP server takes over 30 s on a loaded machine
             while True:
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=1).close()
