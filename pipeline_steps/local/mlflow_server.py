@@ -2,7 +2,7 @@
 
 :func:`ensure_server` returns the tracking URI to log to: ``$MLFLOW_TRACKING_URI`` when configured (a team's
 server), else the server this module started before (its state file, while its process lives and answers), else it
-starts ``mlflow server`` on 127.0.0.1 at a free port in its own process group, with a SQLite backend store and a
+starts ``mlflow server`` on 127.0.0.1 at a free port in a session of its own, with a SQLite backend store and a
 local artifact directory under ``DIR`` (``$PIPELINE_MLFLOW_DIR``, else ``mlflow`` under the pipeline's home,
 :func:`pipeline_steps.settings.home`). The server proxies artifacts (``--serve-artifacts``), so clients never need the
 directory, and serves MLflow's web UI at the same URI (a run's page: :func:`pipeline_steps.tracking_run.url`).
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from pipeline_steps import settings
-from pipeline_steps.local.ray_cluster import _free_port, _pid_alive, stop_group
+from pipeline_steps.local.ray_cluster import _free_port
+from pipeline_steps.local.sessions import pid_alive, stop_session
 from pipeline_steps.tracking_run import responds
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def ensure_server(directory=None, *, port: int | None = None, timeout: float = 1
         return configured
     d = server_dir(directory).resolve()
     state = _read_state(d)
-    if state and _pid_alive(state["pid"]) and responds(state["uri"]):
+    if state and pid_alive(state["pid"]) and responds(state["uri"]):
         return state["uri"]
     (d / "artifacts").mkdir(parents=True, exist_ok=True)
     port = int(port or settings.get(settings.MLFLOW_PORT) or _free_port())
@@ -96,8 +97,8 @@ def shutdown_server(directory=None, timeout: float = 20) -> bool:
     state = _read_state(d)
     if not state:
         return False
-    pid, pgid = int(state["pid"]), int(state["pgid"])
-    stop_group(pid, pgid, timeout, poll=0.2)
+    pid, sid = int(state["pid"]), int(state["pgid"])
+    stop_session(pid, sid, timeout, poll=0.2)
     (d / STATE_FILE).unlink(missing_ok=True)
     log.info("stopped the local MLflow server at %s", state["uri"])
     return True

@@ -3,9 +3,9 @@
 * :func:`ensure_cluster` returns the dashboard address of the cluster to use:
   ``address`` or ``$RAY_ADDRESS`` when configured, else the cluster this module
   started before (its state file), else a running cluster on the dashboard port,
-  else it starts ``ray start --head --block`` on 127.0.0.1 in its own process
-  group (so :func:`shutdown_cluster` can stop exactly that cluster; ``ray stop``
-  would stop every Ray on the machine).
+  else it starts ``ray start --head --block`` on 127.0.0.1 in a session of its
+  own (so :func:`shutdown_cluster` can stop exactly that cluster, workers and all:
+  pipeline_steps/local/sessions.py; ``ray stop`` would stop every Ray on the machine).
 * :func:`submit_or_attach` submits a job under a caller-chosen submission id,
   or attaches when that id already exists and is live or succeeded: a retried
   Airflow worker never submits twice. The entrypoint argv is joined with
@@ -31,7 +31,6 @@ import logging
 import os
 import secrets
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +40,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline_steps import settings
+from pipeline_steps.local.sessions import pid_alive, stop_session
 
 log = logging.getLogger(__name__)
 
@@ -126,21 +126,6 @@ def _read_state(temp_dir) -> dict | None:
         return None
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of ours still answers kill(0); reap it if it is ours
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    except ChildProcessError:
-        return True
-
-
 def ensure_cluster(
     address: str | None = None,
     *,
@@ -170,7 +155,7 @@ def ensure_cluster(
     state = _read_state(temp_dir)
     if state:
         _TOKENS[state["address"]] = token
-    if state and _pid_alive(state["pid"]) and _responds(state["address"]):
+    if state and pid_alive(state["pid"]) and _responds(state["address"]):
         return state["address"]
     dashboard_port = int(dashboard_port or settings.get_int(settings.RAY_DASHBOARD_PORT))
     url = f"http://127.0.0.1:{dashboard_port}"
@@ -355,40 +340,23 @@ def wait(address: str, submission_id: str, timeout: float, poll: float = 1.0) ->
         time.sleep(poll)
 
 
-def stop_group(pid: int, pgid: int, timeout: float, poll: float = 0.5) -> None:
-    """Stop a background service started in its own process group: SIGTERM, then SIGKILL, each given half of
-    ``timeout`` for the leader ``pid`` to exit; once it has, any straggler of the group is killed too."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout / 2
-        while time.monotonic() < deadline and _pid_alive(pid):
-            time.sleep(poll)
-        if not _pid_alive(pid):
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            return
-
-
 def shutdown_cluster(temp_dir: str | os.PathLike | None = None, timeout: float = 30) -> bool:
     """Stop the cluster :func:`ensure_cluster` started (its jobs first); False if it started none."""
     state = _read_state(temp_dir)
     if not state:
         return False
-    pid, pgid = int(state["pid"]), int(state["pgid"])
-    if _pid_alive(pid):
-        try:  # stop running jobs so their drivers (own process groups) end too
+    pid, sid = int(state["pid"]), int(state["pgid"])
+    if pid_alive(pid):
+        try:  # stop running jobs first: Ray ends their drivers gracefully
             client = _client(state["address"], _temp_dir(state.get("temp_dir")) / "auth_token")
             for job in client.list_jobs():
                 if _status_str(job) in LIVE and job.submission_id:
                     client.stop_job(job.submission_id)
         except Exception as exc:  # the cluster may already be half down
             log.warning("could not stop jobs before shutdown: %s", exc)
-        stop_group(pid, pgid, timeout)
+    # also when the leader is gone: its session's workers may outlive it (and its pid, still their session id, is
+    # not reused while they run)
+    stop_session(pid, sid, timeout)
     (_temp_dir(state.get("temp_dir")) / STATE_FILE).unlink(missing_ok=True)
     log.info("stopped the local Ray cluster at %s", state["address"])
     return True

@@ -27,7 +27,8 @@ LEAKS = {
 
 def _inner_run(tmp_path, leak: str, workers: int) -> tuple[subprocess.CompletedProcess, str]:
     tag = f"{9000 + uuid.uuid4().int % 1000}.{os.getpid()}"  # a unique sleep length names the leaked process
-    (tmp_path / "test_leaks.py").write_text(f"import subprocess\n\ndef test_leak():\n    {LEAKS[leak].format(tag=tag)}\n")
+    test = f"import subprocess\n\ndef test_leak():\n    {LEAKS[leak].format(tag=tag)}\n"
+    (tmp_path / "test_leaks.py").write_text(test)
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tests.helpers.leftovers", "-p", "no:cacheprovider"]
     cmd += ["--rootdir", str(tmp_path), "--basetemp", str(tmp_path / "basetemp"), str(tmp_path / "test_leaks.py")]
     if workers:
