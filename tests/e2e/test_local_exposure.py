@@ -79,7 +79,7 @@ def cluster():
 
 
 def _client_port(pgid: int) -> int:
-    for pid in listening.in_group(pgid):
+    for pid in listening.in_session(pgid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
@@ -90,7 +90,7 @@ def _client_port(pgid: int) -> int:
 
 
 def test_local_ray_listens_on_loopback_only(cluster):
-    socks = _wait_listening(lambda: listening.in_group(cluster["pgid"]), _client_port(cluster["pgid"]))
+    socks = _wait_listening(lambda: listening.in_session(cluster["pgid"]), _client_port(cluster["pgid"]))
     # the GCS, the dashboard and the Ray client server at least (raylet, agents and workers add more)
     ports = {a.rsplit(":", 1)[1] for a in socks}
     assert {str(cluster["gcs_port"]), cluster["address"].rsplit(":", 1)[1], str(_client_port(cluster["pgid"]))} <= ports
@@ -210,7 +210,7 @@ def test_make_airflow_listens_on_loopback_and_stops_everything_on_sigterm(tmp_pa
         api_port = int(env["PIPELINE_AIRFLOW_PORT"])
 
         def ours() -> set[int]:
-            return listening.descendants(make.pid) | listening.in_group(ray_state["pgid"])
+            return listening.descendants(make.pid) | listening.in_session(ray_state["pgid"])
 
         socks = _wait_listening(ours, api_port, timeout=60)
         assert any(a.endswith(f":{api_port}") for a in socks), socks

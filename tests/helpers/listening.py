@@ -54,13 +54,14 @@ def descendants(root: int) -> set[int]:
     return found
 
 
-def in_group(pgid: int) -> set[int]:
-    """Live processes of process group ``pgid``."""
+def in_session(sid: int) -> set[int]:
+    """Live processes of session ``sid`` (a local service's: pipeline_steps/local/sessions.py; Ray's workers each
+    have a process group of their own inside it)."""
     out = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3]) == pgid:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3]) == sid:
                     out.add(int(entry.name))
             except (OSError, IndexError, ValueError):
                 continue
