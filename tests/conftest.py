@@ -28,7 +28,8 @@ import pytest
 # asserts in the helpers report their values as a test's own do (their modules are imported by the tests, not collected)
 pytest.register_assert_rewrite("tests.helpers")
 
-from tests.helpers.leftovers import TEST_RUN  # noqa: E402 (after the line above, so its asserts are rewritten too)
+from tests.helpers.budget import scaled  # noqa: E402 (after the line above, so its asserts are rewritten too)
+from tests.helpers.leftovers import TEST_RUN  # noqa: E402
 
 # the shared fixtures, usable by name in every test module (tests/README.md: tests/helpers/)
 pytest_plugins = [
@@ -55,15 +56,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # default, 4.3 s with this; the DAG processor alone 4.3 s -> 0.8 s), times a dozen Airflows in one run
 os.environ.setdefault("AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL", "600")
 DEFAULT_BUDGET_S, SLOW_BUDGET_S = 120, 600
-# every budget (and so every pytest-timeout) times this: 2 when two suites share the machine (tests/README.md)
-BUDGET_SCALE = float(os.environ.get("PIPELINE_TEST_BUDGET_SCALE", "1"))
 
 
 def budget_of(item) -> float:
     marker = item.get_closest_marker("budget")
     if marker:
-        return float(marker.args[0]) * BUDGET_SCALE
-    return (SLOW_BUDGET_S if item.get_closest_marker("slow") else DEFAULT_BUDGET_S) * BUDGET_SCALE
+        return scaled(float(marker.args[0]))
+    return scaled(SLOW_BUDGET_S if item.get_closest_marker("slow") else DEFAULT_BUDGET_S)
 
 
 # Modules whose tests each get a worker of their own (each test starts its own PostgreSQL and Airflow, or its own

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.budget import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,9 +26,15 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo")
     home, airflow_home = tmp / "demo", tmp / "airflow"
     env = dict(os.environ, PIPELINE_HOME=str(home), AIRFLOW_HOME=str(airflow_home))
-    p = subprocess.run(
-        [sys.executable, "-m", "scripts.demo"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
+    cmd = [sys.executable, "-m", "scripts.demo"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=scaled(900))
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # as Ctrl-C would: the demo stops the Airflow, Ray and MLflow it started (a kill leaks them)
+        out, err = proc.communicate(timeout=120)
+        pytest.fail(f"make demo did not end within {scaled(900):.0f} s: {out[-3000:]}{err[-3000:]}")
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     return {"proc": p, "home": home, "airflow_home": airflow_home, "tmp": tmp}
 
 

@@ -5,10 +5,13 @@ and a driver below it in a session of its own (as a Ray job's entrypoint), which
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
+
+import psutil
 
 from pipeline_steps.local import sessions
 
@@ -48,7 +51,8 @@ def test_stop_session_ends_workers_in_their_own_group_and_drivers_in_their_own_s
         assert time.monotonic() - started < 10
     finally:
         for proc in sessions.members(leader.pid).values():
-            proc.kill()
+            with contextlib.suppress(psutil.Error):  # one that ended meanwhile
+                proc.kill()
         leader.wait(timeout=10)
 
 
