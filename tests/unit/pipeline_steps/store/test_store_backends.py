@@ -26,6 +26,7 @@ import pytest
 
 from pipeline_steps.errors import TransientError, UserError
 from pipeline_steps.store import open_store
+from tests.helpers.budget import scaled
 from tests.helpers.storage_servers import ROOT, run_step
 from tests.helpers.store_under_test import Backend
 
@@ -140,18 +141,28 @@ def test_killed_upload_rerun_matches_clean_run(backend, tmp_path):
         stderr=subprocess.DEVNULL,
     )
     store = open_store(backend.root_uri)
-    deadline = time.monotonic() + 60
+    # The upload runs in slices of 50 ms (SIGCONT ... SIGSTOP) and is looked at only while stopped, so a loaded
+    # machine cannot let it finish unseen between a look and the kill (a free-running upload did, under load).
+    deadline, after_open = time.monotonic() + scaled(120), None
     try:
         while time.monotonic() < deadline:  # kill once some objects (OSS: some parts) are stored
+            time.sleep(0.05)
+            proc.send_signal(signal.SIGSTOP)
             if proc.poll() is not None:
-                pytest.fail("upload finished before it could be interrupted; enlarge the test data")
-            stored = store._list(store._join(store._parse(killed).key, ""), None)[0]
-            if backend.name == "oss" and backend.open_uploads("kill/v1/"):
-                time.sleep(0.4)  # let a few parts land (50 ms each on the test server) so the re-run resumes
+                pytest.fail("upload finished within one 50 ms slice; enlarge the test data")
+            if backend.name == "oss":
+                # an open multipart upload, then 8 more slices so a few parts land (50 ms each on the test server)
+                if after_open is not None:
+                    after_open += 1
+                elif backend.open_uploads("kill/v1/"):
+                    after_open = 0
+                if after_open == 8:
+                    break
+            elif len(store._list(store._join(store._parse(killed).key, ""), None)[0]) >= 3:
                 break
-            if backend.name != "oss" and len(stored) >= 3:
-                break
-            time.sleep(0.01)
+            proc.send_signal(signal.SIGCONT)
+        else:
+            pytest.fail(f"the upload stored nothing to interrupt within {scaled(120):.0f} s")
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
     finally:
