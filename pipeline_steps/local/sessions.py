@@ -15,23 +15,24 @@ import time
 
 import psutil
 
+from pipeline_steps import atomic
+
 
 def pid_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie child of ours is reaped and counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether ``pid`` runs: :func:`pipeline_steps.atomic.pid_alive`, but a zombie counts as gone (and is reaped
+    when it is our child)."""
+    if not atomic.pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
         return done == 0
     except ChildProcessError:  # not our child: alive unless a zombie
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
+        except psutil.NoSuchProcess:
             return False
+        except psutil.Error:  # another user's: alive
+            return True
 
 
 def members(sid: int) -> dict[int, psutil.Process]:
