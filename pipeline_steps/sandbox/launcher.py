@@ -74,12 +74,23 @@ class LocalSandboxServer:
 
     def stop(self):
         if self.proc and self.proc.poll() is None:
+            import psutil
+
+            try:  # its sandboxes (each in a session of its own): swept below if the server does not get to them
+                below = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                below = []
             self.proc.send_signal(signal.SIGTERM)  # the server kills its sandboxes on the way out
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            for child in below:
+                try:
+                    child.kill()  # psutil checks the pid was not reused
+                except psutil.Error:
+                    pass
         if self.proc:
             self.log.close()
             # a server killed before its clean-up (SIGKILL after the 20 s above) leaves its sandboxes' tmpfs mounted

@@ -4,12 +4,14 @@ commands, ``Sandbox.list`` / ``Sandbox.connect``, rich results; and that none of
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from pipeline_steps.sandbox.pool import live_processes
@@ -346,14 +348,21 @@ def test_no_sandbox_directory_stays_mounted_once_the_server_is_stopped(root, how
 
     state = root / f"state-{how}"
     srv = LocalSandboxServer(state, args=["--warm", "4", "--disk-mb", str(DISK_MB)]).start()
+    orphans = []
     try:
         if how == "killed":
             deadline = time.monotonic() + 60
             while not _mounted_below(state) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert _mounted_below(state), "the server mounted no sandbox directory within 60 s"
+            # its warm sandboxes outlive a SIGKILLed server (each is in a session of its own; the leftover check
+            # found them): this test's crash is its own to clean up
+            orphans = psutil.Process(srv.proc.pid).children(recursive=True)
             srv.proc.kill()
             srv.proc.wait()
     finally:
         srv.stop()
+        for proc in orphans:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
     assert _mounted_below(state) == []
