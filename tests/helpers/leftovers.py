@@ -27,7 +27,6 @@ from tests.helpers.listening import descendants
 # inherited by xdist workers and by every process a test starts
 TEST_RUN = os.environ.setdefault("PIPELINE_TEST_RUN", uuid.uuid4().hex)
 GRACE_S = float(os.environ.get("PIPELINE_TEST_LEFTOVER_GRACE_S", "30"))
-STRICT = os.environ.get("PIPELINE_TEST_LEFTOVERS_STRICT") == "1"  # Ray and Airflow take seconds to exit
 PR_SET_CHILD_SUBREAPER = 36
 XDIST_WORKER = b"import sys;exec(eval(sys.stdin.readline()))"  # execnet's bootstrap: how a worker's command line reads
 
@@ -52,9 +51,9 @@ def _is_worker(pid: int) -> bool:
     return XDIST_WORKER in _cmdline(pid)
 
 
-def leftovers() -> list[tuple[int, str, bool]]:
-    """Live processes of this run other than pytest itself and its xdist workers: (pid, command line, whether it
-    carries the run's marker)."""
+def leftovers() -> list[tuple[int, str]]:
+    """Live processes of this run (below pytest, or carrying the run's marker) other than pytest itself and its
+    xdist workers: (pid, command line)."""
     me, token = os.getpid(), f"PIPELINE_TEST_RUN={TEST_RUN}".encode()
     pids, marked = descendants(me), set()
     for entry in Path("/proc").iterdir():
@@ -70,7 +69,7 @@ def leftovers() -> list[tuple[int, str, bool]]:
         if stat is None or stat[0] == "Z" or (stat[1] == me and _is_worker(pid)):
             continue
         cmd = _cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()
-        found.append((pid, cmd[:160] or "(no command line)", pid in marked))
+        found.append((pid, cmd[:160] or "(no command line)"))
     return found
 
 
@@ -121,18 +120,14 @@ def pytest_sessionfinish(session, exitstatus):
         sys.stderr.write(f"\nleftover check: {config._leftover_note}\n")
     if not left:
         return
-    for pid, _, _ in left:
+    for pid, _ in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd, _ in left)
+    lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in left)
     sys.stderr.write(
         f"\n{len(left)} process(es) started by the tests were still alive {GRACE_S:.0f} s after the run (killed):\n"
         f"{lines}\n"
     )
-    # Found only below pytest (no marker: a wiped environment or a retitled process): reported and killed, but the
-    # run fails on them only with PIPELINE_TEST_LEFTOVERS_STRICT=1 until test_sandbox_api's orphaned sandboxes are
-    # fixed (issue 27's note); one carrying the marker always fails the run.
-    if STRICT or any(marked for _, _, marked in left):
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
