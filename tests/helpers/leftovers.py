@@ -29,6 +29,8 @@ TEST_RUN = os.environ.setdefault("PIPELINE_TEST_RUN", uuid.uuid4().hex)
 GRACE_S = float(os.environ.get("PIPELINE_TEST_LEFTOVER_GRACE_S", "30"))
 PR_SET_CHILD_SUBREAPER = 36
 XDIST_WORKER = b"import sys;exec(eval(sys.stdin.readline()))"  # execnet's bootstrap: how a worker's command line reads
+# multiprocessing's helpers of pytest's own process (a test in it used multiprocessing): they exit when pytest does
+OWN_HELPERS = (b"from multiprocessing.resource_tracker import main", b"from multiprocessing.forkserver import main")
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -51,6 +53,12 @@ def _is_worker(pid: int) -> bool:
     return XDIST_WORKER in _cmdline(pid)
 
 
+def _is_ours(pid: int) -> bool:
+    """An xdist worker, or a multiprocessing helper of pytest's own process."""
+    cmd = _cmdline(pid)
+    return XDIST_WORKER in cmd or any(h in cmd for h in OWN_HELPERS)
+
+
 def leftovers() -> list[tuple[int, str]]:
     """Live processes of this run (below pytest, or carrying the run's marker) other than pytest itself and its
     xdist workers: (pid, command line)."""
@@ -66,7 +74,7 @@ def leftovers() -> list[tuple[int, str]]:
     found = []
     for pid in sorted((pids | marked) - {me}):
         stat = _stat(pid)
-        if stat is None or stat[0] == "Z" or (stat[1] == me and _is_worker(pid)):
+        if stat is None or stat[0] == "Z" or (stat[1] == me and _is_ours(pid)):
             continue
         cmd = _cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()
         found.append((pid, cmd[:160] or "(no command line)"))
