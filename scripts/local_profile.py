@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import sqlite3
 import subprocess
@@ -71,6 +72,34 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
         [str(Path(sys.executable).parent), env.get("PATH", "")]
     )  # airflow standalone spawns `airflow ...`
     local_hub.build_cache(local_hub.FIXTURES, home / "hf-cache")
+    if not env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") and not (airflow_home / "airflow.db").exists():
+        # a new home on SQLite: a copy of an empty database migrated once per Airflow version in the cache
+        # (_migrate's two commands cost about 6 s of CPU per home; the tests start a dozen homes)
+        from importlib.metadata import version
+
+        from pipeline_steps.local import build_cache
+
+        def build(d: Path) -> None:
+            d.mkdir(parents=True)
+            _migrate(dict(env, AIRFLOW_HOME=str(d)))
+
+        entry = settings.cache_dir() / "airflow-db" / version("apache-airflow")
+        fallback = airflow_home / ".empty-db"
+        template = build_cache.cached_build(
+            entry, build, fallback, "Airflow's empty metadata database", lambda d: (d / "airflow.db").is_file()
+        )
+        airflow_home.mkdir(parents=True, exist_ok=True)
+        tmp = airflow_home / f".airflow.db.{os.getpid()}"
+        shutil.copyfile(template / "airflow.db", tmp)
+        os.replace(tmp, airflow_home / "airflow.db")
+        shutil.rmtree(fallback, ignore_errors=True)
+    else:
+        _migrate(env)
+    return env
+
+
+def _migrate(env: dict[str, str]) -> None:
+    """Airflow's metadata database migrated to this Airflow, with the ``gpu`` pool."""
     airflow = str(Path(sys.executable).with_name("airflow"))
     subprocess.run([airflow, "db", "migrate"], env=env, check=True, stdout=subprocess.DEVNULL)
     subprocess.run(
@@ -81,7 +110,6 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    return env
 
 
 def xcom(db: Path, run_id: str, task_id: str, key: str = "return_value") -> list:

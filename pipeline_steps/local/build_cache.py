@@ -25,9 +25,12 @@ def complete(entry: Path) -> bool:
     return (entry / "config.json").exists() and (entry / "tokenizer.json").exists()
 
 
-def cached_build(entry: Path, build: Callable[[Path], object], fallback: Path, what: str) -> Path:
+def cached_build(
+    entry: Path, build: Callable[[Path], object], fallback: Path, what: str, complete: Callable[[Path], bool] = complete
+) -> Path:
     """``entry`` (a directory named by a digest of the build's inputs) once ``build(path)`` has written the model
-    there; ``build(fallback)``'s directory when the cache cannot be written."""
+    there (``complete``: how a finished entry looks); ``build(fallback)``'s directory when the cache cannot be
+    written."""
     if complete(entry):
         log.info("%s from the build cache %s", what, entry)
         return entry
