@@ -65,9 +65,9 @@ def budget_of(item) -> float:
     return scaled(SLOW_BUDGET_S if item.get_closest_marker("slow") else DEFAULT_BUDGET_S)
 
 
-# Modules whose tests each get a worker of their own (each test starts its own PostgreSQL and Airflow, or its own
-# store server and Airflow home); every other module's tests stay on one worker, sharing its module fixtures.
-SPLIT_MODULES = {"tests/e2e/test_postgres_profile.py", "tests/e2e/test_cloud_store_dag.py"}
+# Modules whose tests each get a worker of their own (each test starts its own store server and Airflow home); every
+# other module's tests stay on one worker, sharing its module fixtures.
+SPLIT_MODULES = {"tests/e2e/test_cloud_store_dag.py"}
 
 
 def scope_of(nodeid: str) -> str:

@@ -14,6 +14,9 @@ code path, the whole DAG on the local profile, Airflow's REST API. What it shows
   records, none torn, the mirror equal to the newest record);
 * every Airflow process (scheduler, triggerer, the LocalExecutor's task processes) killed while ``train`` is
   deferred, then Airflow started again: the run completes with exactly one training job submitted.
+
+The two tests share one PostgreSQL cluster and one Airflow (module fixtures), in file order: the backfill first, so
+its dataset versions are new Assets when its four runs register them.
 """
 
 from __future__ import annotations
