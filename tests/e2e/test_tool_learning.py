@@ -32,6 +32,7 @@ def tool_model(tmp_path_factory):
     return tiny_tool_model.build_cached(settings.cache_dir(), tmp_path_factory.mktemp("tiny-tool"))
 
 
+@pytest.mark.slow  # about 8 s of CPU: the tiny tool model's tokenizer built
 def test_the_tool_schema_and_markers_reach_the_model(tmp_path):
     from transformers import AutoTokenizer
     from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder

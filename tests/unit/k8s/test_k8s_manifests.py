@@ -82,6 +82,7 @@ def validate_doc(doc: dict, crd_schema, where: str):
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
+@pytest.mark.slow  # about 9 s of CPU: every manifest against its schema
 def test_every_manifest_validates(crd_schema):
     files = manifest_files()
     kinds = set()

@@ -242,6 +242,7 @@ def test_operator_rejects_bad_backend_and_missing_summary_location(cluster):
 
 
 # -- local backend -----------------------------------------------------------------------------------------
+@pytest.mark.slow  # about 7 s of CPU: the real step
 def test_local_backend_runs_the_real_step_and_fails_bad_input_without_retry(tiny_model, tmp_path):
     data = aime_parquet(tmp_path / "aime.parquet")
     args = [
@@ -278,6 +279,7 @@ def test_local_backend_runs_the_real_step_and_fails_bad_input_without_retry(tiny
 
 
 # -- kuberay backend ---------------------------------------------------------------------------------------
+@pytest.mark.slow  # about 15 s of CPU: the evaluate step run as the pod runs it
 def test_kuberay_evaluate_runs_as_gpu_rayjob_and_returns_the_local_xcom_shape(cluster, tiny_model, tmp_path):
     api, store, mnt = cluster["api"], cluster["store"], cluster["mnt"]
     shutil.copytree(tiny_model, store / "models" / "tiny")

@@ -34,6 +34,7 @@ def test_a_megabyte_on_each_stream_does_not_hang_and_the_summary_is_read():
     assert done["result"]["flood"] == {"n": 16384}
 
 
+@pytest.mark.slow  # about 20 s of CPU: a real Airflow task runner
 @pytest.mark.budget(60)
 def test_a_step_s_lines_reach_the_task_log_at_the_levels_the_step_gave_them():
     """Airflow files whatever a task writes to stderr as ERROR; the operator relays the step's stderr line by line at

@@ -80,6 +80,7 @@ def test_report_cannot_replace_the_run_directory_or_its_checkpoints(tmp_path):
     assert (run / "report" / "report.md").is_file() and (run / "checkpoints" / "global_step_1").is_dir()
 
 
+@pytest.mark.slow  # about 6 s of CPU: the tiny model built
 def test_build_tiny_model_keeps_an_existing_directory_that_is_not_its_own(tmp_path):
     target = tmp_path / "models"
     target.mkdir()

@@ -10,6 +10,8 @@ import pytest
 
 from tests.helpers.step_cli import run_step
 
+pytestmark = pytest.mark.slow  # about 17 s of CPU: the synthetic datasets built and scored
+
 REPO = "pipeline-local/arithmetic"
 
 

@@ -178,6 +178,7 @@ def test_greedy_gives_identical_samples(tiny_model, aime, tmp_path, capsys):
     assert s["problems"] == 1 and s["samples_scored"] == 2
 
 
+@pytest.mark.slow  # about 17 s of CPU: a checkpoint merged and evaluated
 def test_checkpoint_dir_is_merged_and_evaluated(tiny_model, aime, tmp_path, tmp_path_factory, capsys):
     checkpoints = fsdp_checkpoint.cached_build(tmp_path_factory.getbasetemp(), tiny_model, steps=(1, 2))
     code, s, err = run_cli(eval_args(checkpoints, aime, tmp_path / "c", "--step", 1, k=2), capsys)

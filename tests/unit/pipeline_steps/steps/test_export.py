@@ -15,6 +15,8 @@ from pipeline_steps.training.checkpoints import check_model, dir_sha256, merge_c
 from tests.helpers import fsdp_checkpoint
 from tests.helpers.eval_results import LINEAGE, export_results
 
+pytestmark = pytest.mark.slow  # about 17 s of CPU: a verl FSDP checkpoint built and merged
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, tiny_model):

@@ -77,6 +77,7 @@ def image_processor_for(tokenizer):
     return ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tokenizer)
 
 
+@pytest.mark.slow  # about 10 s of CPU: verl's RLHFDataset over every dataset
 def test_every_row_loads_in_rlhfdataset_and_scores_1(processed, tiny_model):
     from omegaconf import OmegaConf
     from PIL import Image
@@ -408,6 +409,7 @@ def test_limit_and_bad_flags(processed, tmp_path, capsys):
     assert rc == 2 and "between 0 and 1" in s["error"]
 
 
+@pytest.mark.slow  # about 8 s of CPU: two large inputs preprocessed
 @pytest.mark.timeout(300)
 def test_jsonl_is_streamed_memory_does_not_grow_with_the_input(tmp_path):
     """Issue 16 item 12: a 300 MB JSONL used to peak at 2.5 GB RSS (every row, and every prompt string for the

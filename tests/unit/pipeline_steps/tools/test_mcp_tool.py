@@ -14,7 +14,10 @@ from importlib.resources import files
 
 import pytest
 
-pytestmark = pytest.mark.needs_root(reason="the sandbox server needs root (uids, namespaces)")
+pytestmark = [
+    pytest.mark.needs_root(reason="the sandbox server needs root (uids, namespaces)"),
+    pytest.mark.slow,  # about 16 s of CPU: the sandbox and MCP servers started, the shipped tool run through them
+]
 
 TOOL_CONFIG = str(files("pipeline_steps.tools") / "mcp_tool.yaml")
 

@@ -156,6 +156,7 @@ def test_a_deployment_preset_cannot_smuggle_instantiation_either(tmp_path, monke
     assert sentinel.read_text() == SENTINEL_TEXT
 
 
+@pytest.mark.slow  # about 9 s of CPU: verl's config composed for each
 def test_benign_overrides_still_work(tmp_path):
     code, summary, err = run_step(
         "preflight",

@@ -206,6 +206,7 @@ def test_unstaged_inputs_fail_naming_the_key(staged):
         check("gspo", derived={k: v for k, v in ok.items() if k != "data.val_files"}, check_store=True)
 
 
+@pytest.mark.slow  # about 9 s of CPU: the CLI imports verl
 def test_cli_exits_2_with_one_line_naming_the_key():
     code, summary, stderr = run_step(
         "preflight",
@@ -220,6 +221,7 @@ def test_cli_exits_2_with_one_line_naming_the_key():
     assert stderr.count("\n") == 1 and stderr.startswith("error: ") and "Traceback" not in stderr
 
 
+@pytest.mark.slow  # about 8 s of CPU: the CLI imports verl
 def test_cli_success_prints_the_summary_last():
     code, summary, stderr = run_step("preflight", "--experiment", "local_tiny", "--skip-store-check")
     assert code == 0, stderr

@@ -10,6 +10,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from pipeline_steps.training import verl_main
 
 
@@ -48,6 +50,7 @@ def test_no_checkpoint_means_a_fresh_log(tmp_path, monkeypatch):
     assert metrics.read_text() == ""
 
 
+@pytest.mark.slow  # about 9 s of CPU: verl's main_ppo in a subprocess
 def test_the_entrypoint_hands_its_arguments_to_verls_main_ppo(tmp_path):
     """Hydra's ``--cfg job`` makes verl's own main_ppo print the composed config and exit: the overrides arrive."""
     p = subprocess.run(
