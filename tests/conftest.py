@@ -1,7 +1,8 @@
 """The suite's rules, and the shared fixtures' registration (``pytest_plugins`` below: the fixtures live in
 tests/helpers/, see tests/README.md):
 
-* markers: ``slow`` (real Airflow, Ray or training end to end, or a package built and installed), ``browser``
+* markers: ``slow`` (real Airflow, Ray or training end to end, a package built and installed, or any test over about
+  5 s of CPU: a model built, merged or evaluated, verl imported in a subprocess), ``browser``
   (starts Chromium), ``needs_root`` (skipped, with the reason in the summary, when not root), ``budget(seconds)``
   (the test's time budget);
 * every test has a time budget (``budget`` marker; 120 s by default, 600 s for a ``slow`` test): a test that passes
