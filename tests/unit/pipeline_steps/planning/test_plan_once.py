@@ -1,7 +1,7 @@
 """Plan once, read everywhere (issue 25): one whole ``verl_grpo_pipeline`` run on the local profile reads its preset,
 resolves its backend and turns its form into verl overrides once each, in the ``plan`` task; every later task and
 operator reads the plan (XCom, or ``plan.json`` in the run directory). The whole-run count is taken in
-``tests/e2e/test_user_jsonl_dag.py`` (its run goes under :mod:`tests.helpers.count_plan_calls`, sharing that run's
+``tests/e2e/test_cloud_store_dag.py`` (its runs go under :mod:`tests.helpers.count_plan_calls`, sharing their
 minutes); this module tests the operators and the plan's parts.
 """
 
