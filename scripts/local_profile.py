@@ -82,6 +82,7 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
         def build(d: Path) -> None:
             d.mkdir(parents=True)
             _migrate(dict(env, AIRFLOW_HOME=str(d)))
+            (d / "airflow.cfg").unlink(missing_ok=True)  # its generated secrets are no other home's
 
         entry = settings.cache_dir() / "airflow-db" / version("apache-airflow")
         fallback = airflow_home / ".empty-db"
@@ -93,6 +94,10 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
         shutil.copyfile(template / "airflow.db", tmp)
         os.replace(tmp, airflow_home / "airflow.db")
         shutil.rmtree(fallback, ignore_errors=True)
+        # the home's own airflow.cfg, with its own generated secrets, before any component starts: each component
+        # would otherwise generate a JWT secret of its own, and the scheduler's task tokens fail at the API server
+        write_config = "from airflow.configuration import write_default_airflow_configuration_if_needed as w; w()"
+        subprocess.run([sys.executable, "-c", write_config], env=env, check=True, stdout=subprocess.DEVNULL)
     else:
         _migrate(env)
     return env
