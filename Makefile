@@ -48,7 +48,8 @@ TEST_WORKERS ?= 4
 test: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 
-# Everything not marked slow (no real Airflow, Ray or training end to end): about 4.5 minutes on two cores.
+# Everything not marked slow (no real Airflow, Ray or training end to end, nothing over about 5 s of CPU): about
+# 3.3 minutes on two cores.
 test-fast: lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" --durations=5 tests
 
