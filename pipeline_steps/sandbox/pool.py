@@ -125,8 +125,11 @@ def jail_command(sb: "Sandbox", cfg: dict, expose: list[str], hide: list[str], t
     cmd += ["--perms", "0755", "--dir", "/etc"]  # else bwrap makes it 0700: no ld.so.cache, and `bash -l` fails on it
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/alternatives", "/etc/localtime"):
         cmd += ["--ro-bind-try", f, f]
+    # /tmp first: an exposed directory below /tmp (a venv in /tmp/...) is then bound over the fresh tmpfs, not hidden
+    # under it
+    cmd += ["--dev", "/dev", "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp"]
     binds = [p for p in expose if not _under(p, "/usr")]  # the interpreter and its libraries (a venv, a pyenv...)
-    made = set()
+    made = {"/tmp"}  # the tmpfs above (a --dir would reset its 1777)
     for dest in [*binds, HOME, KERNEL_IN_JAIL]:  # parents world-searchable (bwrap would copy the host's modes)
         for parent in list(Path(dest).parents)[::-1][1:]:
             if str(parent) not in made:
@@ -138,7 +141,6 @@ def jail_command(sb: "Sandbox", cfg: dict, expose: list[str], hide: list[str], t
         if any(_under(path, e) for e in expose) and os.path.isdir(path):
             cmd += ["--tmpfs", path]
     cmd += ["--ro-bind", str(KERNEL), KERNEL_IN_JAIL, "--bind", str(sb.workdir), HOME]
-    cmd += ["--dev", "/dev", "--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp"]
     cmd += ["--perms", "1777", "--size", str(1 << 20), "--tmpfs", "/dev/shm", "--proc", "/proc", "--chdir", "/"]
     cmd += [sys.executable, "-I", KERNEL_IN_JAIL, json.dumps(cfg)]  # -I: no user site, PYTHON* or script dir
     # A shell puts itself (the process that becomes bwrap) into the sandbox's cgroup before anything else runs.
