@@ -27,6 +27,7 @@ from tests.helpers.listening import descendants
 # inherited by xdist workers and by every process a test starts
 TEST_RUN = os.environ.setdefault("PIPELINE_TEST_RUN", uuid.uuid4().hex)
 GRACE_S = float(os.environ.get("PIPELINE_TEST_LEFTOVER_GRACE_S", "30"))
+STRICT = os.environ.get("PIPELINE_TEST_LEFTOVERS_STRICT") == "1"  # Ray and Airflow take seconds to exit
 PR_SET_CHILD_SUBREAPER = 36
 XDIST_WORKER = b"import sys;exec(eval(sys.stdin.readline()))"  # execnet's bootstrap: how a worker's command line reads
 # multiprocessing's helpers of pytest's own process (a test in it used multiprocessing): they exit when pytest does
@@ -59,9 +60,9 @@ def _is_ours(pid: int) -> bool:
     return XDIST_WORKER in cmd or any(h in cmd for h in OWN_HELPERS)
 
 
-def leftovers() -> list[tuple[int, str]]:
+def leftovers() -> list[tuple[int, str, bool]]:
     """Live processes of this run (below pytest, or carrying the run's marker) other than pytest itself and its
-    xdist workers: (pid, command line)."""
+    xdist workers: (pid, command line, whether it carries the run's marker)."""
     me, token = os.getpid(), f"PIPELINE_TEST_RUN={TEST_RUN}".encode()
     pids, marked = descendants(me), set()
     for entry in Path("/proc").iterdir():
@@ -77,7 +78,7 @@ def leftovers() -> list[tuple[int, str]]:
         if stat is None or stat[0] == "Z" or (stat[1] == me and _is_ours(pid)):
             continue
         cmd = _cmdline(pid).replace(b"\0", b" ").decode(errors="replace").strip()
-        found.append((pid, cmd[:160] or "(no command line)"))
+        found.append((pid, cmd[:160] or "(no command line)", pid in marked))
     return found
 
 
@@ -128,14 +129,19 @@ def pytest_sessionfinish(session, exitstatus):
         sys.stderr.write(f"\nleftover check: {config._leftover_note}\n")
     if not left:
         return
-    for pid, _ in left:
+    for pid, _, _ in left:
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-    lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd in left)
+    lines = "\n".join(f"  {pid}: {cmd}" for pid, cmd, _ in left)
     sys.stderr.write(
         f"\n{len(left)} process(es) started by the tests were still alive {GRACE_S:.0f} s after the run (killed):\n"
         f"{lines}\n"
     )
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    # Found only below pytest (no marker: a wiped environment or a retitled process): reported and killed, but the
+    # run fails on them only with PIPELINE_TEST_LEFTOVERS_STRICT=1: a run without xdist still finds the warm sandboxes
+    # of a sandbox server that ran inside pytest (they die with pytest, not before its check; issue 27's note); one
+    # carrying the marker always fails the run.
+    if STRICT or any(marked for _, _, marked in left):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
