@@ -73,34 +73,38 @@ def prepare(home: Path, airflow_home: Path) -> dict[str, str]:
     )  # airflow standalone spawns `airflow ...`
     local_hub.build_cache(local_hub.FIXTURES, home / "hf-cache")
     if not env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN") and not (airflow_home / "airflow.db").exists():
-        # a new home on SQLite: a copy of an empty database migrated once per Airflow version in the cache
-        # (_migrate's two commands cost about 6 s of CPU per home; the tests start a dozen homes)
-        from importlib.metadata import version
-
-        from pipeline_steps.local import build_cache
-
-        def build(d: Path) -> None:
-            d.mkdir(parents=True)
-            _migrate(dict(env, AIRFLOW_HOME=str(d)))
-            (d / "airflow.cfg").unlink(missing_ok=True)  # its generated secrets are no other home's
-
-        entry = settings.cache_dir() / "airflow-db" / version("apache-airflow")
-        fallback = airflow_home / ".empty-db"
-        template = build_cache.cached_build(
-            entry, build, fallback, "Airflow's empty metadata database", lambda d: (d / "airflow.db").is_file()
-        )
-        airflow_home.mkdir(parents=True, exist_ok=True)
-        tmp = airflow_home / f".airflow.db.{os.getpid()}"
-        shutil.copyfile(template / "airflow.db", tmp)
-        os.replace(tmp, airflow_home / "airflow.db")
-        shutil.rmtree(fallback, ignore_errors=True)
-        # the home's own airflow.cfg, with its own generated secrets, before any component starts: each component
-        # would otherwise generate a JWT secret of its own, and the scheduler's task tokens fail at the API server
-        write_config = "from airflow.configuration import write_default_airflow_configuration_if_needed as w; w()"
-        subprocess.run([sys.executable, "-c", write_config], env=env, check=True, stdout=subprocess.DEVNULL)
+        _database_from_template(env, airflow_home)
     else:
         _migrate(env)
     return env
+
+
+def _database_from_template(env: dict[str, str], airflow_home: Path) -> None:
+    """A new home on SQLite: a copy of an empty database migrated once per Airflow version in the cache
+    (:func:`_migrate`'s two commands cost about 6 s of CPU per home; the tests start a dozen homes)."""
+    from importlib.metadata import version
+
+    from pipeline_steps.local import build_cache
+
+    def build(d: Path) -> None:
+        d.mkdir(parents=True)
+        _migrate(dict(env, AIRFLOW_HOME=str(d)))
+        (d / "airflow.cfg").unlink(missing_ok=True)  # its generated secrets are no other home's
+
+    entry = settings.cache_dir() / "airflow-db" / version("apache-airflow")
+    fallback = airflow_home / ".empty-db"
+    template = build_cache.cached_build(
+        entry, build, fallback, "Airflow's empty metadata database", lambda d: (d / "airflow.db").is_file()
+    )
+    airflow_home.mkdir(parents=True, exist_ok=True)
+    tmp = airflow_home / f".airflow.db.{os.getpid()}"
+    shutil.copyfile(template / "airflow.db", tmp)
+    os.replace(tmp, airflow_home / "airflow.db")
+    shutil.rmtree(fallback, ignore_errors=True)
+    # the home's own airflow.cfg, with its own generated secrets, before any component starts: each component
+    # would otherwise generate a JWT secret of its own, and the scheduler's task tokens fail at the API server
+    write_config = "from airflow.configuration import write_default_airflow_configuration_if_needed as w; w()"
+    subprocess.run([sys.executable, "-c", write_config], env=env, check=True, stdout=subprocess.DEVNULL)
 
 
 def _migrate(env: dict[str, str]) -> None:

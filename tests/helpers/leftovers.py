@@ -26,8 +26,8 @@ from tests.helpers.listening import descendants
 
 # inherited by xdist workers and by every process a test starts
 TEST_RUN = os.environ.setdefault("PIPELINE_TEST_RUN", uuid.uuid4().hex)
-GRACE_S = float(os.environ.get("PIPELINE_TEST_LEFTOVER_GRACE_S", "30"))
-STRICT = os.environ.get("PIPELINE_TEST_LEFTOVERS_STRICT") == "1"  # Ray and Airflow take seconds to exit
+GRACE_S = float(os.environ.get("PIPELINE_TEST_LEFTOVER_GRACE_S", "30"))  # Ray and Airflow take seconds to exit
+STRICT = os.environ.get("PIPELINE_TEST_LEFTOVERS_STRICT") == "1"
 PR_SET_CHILD_SUBREAPER = 36
 XDIST_WORKER = b"import sys;exec(eval(sys.stdin.readline()))"  # execnet's bootstrap: how a worker's command line reads
 # multiprocessing's helpers of pytest's own process (a test in it used multiprocessing): they exit when pytest does
