@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -155,23 +154,40 @@ def pytest_runtest_makereport(item, call):
         )
 
 
+_TINY_MODEL_BUILD: list = []  # the controller's background build of the tiny model (pytest_sessionstart)
+
+
 def pytest_sessionstart(session):
-    """``make test`` (xdist, slow tests selected): build the tiny model once, before any worker starts. A dozen
-    whole-DAG tests stage it at their start; built inside them it costs the first of them minutes of their budgets
-    while the others wait on the build lock."""
+    """``make test`` (xdist, slow tests selected): build the tiny model once, in a process of its own started before
+    the workers. A dozen whole-DAG tests stage it; without this, the first of them built it inside its budget while
+    the others waited on the build lock. Not awaited here: the workers start and collect while it builds (about 20 s
+    of one core that used to pass before any worker started), and a test that stages it first waits on the build
+    cache's lock (pipeline_steps/local/build_cache.py), then takes the built model."""
     config = session.config
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         return
     if "not slow" in (config.getoption("markexpr") or ""):
         return
-    from pipeline_steps.local import tiny_model
+    import subprocess
+    import sys
 
-    started = time.monotonic()
-    tiny_model.build_cached(CACHE_DIR, CACHE_DIR / "uncached")
-    print(f"\ntiny model built once for this run in {time.monotonic() - started:.0f} s ({CACHE_DIR})")
+    code = "import sys; from pipeline_steps.local import tiny_model; tiny_model.build_cached(*sys.argv[1:3])"
+    log = open(tempfile.gettempdir() + f"/pipeline-test-tiny-model-{TEST_RUN}.log", "w")  # noqa: SIM115
+    argv = [sys.executable, "-c", code, str(CACHE_DIR), str(CACHE_DIR / "uncached")]
+    _TINY_MODEL_BUILD.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
 
 
+@pytest.hookimpl(tryfirst=True)  # before the leftover check: the build is a process the run started
 def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):  # an xdist worker: the controller checks once, after all workers
         return
+    for proc, log in _TINY_MODEL_BUILD:
+        killed = proc.poll() is None  # a run that ended before the build did (-x, Ctrl-C)
+        if killed:
+            proc.kill()
+        proc.wait()
+        log.close()
+        if proc.returncode and not killed:  # the tests that staged the model failed on it too; say why here
+            print(f"\nthe tiny model's build failed (exit {proc.returncode}):\n{Path(log.name).read_text()[-3000:]}")
+        os.unlink(log.name)
     shutil.rmtree(CACHE_DIR, ignore_errors=True)
