@@ -15,15 +15,26 @@ on the validation split. (tests/unit/pipeline_steps/data/test_user_jsonl.py runs
 through the same download and preprocess steps.) The same run shows the plan made once (issue 25): run under
 :mod:`tests.helpers.count_plan_calls`, it reads its preset, resolves its backend and turns its form (the files and a
 learning rate) into verl overrides once each, in the ``plan`` task; every later task reads the plan (XCom, and
-``plan.json`` in the run directory, which the lineage matches). One whole-DAG run serves all three: each costs
-minutes of make test's two cores.
+``plan.json`` in the run directory, which the lineage matches).
+
+The OSS run trains the local tool-agent preset (``local_tiny_tool_agent``), which proves its plumbing, not learning:
+the dataset step writes ``tool_agent`` rows (system prompt naming the tool, ``agent_name``, ``tools_kwargs``), the
+trainer starts the local sandbox server itself (no ``E2B_*`` endpoint set) and rolls out through verl's
+``ToolAgentLoop``, the step's trajectories land in ``rollouts/<step>.jsonl`` of the run directory, the report has its
+Trajectories section, and the sandbox server ends with the step. The randomly initialised tiny model practically
+never writes a well-formed ``<tool_call>``, so whether the tool is called is not asserted here;
+tests/e2e/test_agent_grpo_cpu.py scripts a call, and tests/e2e/test_tool_learning.py shows a policy learning to call.
+One whole-DAG run serves each set of claims: each costs minutes of make test's two cores.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
+import re
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 
@@ -88,7 +99,14 @@ def _listing(kind: str, server, prefix: str) -> list[str]:
 
 
 @pytest.mark.budget(900)  # 460 s (oss) and 424 s (gcs) in make test at a load average of 10
-@pytest.mark.parametrize("kind", ["oss", "gcs"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        # the tool-agent preset's sandbox server jails each sandbox (uids, namespaces)
+        pytest.param("oss", marks=pytest.mark.needs_root(reason="the local sandbox server needs root")),
+        "gcs",
+    ],
+)
 def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_path):
     from scripts.local_profile import newest_run, prepare, stop_services, task_states, xcom
 
@@ -103,8 +121,11 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
     env["PIPELINE_STORE_URI"] = f"{scheme}://test-bucket/{prefix}"
     env["AIRFLOW_CONN_PIPELINE_STORE"] = json.dumps(_connection(kind, server))
     airflow = str(Path(sys.executable).with_name("airflow"))
-    conf = {"experiment": "local_tiny", "backend": "local", "datasets": ["gsm8k"], "smoke": True}
+    experiment = "local_tiny_tool_agent" if kind == "oss" else "local_tiny"
+    conf = {"experiment": experiment, "backend": "local", "datasets": ["gsm8k"], "smoke": True}
     dataset = "gsm8k"
+    for k in ("E2B_DOMAIN", "E2B_API_URL", "E2B_API_KEY", "E2B_SANDBOX_URL"):
+        env.pop(k, None)  # no sandbox service configured: the tool-agent trainer must start the local one
     if kind == "gcs":  # the form's JSONL files, in the bucket
         train, val = (
             _jsonl([(i % 10, (3 * i) % 10, (7 * i) % 10) for i in range(20)]),
@@ -148,6 +169,8 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
         assert upload["uri"].startswith(f"{scheme}://test-bucket/{prefix}/datasets/{dataset}/")
         if kind == "gcs":
             _check_jsonl_run(uploads[dataset], revision, prefix, db, run_id, server)
+        else:
+            _check_tool_agent_run(upload, prefix, db, run_id, server, home)
         # planned once: the preset read, the backend resolved and the overrides computed in the plan task only
         recorded = json.loads(counts_file.read_text())
         assert recorded["counts"] == {"preset_loads": 1, "backend_resolutions": 1, "overrides_computations": 1}, (
@@ -172,7 +195,7 @@ def test_pipeline_and_evaluation_dags_run_on_a_cloud_store(kind, request, tmp_pa
         for needle in (
             f"/datasets/{dataset}/",
             "/models/local/tiny/",
-            "/models/exported/local_tiny/step",  # export ran: the merged model is stored (promoted or a candidate)
+            f"/models/exported/{experiment}/step",  # export ran: the merged model is stored (promoted or a candidate)
             "/checkpoints/latest_checkpointed_iteration.txt",
             "/eval/results.json",
             "/report/report.html",
@@ -241,3 +264,46 @@ def _check_jsonl_run(mine: dict, revision: str, prefix: str, db: Path, run_id: s
     lineage = json.loads(read(f"{plan['run_dir']}/lineage.json"))
     assert lineage["experiment"]["preset_sha256"] == plan["preset_sha256"]
     assert lineage["experiment"]["overrides"] == plan["overrides"]
+
+
+def _oss_read(server, uri: str) -> bytes:
+    import alibabacloud_oss_v2 as oss
+
+    key = uri.removeprefix("oss://test-bucket/")
+    return server.client().get_object(oss.GetObjectRequest(bucket="test-bucket", key=key)).body.read()
+
+
+def _check_tool_agent_run(upload: dict, prefix: str, db: Path, run_id: str, server, home: Path) -> None:
+    """The OSS run's tool-agent plumbing: tool agent rows, the local sandbox server started and stopped by the
+    training step, one step's trajectories in the run directory, the report's Trajectories section."""
+    import pyarrow.parquet as pq
+
+    from scripts.local_profile import ray_temp_dir, xcom
+
+    # the uploaded training rows are tool agent rows
+    rows = pq.read_table(io.BytesIO(_oss_read(server, f"{upload['uri']}/train.parquet"))).to_pylist()
+    assert rows and all(r["agent_name"] == "tool_agent" for r in rows), rows[:1]
+    assert rows[0]["prompt"][0]["role"] == "system" and "code_interpreter" in rows[0]["prompt"][0]["content"]
+    assert "code_interpreter" in rows[0]["extra_info"]["tools_kwargs"], rows[0]["extra_info"]
+
+    # the trainer started the local sandbox server, and it ended with the step (the training job's own log: Ray keeps
+    # the driver's output in the local cluster's directory)
+    drivers = sorted((ray_temp_dir(home) / "session_latest" / "logs").glob("job-driver-*train*.log"))
+    job_log = "".join(p.read_text(errors="replace") for p in drivers)
+    started = re.search(r"started the local sandbox server for the code tool: http://[\w.]+:(\d+)", job_log)
+    assert started, (drivers, job_log[-3000:])
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"sandbox-server --port {started.group(1)}" not in ps, "the local sandbox server outlived the training step"
+
+    # the step's trajectories, in the run directory in the store
+    plan = xcom(db, run_id, "plan", "run")[0]
+    assert plan["run_dir"].startswith(f"oss://test-bucket/{prefix}/runs/"), plan["run_dir"]
+    dumps = _listing("oss", server, plan["run_dir"].removeprefix("oss://test-bucket/") + "/rollouts/")
+    assert [k.rsplit("/", 1)[-1] for k in dumps] == ["1.jsonl"], dumps  # smoke: one training step
+    samples = [json.loads(line) for line in _oss_read(server, dumps[0]).decode().splitlines()]
+    assert len(samples) == 2 * 4, len(samples)  # data.train_batch_size 2, rollout.n 4
+    assert all("num_turns" in s and "turns" in s and s["turns"][0]["role"] == "assistant" for s in samples)
+
+    report = xcom(db, run_id, "report")[0]["report"]
+    md = _oss_read(server, report["report"]).decode()
+    assert "## Trajectories" in md, md[:2000]
