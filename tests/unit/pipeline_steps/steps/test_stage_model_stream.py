@@ -53,6 +53,9 @@ def hub(monkeypatch, tmp_path):
         )
         monkeypatch.setenv("HF_ENDPOINT", h.url)
         monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+        # and offline mode, which it also reads at import: a test before this one in the worker (an offline_hub
+        # download run in-process) left it on, and every test here failed "offline mode is enabled" (issue 27)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
         monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
         monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
         made.append(h)
