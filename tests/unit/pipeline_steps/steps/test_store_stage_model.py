@@ -57,6 +57,9 @@ def test_stage_local_dir_to_file_store(tmp_path, env):
     assert (fourth["revision"], fourth["skipped"], fourth["uploaded"]) == (rev, False, 1)
 
 
+# slow: outside make test (whose session builds the tiny model first) the first stage-model builds it, 28 s of CPU of
+# make test-fast's 3 minutes
+@pytest.mark.slow
 def test_stage_tiny_to_oss_then_skip(oss_server, tmp_path, tiny_model):
     # the run's own PIPELINE_CACHE_DIR (conftest), where make test built the tiny model once: this test is about the
     # staging and the skip (184 s in make test when it built its own copy; the build has its tests below)
