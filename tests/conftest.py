@@ -118,6 +118,7 @@ def _slow_scopes() -> set[str]:
         return set()  # not written: every scope is treated alike, in the collection's order
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: only the tests that run weigh their scope
 def pytest_collection_modifyitems(config, items):
     weights: dict[str, tuple[float, float]] = {}
     for item in items:
@@ -128,10 +129,12 @@ def pytest_collection_modifyitems(config, items):
         if not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(budget * 3))
         # a scope's weight: its longest slow test's budget (the long end-to-end runs carry budgets set from their
-        # measured times), then the sum of its slow tests' budgets and a second per fast test
+        # measured times), then the sum of its slow tests' budgets, of its fast tests' explicit budgets (a fast test
+        # that waits long says so with one) and a second per other fast test
         scope, slow = scope_of(item.nodeid), bool(item.get_closest_marker("slow"))
         longest, total = weights.get(scope, (0.0, 0.0))
-        weights[scope] = (max(longest, budget if slow else 0.0), total + (budget if slow else 1.0))
+        weighed = budget if slow or item.get_closest_marker("budget") else 1.0
+        weights[scope] = (max(longest, budget if slow else 0.0), total + weighed)
     # heaviest scopes first (stable within one): the long end-to-end runs start while the short tests fill in
     order = {id(item): (tuple(-w for w in weights[scope_of(item.nodeid)]), i) for i, item in enumerate(items)}
     items.sort(key=lambda item: order[id(item)])

@@ -132,6 +132,9 @@ def _publish(store, exp_uri: str, tmp_path: Path, version: str, exported_at: str
 
 
 @pytest.mark.timeout(600)
+# the default budget, stated: it weighs this module so make test-fast starts it early (36 s of waiting on the stores,
+# its 15 tests about 60 s: the last module of the fast suite, 20 s after the other workers had finished)
+@pytest.mark.budget(120)
 def test_prune_never_deletes_the_version_another_export_promotes(backend, tmp_path):  # noqa: F811
     """Export A prunes (keep 1) while export B promotes ``cand``, an older export than A's ``new``: retention alone
     would delete ``cand``. B starts after a delay swept across the prune's duration, to meet every step of it."""
