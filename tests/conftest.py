@@ -175,7 +175,8 @@ def pytest_sessionstart(session):
     import sys
 
     code = "import sys; from pipeline_steps.local import tiny_model; tiny_model.build_cached(*sys.argv[1:3])"
-    log = open(tempfile.gettempdir() + f"/pipeline-test-tiny-model-{TEST_RUN}.log", "w")  # noqa: SIM115
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    log = open(CACHE_DIR / "tiny-model-build.log", "w")  # noqa: SIM115 (closed at the session's end)
     argv = [sys.executable, "-c", code, str(CACHE_DIR), str(CACHE_DIR / "uncached")]
     _TINY_MODEL_BUILD.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
 
@@ -192,5 +193,4 @@ def pytest_sessionfinish(session, exitstatus):
         log.close()
         if proc.returncode and not killed:  # the tests that staged the model failed on it too; say why here
             print(f"\nthe tiny model's build failed (exit {proc.returncode}):\n{Path(log.name).read_text()[-3000:]}")
-        os.unlink(log.name)
     shutil.rmtree(CACHE_DIR, ignore_errors=True)
