@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 from typing import Callable
 
 import anyio
@@ -59,8 +60,11 @@ class ProcessService(process_connect.Process):
         async with sb.lock:  # one call at a time, with run_code
             if sb.state != RUNNING:
                 raise ConnectError(Code.UNAVAILABLE, f"sandbox {sb.sandbox_id} has {sb.state}")
-            async for event in self._run(sb, req, limit):
-                yield event
+            # aclosing: a client that leaves closes this generator at its yield; without it, _run's clean-up would
+            # run later, after the lock is released, and read the events of the next call.
+            async with contextlib.aclosing(self._run(sb, req, limit)) as events:
+                async for event in events:
+                    yield event
 
     async def _run(self, sb, req: dict, limit: float):
         loop = asyncio.get_running_loop()
