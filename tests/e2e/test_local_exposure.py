@@ -5,8 +5,10 @@ the kernel's socket tables (/proc/net/tcp, tcp6: what ``ss -ltnp`` reads) for wh
   token authentication on: the jobs API, the GCS (a driver's ``ray.init``) and the Ray client refuse a caller without
   the token, and accept one with it (so the refusal is the token's doing, not a broken server); the token file is
   private (0600) and in no log;
-* `make airflow` itself (Airflow's four components, the MLflow server) plus a local Ray cluster on its profile:
-  nothing on a non-loopback address; SIGTERM to the `make` process leaves none of their processes alive.
+* `make demo`: a closed terminal (SIGHUP) in the middle of its DAG run leaves none of its processes alive.
+
+`make airflow` itself (nothing on a non-loopback address; SIGTERM stops everything) is checked on the Airflow that
+tests/e2e/test_ui_trigger_form.py starts with it, after the form's tests: one Airflow fewer in `make test`.
 """
 
 from __future__ import annotations
@@ -34,16 +36,6 @@ def _free_port() -> int:
     from scripts.local_profile import _free_port
 
     return _free_port()
-
-
-def _wait_listening(pids_of, want_port: int | None, timeout: float = 60) -> dict[str, list[int]]:
-    """The listening sockets of ``pids_of()``, once ``want_port`` is among them (servers start one by one)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        socks = listening.listening(pids_of())
-        if want_port is None or any(a.endswith(f":{want_port}") for a in socks) or time.monotonic() > deadline:
-            return socks
-        time.sleep(1)
 
 
 def _clean_env() -> dict[str, str]:
@@ -90,7 +82,7 @@ def _client_port(pgid: int) -> int:
 
 
 def test_local_ray_listens_on_loopback_only(cluster):
-    socks = _wait_listening(lambda: listening.in_session(cluster["pgid"]), _client_port(cluster["pgid"]))
+    socks = listening.wait_listening(lambda: listening.in_session(cluster["pgid"]), _client_port(cluster["pgid"]))
     # the GCS, the dashboard and the Ray client server at least (raylet, agents and workers add more)
     ports = {a.rsplit(":", 1)[1] for a in socks}
     assert {str(cluster["gcs_port"]), cluster["address"].rsplit(":", 1)[1], str(_client_port(cluster["pgid"]))} <= ports
@@ -164,82 +156,6 @@ def test_a_process_that_never_started_the_cluster_finds_its_token(cluster):
     assert "Missing authentication token" in status("/nonexistent")
 
 
-def _wait_for(proc, out: Path, needle: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if needle in out.read_text(errors="replace"):
-            return
-        if proc.poll() is not None:
-            break
-        time.sleep(1)
-    raise AssertionError(f"no {needle!r} from make airflow within {timeout:.0f} s: {out.read_text()[-2000:]}")
-
-
-def test_make_airflow_listens_on_loopback_and_stops_everything_on_sigterm(tmp_path):
-    from pipeline_steps.local import ray_cluster
-    from scripts.local_profile import local_profile_env, ray_temp_dir
-
-    home, airflow_home = tmp_path / "pipeline", tmp_path / "airflow-home"
-    env = dict(
-        os.environ, PIPELINE_HOME=str(home), AIRFLOW_HOME=str(airflow_home), PIPELINE_AIRFLOW_PORT=str(_free_port())
-    )
-    env.pop("MLFLOW_TRACKING_URI", None)
-    env.pop("PIPELINE_AIRFLOW_HOST", None)
-    out = tmp_path / "make-airflow.out"
-    with open(out, "w") as f:
-        make = subprocess.Popen(
-            ["make", "-s", "--no-print-directory", "airflow"],
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # so the test can clean up whatever survives
-        )
-    profile = local_profile_env(home)
-    try:
-        _wait_for(make, out, "Airflow UI:", 420)
-        # the local Ray cluster a train task would start on this profile (its own session, stopped by make airflow)
-        old = {k: os.environ.get(k) for k in profile}
-        os.environ.update(profile)
-        try:
-            ray_cluster.ensure_cluster(num_cpus=1)
-        finally:
-            for k, v in old.items():
-                os.environ.pop(k) if v is None else os.environ.update({k: v})
-        ray_state = ray_cluster._read_state(ray_temp_dir(home))
-        api_port = int(env["PIPELINE_AIRFLOW_PORT"])
-
-        def ours() -> set[int]:
-            return listening.descendants(make.pid) | listening.in_session(ray_state["pgid"])
-
-        socks = _wait_listening(ours, api_port, timeout=60)
-        assert any(a.endswith(f":{api_port}") for a in socks), socks
-        # Airflow's API server, MLflow, Ray: the ports of at least these three
-        assert len({a.rsplit(":", 1)[1] for a in socks}) >= 3, socks
-        assert listening.not_loopback(socks) == [], f"make airflow listens beyond the loopback: {socks}"
-
-        started = ours()
-        names = {Path(f"/proc/{p}/comm").read_text().strip() for p in listening.alive(started)}
-        assert len(started) >= 8, names  # make, the launcher, the supervisor, four components, MLflow, Ray's
-        make.send_signal(signal.SIGTERM)
-        make.wait(timeout=120)
-        deadline = time.monotonic() + 30
-        while listening.alive(started) and time.monotonic() < deadline:
-            time.sleep(1)
-        left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in listening.alive(started)}
-        assert not left, f"alive after SIGTERM to make airflow: {left}"
-    finally:
-        try:
-            os.killpg(make.pid, signal.SIGKILL)  # only what the test started (its own session), if anything is left
-        except ProcessLookupError:
-            pass
-        ray_cluster.shutdown_cluster(ray_temp_dir(home))
-        from pipeline_steps.local import mlflow_server
-
-        mlflow_server.shutdown_server(home / "mlflow")
-        make.wait(timeout=30)
-
-
 def test_make_demo_stops_everything_on_sighup(tmp_path):
     """A closed terminal (SIGHUP) in the middle of `make demo`'s DAG run: nothing it started stays alive."""
     from pipeline_steps.local import mlflow_server
@@ -258,7 +174,7 @@ def test_make_demo_stops_everything_on_sighup(tmp_path):
             start_new_session=True,
         )
     try:
-        _wait_for(make, out, "running verl_grpo_pipeline", 300)
+        listening.wait_for_output(make, out, "running verl_grpo_pipeline", 300)
         deadline = time.monotonic() + 120  # until `airflow dags test` has children of its own (tasks running)
         while time.monotonic() < deadline and len(listening.descendants(make.pid)) < 6:
             time.sleep(1)

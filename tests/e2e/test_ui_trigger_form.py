@@ -1,7 +1,7 @@
 """The trigger form, in a real browser, the way a user starts a run from the UI.
 
-Real parts: `make airflow`'s code path (scripts/airflow_local.py: the local profile and Airflow's components under a
-supervisor that restarts one that exits),
+Real parts: `make airflow` itself, run as a user runs it (scripts/airflow_local.py: the local profile, an MLflow server
+and Airflow's components under a supervisor that restarts one that exits),
 Airflow's own React UI, Debian's Chromium driven by Playwright for Python, a run's plan made on the local profile.
 Screenshots land in ``$UI_SCREENSHOTS`` (default: the test's temporary directory), named form-defaults.png and
 form-refused-*.png.
@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
 import time
 import urllib.request
 from datetime import datetime
@@ -21,35 +23,52 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import listening
 from tests.helpers.airflow_api import api
 from tests.helpers.chromium import CHROMIUM_ARGS
+from tests.helpers.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
+ROOT = Path(__file__).resolve().parents[2]
+SUPERVISOR = "/scripts/airflow_components.py"  # the parent of Airflow's components, below make airflow
 
 
 @pytest.fixture(scope="module")
 def ui(tmp_path_factory):
-    from scripts.airflow_local import start, stop
-    from scripts.local_profile import _free_port
-
+    """`make airflow` as a user runs it (in a session of its own, so the test can clean up whatever survives), and a
+    Chromium; the module's last test stops it with SIGTERM, teardown only cleans up after a failure."""
     chromium = shutil.which("chromium")
     assert chromium, "Debian's chromium is not installed: apt-get install -y chromium (.ci/run does it)"
     tmp = tmp_path_factory.mktemp("ui")
     shots = Path(os.environ.get("UI_SCREENSHOTS") or tmp / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
-    # only the runs this test triggers; no end date (a DAG end date in the past leaves a new run with no tasks)
-    settings = {"PIPELINE_SCHEDULE": "none", "PIPELINE_END_DATE": ""}
-    old = {k: os.environ.get(k) for k in settings}
-    os.environ.update(settings)
-    home = tmp / "pipeline"
-    try:
-        proc, url = start(home, tmp / "airflow-home", _free_port(), tmp / "standalone.log")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.update({k: v})
+    home, port = tmp / "pipeline", free_port()
+    env = dict(
+        os.environ,
+        PIPELINE_HOME=str(home),
+        AIRFLOW_HOME=str(tmp / "airflow-home"),
+        PIPELINE_AIRFLOW_PORT=str(port),
+        # only the runs this test triggers; no end date (a DAG end date in the past leaves a new run with no tasks)
+        PIPELINE_SCHEDULE="none",
+        PIPELINE_END_DATE="",
+    )
+    for name in ("MLFLOW_TRACKING_URI", "PIPELINE_AIRFLOW_HOST"):  # make airflow's own defaults
+        env.pop(name, None)
+    out = tmp / "make-airflow.out"
+    with open(out, "w") as f:
+        make = subprocess.Popen(
+            ["make", "-s", "--no-print-directory", "airflow"],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     from playwright.sync_api import sync_playwright
 
     try:
+        listening.wait_for_output(make, out, "Airflow UI:", 600)
+        url = f"http://127.0.0.1:{port}"
         deadline = time.time() + 300  # the DAG processor parses the DAG files
         while time.time() < deadline:
             try:
@@ -57,6 +76,8 @@ def ui(tmp_path_factory):
                 break
             except OSError:
                 time.sleep(3)
+        below = psutil.Process(make.pid).children(recursive=True)
+        (supervisor,) = [p for p in below if p.cmdline()[1:2] and p.cmdline()[1].endswith(SUPERVISOR)]
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
             yield {
@@ -64,12 +85,29 @@ def ui(tmp_path_factory):
                 "browser": browser,
                 "shots": shots,
                 "home": home,
-                "log": tmp / "standalone.log",
-                "proc": proc,
+                "log": home / "standalone.log",  # the components' supervisor's log
+                "supervisor": supervisor.pid,
+                "make": make,
+                "port": port,
             }
             browser.close()
     finally:
-        stop(proc, home)
+        if make.poll() is None:  # the last test did not get to stop it
+            make.terminate()
+            try:
+                make.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(make.pid, signal.SIGKILL)  # only what the test started (its own session), if anything is left
+        except ProcessLookupError:
+            pass
+        from pipeline_steps.local import mlflow_server, ray_cluster
+        from scripts.local_profile import ray_temp_dir
+
+        ray_cluster.shutdown_cluster(ray_temp_dir(home))
+        mlflow_server.shutdown_server(home / "mlflow")
+        make.wait(timeout=30)
 
 
 def _open_form(ui):
@@ -147,7 +185,7 @@ def test_a_scheduler_that_dies_is_restarted_and_schedules_the_next_run(ui):
     """`airflow standalone` leaves a dead scheduler dead, and Airflow 3's scheduler does exit on known races (a
     StaleDataError on dag_run, seen here when a backfill was created from the UI); `make airflow` restarts it. The
     run of the next test is then scheduled by the restarted scheduler."""
-    (scheduler,) = _components(ui["proc"].pid, "scheduler")
+    (scheduler,) = _components(ui["supervisor"], "scheduler")
     workers = scheduler.children(recursive=True)  # the LocalExecutor's worker processes
     assert workers, "the scheduler has no LocalExecutor workers to leave behind"
     killed_at = time.time()
@@ -161,7 +199,7 @@ def test_a_scheduler_that_dies_is_restarted_and_schedules_the_next_run(ui):
             break
         time.sleep(3)
     assert healthy, (health, Path(ui["log"]).read_text()[-3000:])
-    (again,) = _components(ui["proc"].pid, "scheduler")
+    (again,) = _components(ui["supervisor"], "scheduler")
     assert again.pid != scheduler.pid
     log = Path(ui["log"]).read_text()
     assert "scheduler exited with code -9; restarting it" in log
@@ -216,3 +254,42 @@ def test_a_run_triggered_from_the_form_is_planned_with_the_forms_values(ui):
         live = [t["task_id"] for t in tis if t["state"] in ("running", "queued", "deferred", "up_for_retry")]
         time.sleep(2)
     assert not live, f"tasks still running after the run was marked failed: {live}"
+
+
+def test_make_airflow_listens_on_loopback_and_stops_everything_on_sigterm(ui):
+    """Last in the module (it stops the Airflow the tests above used): `make airflow`'s Airflow, MLflow server and the
+    local Ray cluster a train task would start on its profile listen on the loopback address only, and SIGTERM to
+    the `make` process leaves none of their processes alive."""
+    from pipeline_steps.local import ray_cluster
+    from scripts.local_profile import local_profile_env, ray_temp_dir
+
+    make, home = ui["make"], ui["home"]
+    profile = local_profile_env(home)
+    old = {k: os.environ.get(k) for k in profile}
+    os.environ.update(profile)
+    try:
+        ray_cluster.ensure_cluster(num_cpus=1)  # its own session; make airflow stops it
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
+    ray_state = ray_cluster._read_state(ray_temp_dir(home))
+
+    def ours() -> set[int]:
+        return listening.descendants(make.pid) | listening.in_session(ray_state["pgid"])
+
+    socks = listening.wait_listening(ours, ui["port"], timeout=60)
+    assert any(a.endswith(f":{ui['port']}") for a in socks), socks
+    # Airflow's API server, MLflow, Ray: the ports of at least these three
+    assert len({a.rsplit(":", 1)[1] for a in socks}) >= 3, socks
+    assert listening.not_loopback(socks) == [], f"make airflow listens beyond the loopback: {socks}"
+
+    started = ours()
+    names = {Path(f"/proc/{p}/comm").read_text().strip() for p in listening.alive(started)}
+    assert len(started) >= 8, names  # make, the launcher, the supervisor, four components, MLflow, Ray's
+    make.send_signal(signal.SIGTERM)
+    make.wait(timeout=120)
+    deadline = time.monotonic() + 30
+    while listening.alive(started) and time.monotonic() < deadline:
+        time.sleep(1)
+    left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in listening.alive(started)}
+    assert not left, f"alive after SIGTERM to make airflow: {left}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import time
 from pathlib import Path
 
 LISTEN = "0A"
@@ -113,3 +114,25 @@ def alive(pids) -> list[int]:
         if state != "Z":
             out.append(pid)
     return out
+
+
+def wait_listening(pids_of, want_port: int | None, timeout: float = 60) -> dict[str, list[int]]:
+    """The listening sockets of ``pids_of()``, once ``want_port`` is among them (servers start one by one)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        socks = listening(pids_of())
+        if want_port is None or any(a.endswith(f":{want_port}") for a in socks) or time.monotonic() > deadline:
+            return socks
+        time.sleep(1)
+
+
+def wait_for_output(proc, out: Path, needle: str, timeout: float) -> None:
+    """Until ``needle`` shows in the file ``proc`` writes its output to; fails at once if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if needle in out.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            break
+        time.sleep(1)
+    raise AssertionError(f"no {needle!r} within {timeout:.0f} s: {out.read_text()[-2000:]}")
