@@ -117,6 +117,7 @@ class SeaweedServer:
             for grpc in ("", ".grpc")
         }
         self.url = f"http://127.0.0.1:{ports['-s3.port']}"
+        self.ports = list(ports.values())
         data = tmp / "seaweed-data"
         data.mkdir(parents=True)
         self.log = open(tmp / "seaweed.log", "wb")
@@ -135,15 +136,23 @@ class SeaweedServer:
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
                 "-volume.preStopSeconds=0",
+                # its Unix sockets and log files in the test's directory, not the machine's shared /tmp
+                f"-s3.localSocket={tmp / 's3.sock'}",
+                f"-filer.localSocket={tmp / 'filer.sock'}",
             ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
+            env={**os.environ, "TMPDIR": str(tmp)},  # glog's log files (weed.INFO, ...)
         )
         _wait_http(self.url + "/", self.proc, timeout=60)
 
     def stop(self) -> None:
         _stop(self.proc)
         self.log.close()
+        # the gRPC servers' Unix sockets have no flag: weed puts them in /tmp, named by port
+        for port in self.ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
 
 class OssServer:
