@@ -164,15 +164,7 @@ def test_make_demo_stops_everything_on_sighup(tmp_path):
     env = dict(os.environ, PIPELINE_HOME=str(home), AIRFLOW_HOME=str(airflow_home))
     env.pop("MLFLOW_TRACKING_URI", None)
     out = tmp_path / "make-demo.out"
-    with open(out, "w") as f:
-        make = subprocess.Popen(
-            ["make", "-s", "--no-print-directory", "demo"],
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    make = listening.start_make("demo", env, out)
     try:
         listening.wait_for_output(make, out, "running verl_grpo_pipeline", 300)
         deadline = time.monotonic() + 120  # until `airflow dags test` has children of its own (tasks running)

@@ -29,7 +29,6 @@ from tests.helpers.chromium import CHROMIUM_ARGS
 from tests.helpers.ports import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
-ROOT = Path(__file__).resolve().parents[2]
 SUPERVISOR = "/scripts/airflow_components.py"  # the parent of Airflow's components, below make airflow
 
 
@@ -55,15 +54,7 @@ def ui(tmp_path_factory):
     for name in ("MLFLOW_TRACKING_URI", "PIPELINE_AIRFLOW_HOST"):  # make airflow's own defaults
         env.pop(name, None)
     out = tmp / "make-airflow.out"
-    with open(out, "w") as f:
-        make = subprocess.Popen(
-            ["make", "-s", "--no-print-directory", "airflow"],
-            cwd=ROOT,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    make = listening.start_make("airflow", env, out)
     from playwright.sync_api import sync_playwright
 
     try:

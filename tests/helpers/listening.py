@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import subprocess
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LISTEN = "0A"
 
@@ -136,3 +139,17 @@ def wait_for_output(proc, out: Path, needle: str, timeout: float) -> None:
             break
         time.sleep(1)
     raise AssertionError(f"no {needle!r} within {timeout:.0f} s: {out.read_text()[-2000:]}")
+
+
+def start_make(target: str, env: dict[str, str], out: Path) -> subprocess.Popen:
+    """``make <target>`` as a user types it in the checkout, its output to ``out``, in a session of its own (so a test
+    can signal the whole group the way a terminal would)."""
+    with open(out, "w") as f:
+        return subprocess.Popen(
+            ["make", "-s", "--no-print-directory", target],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
