@@ -15,11 +15,14 @@ import httpx
 import pytest
 
 from pipeline_steps.sandbox.pool import live_processes
+from tests.helpers.budget import scaled
 
 pytestmark = pytest.mark.needs_root(reason="the sandbox server needs root (uids, namespaces)")
 
 SECRET = "s3cr3t-token-7f0c2a"
-EXEC_TIMEOUT = 3
+# every call's wall-clock limit: the file-size and fork-bomb tests must reach their limit before it, and two suites
+# sharing the machine (PIPELINE_TEST_BUDGET_SCALE=2) once made a 65 MB write take longer than 3 s
+EXEC_TIMEOUT = round(scaled(3))
 OUTPUT_CAP = 64 * 1024
 DISK_MB = 128
 
