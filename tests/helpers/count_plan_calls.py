@@ -129,7 +129,12 @@ def assert_launched_as_planned(run: dict, recorded: dict) -> None:
     for x in launched:
         templates = planned.get(x["step"]) or []
         assert x["argv"] in templates or any(t in templates and _same(x["argv"], a) for t, a in made), (x, templates)
-    (train,) = [x["argv"] for x in launched if x["step"] == "train-local"]
+    trains = [x["argv"] for x in launched if x["step"] == "train-local"]
+    # one per attempt of the train task (a retry, or an execute run again after a lost deferral, launches again)
+    assert len(trains) == 1, (
+        f"train-local launched {len(trains)} times: the run's log (pipeline.log in the test directory) says why"
+    )
+    (train,) = trains
     assert "--plan" in train and "--experiment" not in train and not any(a.startswith("--override") for a in train)
 
 
