@@ -13,7 +13,9 @@ code path, the whole DAG on the local profile, Airflow's REST API. What it shows
 * all runs export the same experiment: the store's latest-model pointer ends consistent (contiguous promotion
   records, none torn, the mirror equal to the newest record);
 * every Airflow process (scheduler, triggerer, the LocalExecutor's task processes) killed while ``train`` is
-  deferred, then Airflow started again: the run completes with exactly one training job submitted.
+  deferred, then Airflow started again: the run completes with exactly one training job submitted;
+* that run, a third on the revisions the backfill resolved, reuses their processed versions: no preprocessing, nothing
+  uploaded (tests/e2e/test_scheduling.py's UI backfill shows a new revision making a new version).
 
 The two tests share one PostgreSQL cluster and one Airflow (module fixtures), in file order: the backfill first, so
 its dataset versions are new Assets when its two runs register them. Two runs, not four as at first: two already
@@ -145,6 +147,17 @@ def _wait_runs(url: str, runs: list[str], timeout: float = 1800) -> dict:
             break
         time.sleep(10)
     return states
+
+
+def _uploads(url: str, run: str) -> dict[str, dict]:
+    """``{dataset: upload_dataset's result}`` of one run, through the REST API (the task is mapped over datasets)."""
+    out = {}
+    for i in range(2):  # gsm8k and AIME 2024
+        path = f"/dags/verl_grpo_pipeline/dagRuns/{run}/taskInstances/upload_dataset/xcomEntries/return_value"
+        value = api(url, f"{path}?map_index={i}")["value"]
+        value = json.loads(value) if isinstance(value, str) else value
+        out[value["dataset"]] = value
+    return out
 
 
 def _why(airflow_pg: dict, states: dict) -> str:
@@ -286,3 +299,18 @@ def test_killing_airflow_while_train_is_deferred_submits_no_second_job(airflow_p
 
     base = submission_base("verl_grpo_pipeline", run, "train")
     assert [j.submission_id for j in jobs if j.submission_id.startswith(base)] == [f"{base}-a0"]  # exactly one job
+    # A third run of the revisions the backfill resolved: it finds their processed versions in the store, so it
+    # preprocesses and uploads nothing, and trains on the backfill's versions.
+    url = airflow_pg["url"]  # the restarted API server's
+    backfilled = [
+        r["dag_run_id"]
+        for r in api(url, "/dags/verl_grpo_pipeline/dagRuns?limit=100")["dag_runs"]
+        if r["run_type"] == "backfill"
+    ]
+    assert backfilled, "the backfill test's runs are this one's baseline: run the module, not this test alone"
+    before = {d["upload"]["uri"] for r in backfilled for d in _uploads(url, r).values()}
+    again = _uploads(url, run)
+    assert set(again) == {"gsm8k", "aime2024"}, again
+    for d in again.values():
+        assert d["preprocess"]["skipped"] is True, d  # (the revision is "main": a run with no logical date)
+        assert (d["upload"]["uploaded"], d["upload"]["bytes_uploaded"]) == (0, 0) and d["upload"]["uri"] in before, d

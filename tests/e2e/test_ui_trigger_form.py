@@ -204,7 +204,7 @@ def test_a_scheduler_that_dies_is_restarted_and_schedules_the_next_run(ui):
 def test_a_run_triggered_from_the_form_is_planned_with_the_forms_values(ui):
     """The form's values reach the run: its conf, and the plan its first task makes (the overrides every later task
     launches with). The run is then stopped: a whole scheduled smoke run through `make airflow` is
-    tests/e2e/test_scheduling.py's backfill (three of them, on this same code path), and costs minutes of make
+    tests/e2e/test_scheduling.py's backfill (two of them, on this same code path), and costs minutes of make
     test's two cores."""
     known = {r["dag_run_id"] for r in api(ui["url"], "/dags/verl_grpo_pipeline/dagRuns")["dag_runs"]}
     page, dialog = _open_form(ui)
