@@ -274,6 +274,23 @@ def process_group():
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def verl_locks_in(directory: Path):
+    """verl's ``local_mkdir_safe`` takes a ``ckpt_<hash of the path>.lock`` in the temporary directory for each folder
+    of a checkpoint and never removes it. Each save here writes a fresh temporary path that only this process writes,
+    so each save would leave new lock files in /tmp for good: they go to ``directory`` instead, removed after."""
+    import shutil
+    import tempfile
+
+    directory.mkdir()
+    before, tempfile.tempdir = tempfile.tempdir, str(directory)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 class GRPOTrainer:
     """One GRPO actor on CPU. Build inside :func:`process_group`.
 
@@ -1009,7 +1026,7 @@ class GRPOTrainer:
         import torch
 
         final = self.ckpt_root / f"global_step_{step}"
-        with atomic.atomic_dir(final) as tmp:
+        with atomic.atomic_dir(final) as tmp, verl_locks_in(tmp / ".locks"):  # removed before the rename
             self.checkpoint.save_checkpoint(str(tmp / "actor"), global_step=step, max_ckpt_to_keep=None)
             # verl saves its dataloader's state here; ours is the sampler position (seed, epoch, step)
             torch.save({"seed": self.data_seed, "epoch": epoch, "global_step": step}, tmp / "data.pt")

@@ -51,9 +51,14 @@ def diff_keys(a: dict, b: dict) -> list[str]:
 # ----------------------------------------------------------------------------- learning signal
 
 
-def test_parameters_change_when_rewards_differ_within_a_group(assets, tmp_path):
+def test_parameters_change_when_rewards_differ_within_a_group(assets, tmp_path, monkeypatch):
+    import tempfile
+
     from pipeline_steps.local import grpo_cpu
 
+    shared_tmp = tmp_path / "tmp"  # the process's temporary directory (/tmp), where verl takes its checkpoint locks
+    shared_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))
     out = tmp_path / "run"
     cfg = compose(assets, out, ["trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.weight_decay=0.0"])
 
@@ -67,6 +72,8 @@ def test_parameters_change_when_rewards_differ_within_a_group(assets, tmp_path):
     assert m["actor/grad_norm"] > 0
     changed = diff_keys(initial_weights(assets["model"]), checkpoint_weights(out / "checkpoints/global_step_1/actor"))
     assert len(changed) > 5, changed
+    # the save left nothing behind: no verl lock file in the temporary directory, none in the checkpoint
+    assert not list(shared_tmp.iterdir()) and not list(out.glob("checkpoints/**/*.lock")), list(shared_tmp.iterdir())
 
 
 def test_parameters_stay_exactly_equal_when_all_rewards_equal(assets, tmp_path):
