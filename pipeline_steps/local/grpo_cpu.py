@@ -1017,12 +1017,8 @@ class GRPOTrainer:
         return step
 
     def save(self, step: int, epoch: int) -> Path:
-        """Build ``global_step_N`` aside (``actor/`` and ``data.pt``), rename it into place, then advance the tracker.
-
-        Retention is verl's: ``max_actor_ckpt_to_keep`` removes only the ``actor/`` folder of older steps, and only
-        of steps this process saved (verl's checkpoint manager counts its own saves: after a resume, the checkpoints
-        of the attempts before it stay).
-        """
+        """Build ``global_step_N`` aside (``actor/`` and ``data.pt``) and rename it into place; :meth:`commit`
+        advances the tracker once the step's metrics line is written."""
         import torch
 
         final = self.ckpt_root / f"global_step_{step}"
@@ -1031,6 +1027,19 @@ class GRPOTrainer:
             # verl saves its dataloader's state here; ours is the sampler position (seed, epoch, step)
             torch.save({"seed": self.data_seed, "epoch": epoch, "global_step": step}, tmp / "data.pt")
         self.checkpoint.previous_saved_paths.clear()  # it recorded the temporary path; retention is ours
+        return final
+
+    def commit(self, step: int) -> None:
+        """Advance the tracker to the saved step ``step``, then apply retention.
+
+        Called after the step's metrics line is written: a run killed between the save and that line resumes from
+        the step before (whose history ends there), runs step N again and logs it once. With the tracker advanced
+        at the save, as verl's trainer does, the resumed run skipped step N and its line was lost for good.
+
+        Retention is verl's: ``max_actor_ckpt_to_keep`` removes only the ``actor/`` folder of older steps, and only
+        of steps this process saved (verl's checkpoint manager counts its own saves: after a resume, the checkpoints
+        of the attempts before it stay).
+        """
         atomic.write_text(self.ckpt_root / TRACKER, str(step))
         self._saved_steps.append(step)
         keep = self.cfg.trainer.get("max_actor_ckpt_to_keep")
@@ -1040,7 +1049,6 @@ class GRPOTrainer:
             for old in self._saved_steps[: -int(keep)]:
                 shutil.rmtree(self.ckpt_root / f"global_step_{old}" / "actor", ignore_errors=True)
             self._saved_steps = self._saved_steps[-int(keep) :]
-        return final
 
     # -- the loop ---------------------------------------------------------------
 
@@ -1068,7 +1076,8 @@ class GRPOTrainer:
                     break
                 metrics = self.train_step(step)
                 last = step == self.total_steps
-                if save_freq > 0 and (last or step % save_freq == 0):
+                saved = save_freq > 0 and (last or step % save_freq == 0)
+                if saved:
                     t = time.perf_counter()
                     self.save(step, int(metrics.get("training/epoch", 0)))
                     metrics["timing_s/save_checkpoint"] = time.perf_counter() - t
@@ -1078,6 +1087,8 @@ class GRPOTrainer:
                     metrics.update(self.validate())
                     metrics["timing_s/testing"] = time.perf_counter() - t
                 self.logger.log(data=metrics, step=step)
+                if saved:
+                    self.commit(step)
                 log.info(
                     "step %d: %s",
                     step,

@@ -223,6 +223,52 @@ def test_cli_layout_merger_and_resume_after_kill_equals_clean_run(assets, tmp_pa
     assert again["final_metrics"] == summary["final_metrics"]
 
 
+class Killed(BaseException):
+    """Where a SIGKILL would stop the run (a BaseException: nothing in the trainer catches it)."""
+
+
+@pytest.mark.slow  # three short runs of the tiny model, in this process
+def test_a_kill_between_a_save_and_its_metrics_line_loses_no_line(assets, tmp_path, monkeypatch):
+    """Killed once step 2's checkpoint is in place but before step 2's metrics line is written, the retry's history
+    equals a clean run's. verl's trainer advances the tracker at the save, so a retry would resume past step 2 and its
+    line would never come; the CPU trainer advances it after the line, so step 2 runs again."""
+    from pipeline_steps.local import grpo_cpu
+
+    def varied(data_source, solution_str, ground_truth, extra_info=None):
+        return float(len(set(solution_str)) % 3)
+
+    def run(out: Path) -> dict:
+        return grpo_cpu.train(compose(assets, out, []), reward_fn=varied, metrics_path=out / "metrics.jsonl")
+
+    clean = run(tmp_path / "clean")
+    assert clean["last_step"] == 3
+    tracking = grpo_cpu._tracking
+
+    def killed_before_line_2(*args, **kwargs):
+        logger, *rest = tracking(*args, **kwargs)
+        log = logger.log
+
+        def log_or_die(data, step):
+            if step == 2:
+                raise Killed
+            return log(data=data, step=step)
+
+        logger.log = log_or_die
+        return (logger, *rest)
+
+    crashed = tmp_path / "crashed"
+    monkeypatch.setattr(grpo_cpu, "_tracking", killed_before_line_2)
+    with pytest.raises(Killed):
+        run(crashed)
+    assert (crashed / "checkpoints/global_step_2/actor").is_dir()  # the save came before the kill
+    monkeypatch.setattr(grpo_cpu, "_tracking", tracking)
+    retried = run(crashed)
+    assert _comparable(grpo_cpu.read_metrics(crashed / "metrics.jsonl")) == _comparable(
+        grpo_cpu.read_metrics(tmp_path / "clean" / "metrics.jsonl")
+    )
+    assert (retried["resumed_from_step"], retried["last_step"]) == (1, 3)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
