@@ -111,11 +111,12 @@ def _same(launched: list[str], made: list[str]) -> bool:
     return True
 
 
-def assert_launched_as_planned(run: dict, recorded: dict) -> None:
+def assert_launched_as_planned(run: dict, recorded: dict, train_attempts: int = 1) -> None:
     """Every step process a whole run launched (``recorded``: this module) ran an argv the plan
     recorded: the plan's own argv, or one made from it by filling in its placeholders (``step_argv``; on a cloud
     store, with the store's URIs read from their local mirror), and the training job got the plan (``--plan``),
-    never a preset name."""
+    never a preset name, once per attempt of the train task (``train_attempts``: its try number; a retry after a
+    failed job launches again, resuming from its checkpoints)."""
     planned: dict[str, list[list[str]]] = {}
     for step, argv in run["steps"].items():
         planned.setdefault(step, []).append(argv)
@@ -130,11 +131,9 @@ def assert_launched_as_planned(run: dict, recorded: dict) -> None:
         templates = planned.get(x["step"]) or []
         assert x["argv"] in templates or any(t in templates and _same(x["argv"], a) for t, a in made), (x, templates)
     trains = [x["argv"] for x in launched if x["step"] == "train-local"]
-    # one per attempt of the train task (a retry, or an execute run again after a lost deferral, launches again)
-    assert len(trains) == 1, (
-        f"train-local launched {len(trains)} times: the run's log (pipeline.log in the test directory) says why"
-    )
-    (train,) = trains
+    assert len(trains) == train_attempts, f"train-local launched {len(trains)} times in {train_attempts} attempt(s)"
+    train = trains[0]
+    assert all(t == train for t in trains), trains  # a retry runs the same plan
     assert "--plan" in train and "--experiment" not in train and not any(a.startswith("--override") for a in train)
 
 
