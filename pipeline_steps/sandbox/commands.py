@@ -70,7 +70,7 @@ class ProcessService(process_connect.Process):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
         room = self.pool.limits.max_output_bytes
-        dropped, timed_out, settled = 0, False, False
+        dropped, timed_out, settled, started = 0, False, False, False
         try:
             sb.cgroup.freeze(False)  # frozen between calls
             if sb.kernel is None or sb.kernel.proc.returncode is not None:
@@ -82,6 +82,7 @@ class ProcessService(process_connect.Process):
                     await asyncio.to_thread(sb.cgroup.kill, sb.kernel.keep)
                 kind = ev and ev.get("type")
                 if kind == "cmd_start":
+                    started = True
                     yield _event("start", pb.ProcessEvent.StartEvent(pid=int(ev["pid"])))
                 elif kind == "cmd_data":
                     data = base64.b64decode(ev["data"])
@@ -99,7 +100,7 @@ class ProcessService(process_connect.Process):
                     yield _end(int(ev["exit_code"]), error)
                 elif kind == "cmd_error":
                     raise ConnectError(Code.INVALID_ARGUMENT, f"could not start the command: {ev['message']}")
-                else:
+                elif started:  # E2B's client takes the stream's first event as the start: none before it
                     yield _event("keepalive", pb.ProcessEvent.KeepAlive())
             settled = True
         except (EOFError, ValueError, RuntimeError, OSError) as exc:
