@@ -48,6 +48,7 @@ def _step_1_logged():
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     while os.path.exists({hold!r}) and _step_1_logged():
+        open({hold!r} + ".reached", "w").close()  # step 1 is logged and checkpointed: step 2 is under way
         time.sleep(0.05)
     return float(len(set(solution_str)) % 3)  # differs within a group, so the update is not zero
 """
@@ -76,12 +77,12 @@ def _preset(directory: Path, reward: Path) -> None:
 
 
 def _step_logged(hold: Path):
-    """The kill condition: the first training attempt has logged step 1 (its checkpoint is written before the step's
-    line) and waits in step 2's reward; the hold is lifted as the kill is sent, so the retried attempt runs through."""
-    from pipeline_steps import metrics_log
+    """The kill condition: the first training attempt has logged and checkpointed step 1 (the tracker advances after
+    the step's line) and waits in step 2's reward; the hold is lifted as the kill is sent, so the retried attempt
+    runs through."""
 
     def condition(env: dict) -> bool:
-        if any(r["step"] >= 1 for r in metrics_log.read(env["VERL_FILE_LOGGER_PATH"]).rows):
+        if Path(f"{hold}.reached").exists():
             hold.unlink(missing_ok=True)
             return True
         return False
