@@ -51,6 +51,11 @@ def diff_keys(a: dict, b: dict) -> list[str]:
 # ----------------------------------------------------------------------------- learning signal
 
 
+def _varied(data_source, solution_str, ground_truth, extra_info=None):  # the reward_fn seam
+    """Differs within a group, so GRPO's advantages (and the update) are not zero."""
+    return float(len(set(solution_str)) % 3)
+
+
 def test_parameters_change_when_rewards_differ_within_a_group(assets, tmp_path, monkeypatch):
     import tempfile
 
@@ -62,10 +67,7 @@ def test_parameters_change_when_rewards_differ_within_a_group(assets, tmp_path, 
     out = tmp_path / "run"
     cfg = compose(assets, out, ["trainer.total_training_steps=1", "actor_rollout_ref.actor.optim.weight_decay=0.0"])
 
-    def varied(data_source, solution_str, ground_truth, extra_info=None):  # the reward_fn seam
-        return float(len(set(solution_str)) % 3)
-
-    summary = grpo_cpu.train(cfg, reward_fn=varied, metrics_path=out / "metrics.jsonl")
+    summary = grpo_cpu.train(cfg, reward_fn=_varied, metrics_path=out / "metrics.jsonl")
     m = summary["final_metrics"]
     assert m["critic/score/max"] > m["critic/score/min"], "the reward must differ between samples for this test"
     assert m["critic/advantages/max"] > 0 > m["critic/advantages/min"]
@@ -234,11 +236,8 @@ def test_a_kill_between_a_save_and_its_metrics_line_loses_no_line(assets, tmp_pa
     line would never come; the CPU trainer advances it after the line, so step 2 runs again."""
     from pipeline_steps.local import grpo_cpu
 
-    def varied(data_source, solution_str, ground_truth, extra_info=None):
-        return float(len(set(solution_str)) % 3)
-
     def run(out: Path) -> dict:
-        return grpo_cpu.train(compose(assets, out, []), reward_fn=varied, metrics_path=out / "metrics.jsonl")
+        return grpo_cpu.train(compose(assets, out, []), reward_fn=_varied, metrics_path=out / "metrics.jsonl")
 
     clean = run(tmp_path / "clean")
     assert clean["last_step"] == 3
