@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 LIVE = {"PENDING", "RUNNING"}
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 STATE_FILE = "pipeline_ray_cluster.json"
+# seconds Ray's daemons get between SIGTERM and SIGKILL at shutdown (a stopped job's driver gets 3 s from Ray)
+RAY_TERM_GRACE_S = 5.0
 
 
 class JobNotFoundError(LookupError):
@@ -355,8 +357,10 @@ def shutdown_cluster(temp_dir: str | os.PathLike | None = None, timeout: float =
         except Exception as exc:  # the cluster may already be half down
             log.warning("could not stop jobs before shutdown: %s", exc)
     # also when the leader is gone: its session's workers may outlive it (and its pid, still their session id, is
-    # not reused while they run)
-    stop_session(pid, sid, timeout)
+    # not reused while they run). The jobs were stopped above; what is left is Ray's own daemons, whose SIGTERM
+    # handling drains for 10-20 s (measured: the raylet, the GCS and the autoscaler monitor) and keeps nothing a
+    # local run needs (the GCS holds no state on disk here), so they get RAY_TERM_GRACE_S, then SIGKILL.
+    stop_session(pid, sid, timeout, grace=RAY_TERM_GRACE_S)
     (_temp_dir(state.get("temp_dir")) / STATE_FILE).unlink(missing_ok=True)
     log.info("stopped the local Ray cluster at %s", state["address"])
     return True

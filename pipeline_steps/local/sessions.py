@@ -67,13 +67,13 @@ def _signal(procs: dict[int, psutil.Process], sig: int) -> None:
             continue
 
 
-def stop_session(pid: int, sid: int, timeout: float, poll: float = 0.5) -> None:
+def stop_session(pid: int, sid: int, timeout: float, poll: float = 0.5, grace: float | None = None) -> None:
     """Stop the service led by ``pid`` in session ``sid``: SIGTERM to all of it; once the leader has exited, or the
-    rest has and only the leader lingers (``ray start`` drains for 30 s after its node is gone), or after half of
-    ``timeout``, SIGKILL to what is left; then wait up to the other half for it to be gone."""
+    rest has and only the leader lingers (``ray start`` drains for 30 s after its node is gone), or after ``grace``
+    (half of ``timeout`` by default), SIGKILL to what is left; then wait up to half of ``timeout`` for it to be gone."""
     procs = members(sid)
     _signal(procs, signal.SIGTERM)
-    deadline = time.monotonic() + timeout / 2
+    deadline = time.monotonic() + (timeout / 2 if grace is None else grace)
     while time.monotonic() < deadline and pid_alive(pid):
         if not set(_running(procs)) - {pid}:
             break

@@ -46,7 +46,12 @@ def _clean_env() -> dict[str, str]:
 
 
 def _connect(target: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    code = "import ray, sys; ray.init(address=sys.argv[1]); print('CONNECTED', ray.cluster_resources()['CPU'])"
+    # the Ray client's own debug log says why a ray:// connection attempt failed (its error only says "timeout")
+    code = (
+        "import logging, ray, sys; log = logging.getLogger('ray.util.client'); log.setLevel(logging.DEBUG); "
+        "log.addHandler(logging.StreamHandler()); "
+        "ray.init(address=sys.argv[1]); print('CONNECTED', ray.cluster_resources()['CPU'])"
+    )
     try:
         return subprocess.run(
             [sys.executable, "-c", code, target], env=env, capture_output=True, text=True, timeout=180
@@ -113,24 +118,30 @@ def _with_token(token_file: Path) -> dict[str, str]:
     return dict(_clean_env(), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token_file))
 
 
-def _refused(target: str) -> None:
-    no = _connect(target, _clean_env())
+def _refused(target: str, env: dict[str, str] | None = None, because: str = "") -> None:
+    """Neither a caller without the token nor one with a wrong token connects (and the client said ``because``)."""
+    env = env or _clean_env()
+    no = _connect(target, env)
     assert "CONNECTED" not in no.stdout and no.returncode != 0, f"{target} accepted a caller without the token"
-    bad = _connect(target, dict(_clean_env(), RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64))
+    assert because in no.stderr, no.stderr[-800:]
+    bad = _connect(target, dict(env, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64))
     assert "CONNECTED" not in bad.stdout and bad.returncode != 0, f"{target} accepted a wrong token"
+    assert because in bad.stderr, bad.stderr[-800:]
 
 
 def _refused_then_accepted(target: str, token_file: Path) -> None:
-    _refused(target)
+    # a refused driver retries for 20 s (one try a second); the reason it gives is the proof, 3 tries are enough
+    _refused(target, dict(_clean_env(), RAY_gcs_server_port_wait_time_s="3"), because="InvalidAuthToken")
     ok = _connect(target, _with_token(token_file))
     assert "CONNECTED 1.0" in ok.stdout, ok.stderr[-800:]
 
 
 def test_the_ray_client_refuses_callers_without_the_token(cluster):
-    """The Ray client (ray://): a refused caller only sees a connection timeout, which a broken server would give too,
-    so the refusals count only after a caller with the token got in. Its per-client server process often fails to
-    start on a loaded machine ("Starting Ray client server failed" in make test at a load average of 9, with 120 s to
-    start; it connects on a quiet one): then the test reports XFAIL with that reason instead of passing unproven."""
+    """The Ray client (ray://): a refused caller's error is only a connection timeout, so the refusals count only
+    after a caller with the token got in, and only with the reason the client logs for each attempt ("Invalid or
+    missing authentication token"). Its per-client server process often fails to start on a loaded machine
+    ("Starting Ray client server failed" in make test at a load average of 9, with 120 s to start; it connects on a
+    quiet one): then the test reports XFAIL with that reason instead of passing unproven."""
     client = f"ray://127.0.0.1:{_client_port(cluster['pgid'])}"
     for _ in range(3):
         ok = _connect(client, _with_token(cluster["temp_dir"] / "auth_token"))
@@ -138,7 +149,10 @@ def test_the_ray_client_refuses_callers_without_the_token(cluster):
             break
     else:
         pytest.xfail(f"the Ray client with the token did not connect in 3 attempts: {ok.stderr[-300:]}")
-    _refused(client)
+    # a refused caller retries 3 times, waiting 5, 10 and 15 s by default: 30 s of idle each; the reason it logs is
+    # the proof, so 2 s per attempt is enough
+    fast = dict(_clean_env(), RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S="2", RAY_CLIENT_MAX_CONNECTION_TIMEOUT_S="2")
+    _refused(client, fast, because="Invalid or missing authentication token")
 
 
 def test_a_process_that_never_started_the_cluster_finds_its_token(cluster):
