@@ -75,7 +75,9 @@ def build(model_dir: str | Path, out_dir: str | Path, steps=(1,), world_size: in
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        # TMPDIR: verl's checkpoint manager leaves a ckpt_<hash>.lock in the temporary directory for every folder it
+        # makes (the CPU trainer's verl_locks_in); here they go with this directory, not into /tmp for good
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", TMPDIR=tmp)
         cmd = [
             sys.executable,
             "-m",

@@ -5,6 +5,7 @@ every test module by ``pytest_plugins`` in tests/conftest.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def ray_cluster(tmp_path_factory):
     )
     yield address
     local_ray.shutdown_cluster(temp_dir=temp)
+    shutil.rmtree(temp, ignore_errors=True)  # its logs and sockets: 2 MB a module otherwise left in /tmp
     for k, v in old.items():
         if v is not None:
             os.environ[k] = v
