@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.budget import scaled
 from tests.helpers.ports import free_port  # noqa: F401 - also used by importers of this module
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,8 +48,8 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float = 20) -> None:
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
+        try:  # 5 s was too short for the OSS server's own stop with two suites on the machine (it was then killed)
+            proc.wait(timeout=scaled(15))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
