@@ -24,10 +24,11 @@ class CgroupError(RuntimeError):
     pass
 
 
-def _own_paths() -> dict[str, str]:
-    """controller name (``""`` for v2) -> this process's cgroup path, from ``/proc/self/cgroup``."""
+def cgroup_paths(pid: int | str = "self") -> dict[str, str]:
+    """controller name (``""`` for v2) -> the cgroup path of process ``pid`` (this one by default), from
+    ``/proc/PID/cgroup``."""
     out = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         for c in controllers.split(",") if controllers else [""]:
             out[c] = path
@@ -43,7 +44,7 @@ class Cgroups:
     """The server's cgroup setup: where sandbox cgroups go and which version the machine runs."""
 
     def __init__(self, root: Path = ROOT, own: dict[str, str] | None = None):
-        own = own if own is not None else _own_paths()
+        own = own if own is not None else cgroup_paths()
         self.version = 2 if (root / "cgroup.controllers").exists() else 1
         try:
             if self.version == 2:

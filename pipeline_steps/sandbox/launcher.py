@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -13,6 +14,9 @@ import urllib.request
 from pathlib import Path
 
 from pipeline_steps.sandbox import KEY_ENV
+from pipeline_steps.sandbox.cgroups import cgroup_paths
+
+log = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -53,6 +57,8 @@ class LocalSandboxServer:
             cmd += ["--hide", h]
         env = {**os.environ, **self.extra_env, KEY_ENV: self.api_key}
         self.log = open(self.state_dir.parent / f"sandbox-server-{self.port}.log", "wb")
+        # the cgroup the server places its sandboxes' cgroups under: ours, before it may move (cgroup v2) itself
+        self._cgroup_paths = cgroup_paths()
         self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
@@ -93,11 +99,23 @@ class LocalSandboxServer:
                     pass
         if self.proc:
             self.log.close()
+            self._remove_orphans()
             # a server killed before its clean-up (SIGKILL after the 20 s above) leaves its sandboxes' tmpfs mounted
             from pipeline_steps.sandbox.pool import mounts_under
 
             for point in mounts_under(self.state_dir):
                 subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+    def _remove_orphans(self):
+        """The sandboxes of a server that died or was killed before its clean-up, through their cgroups: a frozen
+        warm sandbox ignores SIGKILL until thawed (cgroup v1), so the kill above does not end it."""
+        from pipeline_steps.sandbox import cgroups
+        from pipeline_steps.sandbox.pool import remove_orphans
+
+        try:
+            remove_orphans(cgroups.Cgroups(own=self._cgroup_paths))
+        except (cgroups.CgroupError, OSError) as exc:
+            log.warning("could not sweep the sandbox server's cgroups: %s", exc)
 
     def __enter__(self):
         return self.start()

@@ -102,6 +102,35 @@ def mounts_under(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
+def try_uid_lock(uid: int) -> int | None:
+    """The machine-wide lock of a sandbox uid (an open fd), or None while a live server's sandbox holds it."""
+    UID_LOCK_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(UID_LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_orphans(cgroups: Cgroups) -> None:
+    """Kill and remove the sandbox cgroups under ``cgroups`` of uids no live server holds: what a server killed
+    before its clean-up left. Through the cgroup, not by pid: a warm sandbox is frozen, and under cgroup v1 a frozen
+    process does not die of SIGKILL until it is thawed (the parent-death signal bubblewrap asks for included)."""
+    for uid in cgroups.leftovers():
+        fd = try_uid_lock(uid)
+        if fd is None:
+            continue  # a live server's sandbox
+        try:
+            if not cgroups.sandbox(uid).remove():
+                log.error("could not remove the leftover cgroup of uid %d", uid)
+            else:
+                log.info("removed the leftovers of uid %d (a server that was killed)", uid)
+        finally:
+            os.close(fd)
+
+
 def remove_home(workdir: Path):
     if os.path.ismount(workdir):
         if subprocess.run(["umount", str(workdir)], capture_output=True).returncode != 0:
@@ -245,17 +274,7 @@ class Pool:
         for d in self.state_dir.iterdir():
             if d.name.startswith("slot-") or d.name == "stage":
                 remove_home(d)
-        for uid in self.cgroups.leftovers():
-            fd = self._try_uid_lock(uid)
-            if fd is None:
-                continue  # a live server's sandbox
-            try:
-                if not self.cgroups.sandbox(uid).remove():
-                    log.error("could not remove the leftover cgroup of uid %d", uid)
-                else:
-                    log.info("removed the leftovers of uid %d (a server that was killed)", uid)
-            finally:
-                os.close(fd)
+        remove_orphans(self.cgroups)
 
     async def close(self):
         tasks = [t for t in (self._refill_task, self._reaper_task) if t]
@@ -322,20 +341,10 @@ class Pool:
             await self._destroy(sb)
             raise
 
-    def _try_uid_lock(self, uid: int) -> int | None:
-        UID_LOCK_DIR.mkdir(parents=True, exist_ok=True)
-        fd = os.open(UID_LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
-
     def _claim_uid(self) -> tuple[int, int]:
         """A uid no other sandbox on this machine holds (a held lock), with no process left running as it."""
         for uid in range(self.uid_base, self.uid_base + UID_RANGE):
-            fd = self._try_uid_lock(uid)
+            fd = try_uid_lock(uid)
             if fd is None:
                 continue
             if not live_processes(uid):  # e.g. left by an older server that was SIGKILLed
