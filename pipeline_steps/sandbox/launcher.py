@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from pipeline_steps.sandbox import KEY_ENV
-from pipeline_steps.sandbox.cgroups import cgroup_paths
+from pipeline_steps.sandbox.cgroups import CgroupError, Cgroups, cgroup_paths
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +109,11 @@ class LocalSandboxServer:
     def _remove_orphans(self):
         """The sandboxes of a server that died or was killed before its clean-up, through their cgroups: a frozen
         warm sandbox ignores SIGKILL until thawed (cgroup v1), so the kill above does not end it."""
-        from pipeline_steps.sandbox import cgroups
         from pipeline_steps.sandbox.pool import remove_orphans
 
         try:
-            remove_orphans(cgroups.Cgroups(own=self._cgroup_paths))
-        except (cgroups.CgroupError, OSError) as exc:
+            remove_orphans(Cgroups(own=self._cgroup_paths))
+        except (CgroupError, OSError) as exc:
             log.warning("could not sweep the sandbox server's cgroups: %s", exc)
 
     def __enter__(self):
