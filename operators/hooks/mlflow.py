@@ -18,6 +18,7 @@ a value in a manifest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -174,7 +175,12 @@ class MlflowHook(BaseHook):
 
 
 def _credentials_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"verl-pipeline-mlflow-{os.getuid()}"
+    """The worker user's directory for them, one per Airflow deployment (its home): a file is named by the job's
+    submission name, which two deployments on one machine running the same DAG run id share."""
+    from airflow.configuration import get_airflow_home
+
+    deployment = hashlib.sha256(str(Path(get_airflow_home()).resolve()).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"verl-pipeline-mlflow-{os.getuid()}-{deployment}"
 
 
 def remove_credentials_file(name: str) -> None:

@@ -10,6 +10,7 @@ local job from a file only the worker's user can read.
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import json
 import logging
@@ -88,6 +89,30 @@ def test_a_bad_connection_is_one_line_naming_the_field_never_the_password(monkey
         MlflowHook().env()
     text = str(exc.value)
     assert message in text and "mlflow_default" in text and "\n" not in text and PASSWORD not in text
+
+
+def test_two_airflow_deployments_on_one_machine_keep_their_credentials_files_apart(monkeypatch, tmp_path):
+    """A local job's credentials file is named by its submission name, which two deployments running the same DAG
+    run id share (two clones' suites did, and one's clean-up check saw the other's file): each Airflow home has its
+    own directory, so neither overwrites nor removes the other's."""
+    from operators.hooks import mlflow as mlflow_hook
+
+    written = {}
+    for team in ("a", "b"):
+        monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / f"airflow-{team}"))
+        monkeypatch.setenv(CONN, f"https://{team}:{PASSWORD}-{team}@mlflow.example.com")
+        written[team] = mlflow_hook.MlflowHook().credentials_file("verl-grpo-pipeline-train-0123456789ab")
+    try:
+        assert written["a"] != written["b"]
+        for team, path in written.items():
+            assert json.loads(path.read_text())[mlflow_hook.PASSWORD_ENV] == f"{PASSWORD}-{team}"
+        mlflow_hook.remove_credentials_file("verl-grpo-pipeline-train-0123456789ab")  # b's home is the current one
+        assert written["a"].exists() and not written["b"].exists()
+    finally:
+        for path in written.values():  # and the directories of these two throwaway homes
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
 
 
 def test_credentials_without_a_secret_for_the_pods_are_refused(monkeypatch):
