@@ -238,7 +238,7 @@ def test_a_run_triggered_from_the_form_is_planned_with_the_forms_values(ui):
     planned = json.loads(planned) if isinstance(planned, str) else planned
     assert planned["experiment"] == "local_tiny" and planned["smoke"] is True, planned
     assert "actor_rollout_ref.rollout.n=2" in planned["overrides"], planned["overrides"]
-    api(ui["url"], path, "PATCH", {"state": "failed"})  # stopped as a user stops it (Mark run as failed)
+    api(ui["url"], path, "PATCH", {"state": "failed"}, idempotent=True)  # as a user stops it (Mark run as failed)
     deadline, live = time.time() + 300, ["?"]
     while time.time() < deadline and live:
         tis = api(ui["url"], f"{path}/taskInstances?limit=100")["task_instances"]
