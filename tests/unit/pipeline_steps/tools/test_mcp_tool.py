@@ -121,7 +121,9 @@ def test_rate_limit(mcp_server, monkeypatch):
     # 2 per second, the first two from a full bucket: calls 3, 4, 5 leave 0.5, 1.0, 1.5 s after the first. A rate
     # of 1 per second (or a bucket of one) would need 3 s or more; no limit would need none.
     assert len(sent) == 5 and 1.4 <= sent[-1] - sent[0] < 2.2, sent
-    assert all(0.4 <= b - a < 0.8 for a, b in zip(sent[2:], sent[3:])), sent  # 3, 4, 5: one token each
+    # the bucket's contract: by t seconds after the first call, at most 2 + 2t calls have left (a per-gap check
+    # failed under load: a late call 3 followed by an on-time call 4)
+    assert all(sent[k] - sent[0] >= 0.5 * (k - 1) - 0.02 for k in range(2, 5)), sent
 
 
 def test_bad_servers_file_is_one_line(tmp_path):
