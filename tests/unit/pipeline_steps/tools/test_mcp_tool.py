@@ -118,8 +118,8 @@ def test_rate_limit(mcp_server, monkeypatch):
     results = asyncio.run(main())
     assert [r[0].text.strip() for r in results] == ["1"] * 5
     sent.sort()
-    # 2 per second, the first two from a full bucket: calls 3, 4, 5 leave 0.5, 1.0, 1.5 s after the first. A rate
-    # of 1 per second (or a bucket of one) would need 3 s or more; no limit would need none.
+    # 2 per second, the first two from a full bucket: calls 3, 4, 5 leave no sooner than 0.5, 1.0, 1.5 s after the
+    # first. A rate of 1 per second would need 3 s or more; no limit would need none.
     assert len(sent) == 5 and 1.4 <= sent[-1] - sent[0] < 2.2, sent
     # the bucket's contract: by t seconds after the first call, at most 2 + 2t calls have left (a per-gap check
     # failed under load: a late call 3 followed by an on-time call 4)
