@@ -8,9 +8,10 @@ tests/helpers/, see tests/README.md):
 * every test has a time budget (``budget`` marker; 120 s by default, 600 s for a ``slow`` test): a test that passes
   but took longer fails with the measured time, and pytest-timeout stops it at three times its budget;
   ``PIPELINE_TEST_BUDGET_SCALE`` multiplies every budget (two suites sharing one machine);
-* under pytest-xdist (``make test``: ``-n 3``; ``make test-fast``: ``-n 4``) a module's tests stay on one worker
-  (they may share module fixtures and order) unless the module is in ``SPLIT_MODULES``; the heaviest modules are
-  handed out first, so the longest test does not start last, and none is queued behind another slow one;
+* under pytest-xdist (``make test`` and ``make test-fast``; the worker counts and why are in the Makefile) a
+  module's tests stay on one worker (they may share module fixtures and order) unless the module is in
+  ``SPLIT_MODULES``; the heaviest modules are handed out first, so the longest test does not start last, and none is
+  queued behind another slow one;
 * a process the tests started (below pytest, or carrying the run's ``PIPELINE_TEST_RUN``) still alive when the run
   ends fails the run (after a grace period), with its command line, and is killed (tests/helpers/leftovers.py).
 """
@@ -47,8 +48,8 @@ pytest_plugins = [
 # processes they start: every whole-DAG test stages the same tiny model, built once per run, never a user's cache
 CACHE_DIR = Path(tempfile.gettempdir()) / f"pipeline-test-cache-{TEST_RUN}"
 os.environ["PIPELINE_CACHE_DIR"] = str(CACHE_DIR)
-# one torch (OpenMP) thread per process: three or four workers and their children already oversubscribe two cores,
-# and torch's threads spin-wait when oversubscribed. Measured building the tiny tool model beside three busy processes:
+# one torch (OpenMP) thread per process: the workers and their children already oversubscribe two cores, and
+# torch's threads spin-wait when oversubscribed. Measured building the tiny tool model beside three busy processes:
 # 55 s of CPU (78 s wall) with two threads, 18 s (36 s) with one. Set before any test imports torch.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the test Airflows parse each DAG file once and not again every 30 s: no test edits a DAG file under a running
