@@ -26,7 +26,7 @@ from pipeline_steps.planning import plan as planning
 from pipeline_steps.training import experiment
 from pipeline_steps.uris import strip_file_scheme
 
-PRESETS = experiment.preset_names()
+PRESETS = experiment.preset_names(offered=True)  # a preset marked form: false is for another entry point
 SCHEDULE = settings.get(settings.SCHEDULE)
 END_DATE = settings.get(settings.END_DATE)  # ISO date: no scheduled runs after it (optional)
 GPU_POOL = settings.get(settings.GPU_POOL)
@@ -101,6 +101,7 @@ PARAMS = {
         type=["null", "array"],
         items={"type": "string", "pattern": NAME},
         uniqueItems=True,
+        maxItems=form.MAX_ITEMS,
         title="Training datasets",
         section="Data",
         description="Which data, at which revision. Registry names; " + _default("datasets"),
@@ -109,6 +110,7 @@ PARAMS = {
         None,
         type=["null", "string"],
         pattern=JSONL_URI,
+        maxLength=form.MAX_TEXT,
         title="Training JSONL file",
         section="Data",
         description="Your own data, trained on instead of the preset's datasets (with them if listed above): one "
@@ -119,6 +121,7 @@ PARAMS = {
         None,
         type=["null", "string"],
         pattern=JSONL_URI,
+        maxLength=form.MAX_TEXT,
         title="Validation JSONL file",
         section="Data",
         description="Optional, with a training JSONL file: its validation split, the same form of URI and rows.",
@@ -128,6 +131,7 @@ PARAMS = {
         type=["null", "array"],
         items={"type": "string", "pattern": NAME},
         uniqueItems=True,
+        maxItems=form.MAX_ITEMS,
         title="Also prepare",
         section="Data",
         description="Datasets to download, preprocess and upload (a new version) without training on them.",
@@ -136,6 +140,7 @@ PARAMS = {
         None,
         type=["null", "string"],
         pattern=NAME,
+        maxLength=64,
         title="Evaluation set",
         section="Data",
         description=_default("eval_dataset"),
@@ -143,7 +148,9 @@ PARAMS = {
     "dataset_revisions": Param(
         None,
         type=["null", "object"],
-        additionalProperties={"type": "string", "pattern": "^[A-Za-z0-9._/-]{1,128}$"},
+        additionalProperties={"type": "string", "pattern": "^[A-Za-z0-9._/-]{1,128}$", "maxLength": 128},
+        propertyNames={"pattern": NAME},
+        maxProperties=form.MAX_ITEMS,
         title="Pinned dataset revisions",
         section="Data",
         description='{"gsm8k": "<commit>"}; unpinned datasets resolve to their newest commit at the logical date.',
@@ -156,6 +163,7 @@ PARAMS = {
         None,
         type=["null", "string"],
         pattern="^(tiny|[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*)$",
+        maxLength=193,  # a Hub repo id: 96 characters of owner, 96 of name
         title="Model",
         section="Model",
         description="The base model to post-train: Hugging Face repo id (org/name) or 'tiny'; " + _default("model"),
@@ -164,6 +172,7 @@ PARAMS = {
         None,
         type=["null", "string"],
         pattern="^[A-Za-z0-9._/-]{1,128}$",
+        maxLength=128,
         title="Model revision",
         section="Model",
         description="Branch, tag or commit; empty = main for a model typed here, else the preset's "
@@ -173,16 +182,20 @@ PARAMS = {
     "verl_overrides": Param(
         None,
         type=["null", "array"],
-        items={"type": "string", "pattern": r"^\+{0,2}[A-Za-z_][A-Za-z0-9_.]*=.*$"},
+        items=form.OVERRIDE_ITEM,  # KEY=VALUE with KEY from the reviewed table (types and ranges: the plan task)
+        maxItems=form.MAX_OVERRIDES,
         title="verl overrides",
         section="Hyperparameters",
-        description="Free-form KEY=VALUE Hydra overrides, applied last; checked by the plan task and the pre-flight.",
+        description="KEY=VALUE verl overrides, applied last, for the keys the form may set: hyperparameters, lengths, "
+        "sampling, cadence, logging (pipeline_steps/training/form_keys.py, each with its range). Paths, ray_kwargs, "
+        "trust_remote_code and every other key come only from a preset ($PIPELINE_PRESETS_DIR).",
     ),
     **_form_fields("nnodes", "gpus_per_node"),
     "store_uri": Param(
         None,
         type=["null", "string"],
         pattern="^(file|oss|gs)://[A-Za-z0-9._/-]+$",
+        maxLength=form.MAX_TEXT,
         title="Store root URI",
         section="Cluster",
         description="file:///path, oss://bucket/prefix or gs://bucket/prefix; empty = the deployment's default.",
@@ -222,15 +235,19 @@ def verl_grpo_pipeline():
         return [planning.download_kwargs(item) for item in datasets]
 
     planned = plan()
+    # tasks share nothing but the store (a task may run on a fresh machine): download commits the snapshot to the
+    # store, preprocess reads it from there and commits its output, upload reads that
     download = PipelineStepOperator.partial(
         task_id="download",
         step="download",
-        store_conn_id=STORE_CONN_ID,  # a JSONL file in the store is read with the store's connection
+        store_conn_id=STORE_CONN_ID,
         **retrying(timedelta(hours=2)),
     ).expand_kwargs(download_requests(planned["datasets"]))
     preprocess = PipelineStepOperator.partial(
         task_id="preprocess",
         step="preprocess",
+        store_uri=planned["store"],
+        store_conn_id=STORE_CONN_ID,
         **retrying(timedelta(hours=2)),
     ).expand(request=download.output.map(planning.preprocess_request))
     upload_dataset = PipelineStepOperator.partial(

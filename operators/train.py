@@ -224,19 +224,16 @@ class GRPOTrainOperator(BaseOperator):
         self.defer(trigger=trigger, method_name="execute_complete")
 
     def execute_complete(self, context, event: dict) -> dict:
-        from pipeline_steps.store import mirror
-
         url = self._kuberay().dashboard_from_event(event) if event.get("backend") == "kuberay" else None
         if event.get("backend") != "kuberay":  # the job has read its MLflow credentials (if it got any) long ago
             from operators.hooks.mlflow import remove_credentials_file
+            from operators.hooks.store_connection import remove_store_credentials_file
 
             remove_credentials_file(submission_base(**self._ids(context)))
+            remove_store_credentials_file(submission_base(**self._ids(context)))
         complete(self.log, context, event, url)
         run_dir = str(self.run_dir).rstrip("/")
-        with store_environment(self.store_conn_id, run_dir):
-            if event.get("backend") != "kuberay" and mirror.is_remote(run_dir):
-                with user_errors("upload the run directory"):
-                    self.log.info("uploaded the run directory to %s: %s", run_dir, mirror.publish(run_dir))
+        with store_environment(self.store_conn_id, run_dir):  # the job committed the run directory to the store
             result = training_result(event, self.checkpoint_uri, self.metrics_uri)
         result.update(self._tracking(event.get("backend"), run_dir))
         if result["mlflow"]:
@@ -247,23 +244,16 @@ class GRPOTrainOperator(BaseOperator):
         return result
 
     def _tracking(self, backend: str | None, run_dir: str) -> dict:
-        """``mlflow``: the run's record beside the checkpoints (the CPU trainer's, or the cluster entrypoint's on the
-        bucket mount); ``tensorboard``: where the event files are and the command to view them."""
+        """``mlflow``: the run's record beside the checkpoints (written by the CPU trainer or the cluster entrypoint),
+        read from the store as every task reads what another left; ``tensorboard``: where the event files are and
+        the command to view them."""
+        from operators import progress
         from pipeline_steps import tracking_run
-        from pipeline_steps.store import mirror
 
         tb_uri = tracking_run.tensorboard_dir(run_dir)
-        if backend != "kuberay":
-            tb_local = mirror.local_for(tb_uri)
-            return {
-                "mlflow": tracking_run.read(mirror.local_for(run_dir) / "checkpoints"),
-                "tensorboard": tracking_run.tensorboard_info(tb_uri, tb_local) if tb_local.is_dir() else None,
-            }
-        from operators import progress
-
         with store_environment(self.store_conn_id, run_dir):
             text = progress.read_text(f"{self.checkpoint_uri}/{tracking_run.FILE}")
-        logger = self._load("kuberay").verl.get("trainer.logger")
+        logger = self._load("local" if backend != "kuberay" else "kuberay").verl.get("trainer.logger")
         return {
             "mlflow": tracking_run.parse(text),
             "tensorboard": tracking_run.tensorboard_info(tb_uri)
@@ -293,38 +283,44 @@ class GRPOTrainOperator(BaseOperator):
         return jobs.submit(context, body)  # the entrypoint resumes by itself: a retry re-submits it
 
     def _submit_local(self, context, exp):
-        """The train-local step as a local Ray job, on local files: on a cloud store, the inputs' and the run
-        directory's local mirror (:mod:`pipeline_steps.store.mirror`); the run directory is uploaded at the end."""
+        """The train-local step as a local Ray job. It is handed store URIs, never this worker's files: tasks share
+        nothing but the store, and the job fetches its inputs, resumes from the run directory in the store and
+        commits the run directory there itself (on a cloud store, with the store connection's credentials in a
+        file only this user reads; a job on another machine uses its own environment)."""
+        from operators.hooks.store_connection import store_credentials_file
         from pipeline_steps.local import ray_cluster
         from pipeline_steps.store import mirror
 
         run_dir = str(self.run_dir).rstrip("/")
-        with store_environment(self.store_conn_id, run_dir), user_errors("fetch the training inputs"):
-            train = [str(mirror.fetch(u)) for u in as_list(self.train_files)]
-            val = [str(mirror.fetch(u)) for u in as_list(self.val_files)]
-            model = str(mirror.fetch(str(self.model_path)))
-            local_run = mirror.local_for(run_dir)
-            if mirror.is_remote(run_dir) and not local_run.exists():  # another worker's run: resume from the store
-                mirror.fetch(run_dir)
-        if self.plan:  # the argv the plan recorded, with the local copies filled in
+        facts = {
+            "train_files": as_list(self.train_files),
+            "val_files": as_list(self.val_files),
+            "model_path": str(self.model_path),
+            "output_dir": run_dir,
+        }
+        if self.plan:  # the argv the plan recorded, with the store URIs filled in
             from pipeline_steps.planning import plan as planning
 
-            with store_environment(self.store_conn_id, run_dir), user_errors("fetch the plan"):
-                plan_file = str(mirror.fetch(f"{run_dir}/{planning.PLAN_FILE}"))
-            facts = {"plan_file": plan_file, "train_files": train, "val_files": val, "model_path": model}
             with user_errors():
-                argv = planning.train_local_argv(self.plan, {**facts, "output_dir": str(local_run)})
+                argv = planning.train_local_argv(self.plan, {**facts, "plan_file": f"{run_dir}/{planning.PLAN_FILE}"})
         else:
             argv = ["train-local", "--experiment", self.experiment]
             # "--override=K=V" keeps a value that starts with '-' from being read as an option
             argv += [f"--override={o}" for o in self._overrides()]
-            argv += ["--train-files", *train]
-            if val:
-                argv += ["--val-files", *val]
-            argv += ["--model-path", model, "--output-dir", str(local_run)]
-        progress_uri = str(local_run / "metrics.jsonl")  # the local copy: the run directory is uploaded at the end
-        env = {"VERL_FILE_LOGGER_PATH": progress_uri, "TOKENIZERS_PARALLELISM": "false"}
+            argv += ["--train-files", *facts["train_files"]]
+            if facts["val_files"]:
+                argv += ["--val-files", *facts["val_files"]]
+            argv += ["--model-path", facts["model_path"], "--output-dir", run_dir]
+        # progress is read where a job on this machine writes it (a job elsewhere: its final result still counts)
+        progress_uri = str(mirror.local_for(run_dir) / "metrics.jsonl")
+        env = {"TOKENIZERS_PARALLELISM": "false"}
         base = submission_base(**self._ids(context))
+        with user_errors("store connection"):
+            cred_file = store_credentials_file(self.store_conn_id, run_dir, base)
+        if cred_file:
+            from pipeline_steps import settings
+
+            env[settings.STORE_CREDENTIALS_FILE] = cred_file
         env.update(local_tracking_env(exp, self.mlflow_conn_id, base))
         self._local = LocalRayJobs(self.log, ray_address=self.ray_address, polling=self._polling(progress_uri))
         return self._local.submit(context, base, ray_cluster.job_argv(None, *argv), env)

@@ -176,6 +176,13 @@ MLFLOW_CREDENTIALS_FILE = _define(
     "Set by the train operator for a local job: a file only the worker's user reads, holding the MLflow credentials",
     shown="none",
 )
+STORE_CREDENTIALS_FILE = _define(
+    "PIPELINE_STORE_CREDENTIALS_FILE",
+    None,
+    "Set by the train operator for a local job: a file only the worker's user reads, holding the store's credentials "
+    "(a job on another machine uses its own environment)",
+    shown="none",
+)
 MLFLOW_DIR = _define(
     "PIPELINE_MLFLOW_DIR",
     None,

@@ -48,8 +48,11 @@ def default_store() -> str:
 
 
 def run_key(run_id: str) -> str:
-    """A run id as a safe path segment (run ids hold ':' and '+')."""
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_")[:120] or "run"
+    """A run id as a safe path segment: its readable part (run ids hold ':' and '+', folded to '_') and a short hash
+    of the whole id, so distinct ids (``nightly:1`` and ``nightly_1``, two long ids with one prefix) never share a
+    run directory, and the same id (a retry) always finds its own again."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id).strip("_.")[:100] or "run"
+    return f"{readable}-{hashlib.sha256(run_id.encode()).hexdigest()[:10]}"
 
 
 def _backend(params: dict, spec: dict) -> str:
@@ -142,13 +145,19 @@ def _check_modalities(spec: dict, preset: str, params: dict, known: dict, used: 
 def preset_settings(params: dict) -> tuple[experiment.Experiment, dict]:
     """The run's experiment (its preset read once, with the form's overrides) and what the plan keeps of it: the
     preset as read, its hash, the backend, the overrides, the evaluation settings and the datasets it names."""
-    # every override parsed and checked now (one line in the plan task's log), not minutes later in pre-flight
+    form.check_params(params)  # sizes of every string, list and mapping, numeric fields' ranges: before any parse
+    # every override parsed and checked now (one line in the plan task's log), not minutes later in pre-flight: only
+    # the keys of the reviewed table (pipeline_steps/training/form_keys.py), each within its type and range
     for text in params.get("verl_overrides") or []:
         override_rules.check_form(*experiment.parse_override(text), f"verl_overrides {text[:80]!r}")
     preset = experiment.read(params.get("experiment") or "local_tiny")  # the run's one read of its preset
+    experiment.check_offered(preset)  # a preset the form does not offer (form: false) is not run by the DAG either
     run_overrides = form.overrides(params)  # the form's fields and free-form overrides, as verl overrides
     exp = experiment.merged(preset, run_overrides)
     spec = exp.spec
+    preset_model = (spec.get("model") or {}).get("source") or (spec.get("model") or {}).get("repo_id")
+    form_model = str(params["model"]).strip() if params.get("model") else None
+    override_rules.check_form_model(exp.verl, form_model, preset_model, f"preset {exp.name!r}")
     evaluation = dict(spec.get("evaluation") or {})
     # the evaluate job gets one worker with all of a node's GPUs: vLLM shards the model over them
     gpus = params.get("gpus_per_node") or (spec.get("cluster") or {}).get("gpus_per_node") or 1
@@ -320,11 +329,14 @@ def step_argv(template: list[str], facts: dict | None = None) -> list[str]:
 def dataset_steps(item: dict) -> dict[str, list[str]]:
     """One dataset's ``download``, ``preprocess`` and ``upload`` argv (facts: ``commit``, ``download_path``,
     ``processed``, ``content_hash``: what download and preprocess report)."""
-    name, work = item["dataset"], item["work"]
+    name, work, store = item["dataset"], item["work"], item["store"]
+    # tasks share nothing but the store: the snapshot is committed there (the version's raw lineage) and the
+    # preprocessed output too, each read back by the next task wherever it runs; the work directory is a cache
+    where = ["--dest", f"{work}/snapshots", "--store-dest", f"{store}/snapshots"]
     if item.get("files"):  # JSONL files: their revision is in the (pinned) Hub URI or their content
-        download = ["--dataset", name, *_file_args(item), "--dest", f"{work}/snapshots"]
+        download = ["--dataset", name, *_file_args(item), *where]
     else:
-        download = ["--dataset", name, "--revision", item["revision"], "--dest", f"{work}/snapshots"]
+        download = ["--dataset", name, "--revision", item["revision"], *where]
     tag = item["variant"] + (f"-limit{item['limit']}" if item.get("limit") else "")
     preprocess = [
         "--dataset",
@@ -332,7 +344,7 @@ def dataset_steps(item: dict) -> dict[str, list[str]]:
         "--input",
         fact("download_path"),
         "--output",
-        f"{work}/processed/{name}/{fact('commit')}/{tag}",
+        f"{store}/cache/processed/{name}/{fact('commit')}/{tag}",
         "--variant",
         item["variant"],
         *_file_args(item),
@@ -463,10 +475,10 @@ def _dataset_template(item: dict, step: str) -> list[str]:
 
 
 def download_kwargs(item: dict) -> dict:
-    """The mapped download task's arguments: its request, and the store a store file is read from (its connection's
-    credentials go to the step, as for every step that reads the store); empty for Hub downloads."""
-    stored = [u for u in (item.get("files") or {}).values() if not u.startswith("hf://")]
-    return {"request": download_request(item), "store_uri": stored[0] if stored else ""}
+    """The mapped download task's arguments: its request, and the store it commits the snapshot to (its
+    connection's credentials go to the step, as for every step that reads or writes the store; a JSONL store file
+    is read with the same connection)."""
+    return {"request": download_request(item), "store_uri": item["store"]}
 
 
 def preprocess_request(done: dict) -> dict:
@@ -522,6 +534,7 @@ def collect(uploaded: list[dict], staged: dict, run: dict) -> dict:
                 "revision": d["download"]["commit"],
                 "content_hash": d["preprocess"]["content_hash"],
                 "uri": d["upload"]["uri"],
+                "snapshot_uri": d["download"].get("snapshot_uri"),  # the raw snapshot the version was made from
                 "resolved": d.get("resolved"),
                 **({"files": d["download"]["sources"]} if d["download"].get("sources") else {}),
             }
@@ -637,7 +650,7 @@ def evaluation_plan(params: dict, triggered_by: str | None, run_id: str, dag_id:
         "--data",
         strip_file_scheme(data),
         "--output",
-        str(settings.home() / "work" / "evaluations" / key),
+        strip_file_scheme(f"{store}/evaluations/{key}"),  # in the store: the results outlive the task's machine
         "--k",
         str(params["k"]),
         "--temperature",

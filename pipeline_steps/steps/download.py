@@ -48,7 +48,13 @@ def add_arguments(p):
     p.add_argument(
         "--revision", default="main", help="branch, tag or commit to read (pin a commit for reproducible runs)"
     )
-    p.add_argument("--dest", required=True, help="directory that receives <dataset>/<commit>/")
+    p.add_argument("--dest", required=True, help="directory that receives <dataset>/<commit>/ (a local cache)")
+    p.add_argument(
+        "--store-dest",
+        default=None,
+        help="store URI under which the snapshot is also committed, as <dataset>/<commit>/ (the dataset version's "
+        "raw lineage, and what the preprocess task reads on another machine); the summary's path is then that URI",
+    )
     p.add_argument("--registry", default=None, help="YAML/JSON file with extra dataset entries")
 
 
@@ -172,6 +178,18 @@ def download_files(spec: registry.DatasetSpec, dest: Path) -> dict:
 
 
 def run(args):
+    summary = _download(args)
+    if args.store_dest:  # tasks share nothing but the store: the snapshot is handed over there
+        from pipeline_steps.store import open_store
+
+        uri = f"{args.store_dest.rstrip('/')}/{summary['dataset']}/{summary['commit']}"
+        committed = open_store(uri).upload_dir(summary["path"], uri)
+        log.info("snapshot committed to %s (%d files sent, %d there)", uri, committed["uploaded"], committed["skipped"])
+        summary.update(path=uri, snapshot_uri=uri)
+    return summary
+
+
+def _download(args):
     if Path(args.dest).exists() and not Path(args.dest).is_dir():
         raise UserError(f"--dest {args.dest}: exists and is not a directory; pass a directory for the snapshots")
     spec = registry.for_step(args)

@@ -28,6 +28,8 @@ from pipeline_steps.data.preprocessors.common import (
     unframe_first,
 )
 from pipeline_steps.errors import UserError
+from pipeline_steps.store import mirror
+from pipeline_steps.store.manifest import MANIFEST, MIRROR_MARKER
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
 PREPROCESSOR_VERSION = 5  # 5: exact dedup keys, JSONL BOM and per-line limits; 4: JSONL rollout_extra is a struct
@@ -383,12 +385,14 @@ def _file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _summary(spec, out: Path, stats: dict, skipped: bool) -> dict:
+def _summary(spec, out: str, stats: dict, skipped: bool) -> dict:
+    """The step's summary; ``out`` is the output as given (a store URI is what the upload task is handed)."""
     splits = sorted(k for k, v in stats["splits"].items() if v["rows_out"])
+    out = str(out).rstrip("/")
     return {
         "dataset": spec.name,
-        "output": str(out),
-        "splits": {s: str(out / f"{s}.parquet") for s in splits},
+        "output": out,
+        "splits": {s: f"{out}/{s}.parquet" for s in splits},
         "content_hash": stats["content_hash"],
         "rows_out": stats["rows_out"],
         "duplicates": stats["duplicates"],
@@ -401,7 +405,9 @@ def _summary(spec, out: Path, stats: dict, skipped: bool) -> dict:
 def input_fingerprint(root: Path) -> str:
     """sha256 over the input's files (names, sizes and content): a changed or appended file changes it."""
     h = hashlib.sha256()
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    # a fetched copy's bookkeeping (its manifest, the mirror's marker) is not the input
+    skip = {MANIFEST, MIRROR_MARKER}
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name not in skip)
     for f in files:
         h.update(str(f.relative_to(root) if f != root else f.name).encode() + b"\0")
         with open(f, "rb") as fh:
@@ -436,13 +442,18 @@ def _existing(out: Path, settings: dict) -> dict | None:
 
 def run(args):
     spec = registry.for_step(args)
-    root = Path(args.input)
-    out = Path(args.output)
+    # tasks share nothing but the store: the snapshot comes from it (a store URI, fetched into the local mirror),
+    # and the output goes back to it (written locally, then committed) for the upload task on another machine
+    root = mirror.step_input(args.input, "--input")
+    out = mirror.step_output(args.output)
     outputs.refuse_overlap(out, {"--input": root})
     settings = settings_of(spec, args, input_fingerprint(root))
+    if mirror.is_remote(args.output) and args.skip_existing:
+        mirror.fetch(args.output)  # an earlier attempt's committed output, on any machine, is reused
     if args.skip_existing and (stats := _existing(out, settings)):
-        log.info("dataset %s: %s already holds this input's output; skipping", spec.name, out)
-        return _summary(spec, out, stats, skipped=True)
+        log.info("dataset %s: %s already holds this input's output; skipping", spec.name, args.output)
+        mirror.publish_output(args.output)  # a no-op when committed; finishes an attempt killed before its commit
+        return _summary(spec, args.output, stats, skipped=True)
     if not 0.0 <= args.max_rejected_fraction <= 1.0:
         raise UserError(f"--max-rejected-fraction {args.max_rejected_fraction}: must be between 0 and 1")
     if args.limit is not None and args.limit < 1:
@@ -468,7 +479,7 @@ def run(args):
         stats["content_hash"] = digest.hexdigest()
         stats["settings"] = settings  # what a later run must match to reuse this output
         stats["source"] = {
-            "input": str(root),
+            "input": str(args.input),
             # a Hub commit, or a JSONL dataset's content revision (download step)
             "commit": root.name if re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{16}", root.name) else None,
             **({"files": {"train": spec.train_file, "validation": spec.validation_file}} if spec.train_file else {}),
@@ -481,6 +492,7 @@ def run(args):
         stats["rows_out"],
         stats["duplicates"],
         stats["rejected"],
-        out,
+        args.output,
     )
-    return _summary(spec, out, stats, skipped=False)
+    mirror.publish_output(args.output)
+    return _summary(spec, args.output, stats, skipped=False)

@@ -83,24 +83,41 @@ def load_experiment(args, derived: dict):
     return experiment.load(args.experiment, args.override, derived=derived)
 
 
+def _local_inputs(args) -> tuple[list[str], list[str], str]:
+    """The inputs as local paths: store URIs (what a pipeline run hands over: tasks share nothing but the store, and
+    the job may run on another machine than the task that planned it) are fetched into the local mirror."""
+    from pipeline_steps.store import mirror
+
+    train = [str(mirror.step_input(f, "--train-files")) for f in args.train_files]
+    val = [str(mirror.step_input(f, "--val-files")) for f in args.val_files]
+    return train, val, str(mirror.step_input(args.model_path, "--model-path"))
+
+
 def run(args) -> dict:
+    from pipeline_steps import settings, store
+    from pipeline_steps.store import mirror
     from pipeline_steps.training import experiment
 
-    for f in [*args.train_files, *args.val_files]:
+    if names := store.load_credentials_file():  # the train task's store connection, for a local job
+        log.info("store credentials from $%s: %s", settings.STORE_CREDENTIALS_FILE, ", ".join(sorted(names)))
+    train_files, val_files, model_path = _local_inputs(args)
+    for f in [*train_files, *val_files]:
         if not Path(f).is_file():
             raise UserError(f"data file {f}: not found; pass parquet files written by the preprocess step")
-    if not (Path(args.model_path) / "config.json").is_file():
+    if not (Path(model_path) / "config.json").is_file():
         raise UserError(
             f"--model-path {args.model_path}: no config.json there; pass a Hugging Face model directory "
             "(build-tiny-model makes one)"
         )
-    out = Path(args.output_dir).resolve()
+    out = mirror.step_output(args.output_dir).resolve()
+    if mirror.is_remote(args.output_dir) and not out.exists():  # a retry on a fresh machine resumes from the store
+        mirror.fetch(args.output_dir)
     outputs.refuse_overlap(
         out,
-        {"--model-path": args.model_path, "--train-files": args.train_files, "--val-files": args.val_files},
+        {"--model-path": model_path, "--train-files": train_files, "--val-files": val_files},
         what="--output-dir",
     )
-    exp = load_experiment(args, derived_keys(args.train_files, args.val_files, args.model_path, out))
+    exp = load_experiment(args, derived_keys(train_files, val_files, model_path, out))
     cfg = experiment.compose(exp)
     metrics_path = os.environ.get("VERL_FILE_LOGGER_PATH") or str(out / "metrics.jsonl")
 
@@ -112,4 +129,6 @@ def run(args) -> dict:
     summary = grpo_cpu.train(cfg, metrics_path=metrics_path)
     summary.update(experiment=exp.name, experiment_digest=exp.digest())
     atomic.write_json(out / "train_summary.json", summary)
+    if mirror.is_remote(args.output_dir):  # the run directory is the handoff to evaluate and export
+        log.info("run directory committed to %s: %s", args.output_dir, mirror.publish(args.output_dir))
     return summary

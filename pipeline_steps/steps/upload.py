@@ -9,17 +9,23 @@ finished), writes ``_manifest.json`` last, and prints ``uploaded``, ``skipped`` 
 from __future__ import annotations
 
 from pipeline_steps import outputs
-from pipeline_steps.store import open_store, parse_uri
+from pipeline_steps.store import mirror, open_store, parse_uri
 
 
 def add_arguments(p):
-    p.add_argument("--src", required=True, help="local directory to upload (every file below it)")
+    p.add_argument(
+        "--src",
+        required=True,
+        help="directory to upload (every file below it): a local path, or a store URI (an upstream task's output, "
+        "fetched first)",
+    )
     p.add_argument(
         "--dest", required=True, help="version URI: file:///abs/path, oss://bucket/prefix or gs://bucket/prefix"
     )
 
 
 def run(args):
+    src = mirror.step_input(args.src, "--src")  # on another machine than the preprocess task: from the store
     if args.dest.startswith("file://"):  # a destination inside the source would upload the store into itself
-        outputs.refuse_overlap(parse_uri(args.dest).key, {"--src": args.src}, what="--dest")
-    return open_store(args.dest).upload_dir(args.src, args.dest)
+        outputs.refuse_overlap(parse_uri(args.dest).key, {"--src": src}, what="--dest")
+    return open_store(args.dest).upload_dir(src, args.dest)

@@ -19,7 +19,44 @@ from pipeline_steps.store.base import Store
 from pipeline_steps.store.manifest import MANIFEST
 from pipeline_steps.store.store_uri import StoreURI, conn_id, parse_uri, validate_key
 
-__all__ = ["MANIFEST", "Store", "StoreURI", "conn_id", "open_store", "parse_uri", "validate_key"]
+__all__ = [
+    "MANIFEST",
+    "Store",
+    "StoreURI",
+    "conn_id",
+    "load_credentials_file",
+    "open_store",
+    "parse_uri",
+    "validate_key",
+]
+
+
+def load_credentials_file() -> list[str]:
+    """The store's credentials from the file named by ``$PIPELINE_STORE_CREDENTIALS_FILE`` (the train task's, for a
+    local Ray job) into this process's environment, where the store clients read them; variables already set win.
+    A file that is not on this machine (a job on another host) leaves the job's own environment in charge.
+
+    :returns: the names set (never the values)
+    """
+    import json
+    import os
+    from pathlib import Path
+
+    from pipeline_steps import settings
+
+    path = settings.get(settings.STORE_CREDENTIALS_FILE)
+    if not path:
+        return []
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    names = [k for k, v in data.items() if isinstance(v, str) and not os.environ.get(k)]
+    for k in names:
+        os.environ[k] = data[k]
+    return names
 
 
 def open_store(uri: str) -> Store:

@@ -129,3 +129,38 @@ def to_uris(value):
         scheme, _, rest = value[len(base) :].partition("/")
         return f"{scheme}://{rest}"
     return value
+
+
+# -- a step's handoffs: what an upstream task left in the store, and what this step leaves there ----------------
+def step_input(value: str, flag: str) -> Path:
+    """A step's input as a local path: a plain path as given; a store URI (``file://``, ``oss://``, ``gs://``: an
+    upstream task's output, as the plan hands it over) fetched into the local mirror first.
+
+    Tasks share nothing but the store: a store URI with nothing behind it is an upstream output that is not there
+    (yet, or any more), so it raises :class:`~pipeline_steps.errors.TransientError` (retried), never bad input.
+    """
+    from pipeline_steps.errors import TransientError
+
+    value = str(value)
+    if "://" not in value:
+        return Path(value)
+    path = fetch(value)
+    if not path.exists():
+        raise TransientError(
+            f"{flag} {value}: the upstream task's output is not in the store; it is retried (if it persists, re-run "
+            "the upstream task)"
+        )
+    return path
+
+
+def step_output(value: str) -> Path:
+    """Where a step writes an output named by ``value`` (a plain path, or a store URI: its local mirror, published
+    by :func:`publish_output` when the step is done; a ``file://`` URI is written in place)."""
+    return local_for(str(value))
+
+
+def publish_output(value: str) -> str:
+    """Commit the local copy of a step's output to the store (nothing to do for a path or a ``file://`` URI);
+    returns what the next task is handed: the store URI as given (a plain path stays a path)."""
+    publish(str(value))
+    return str(value)

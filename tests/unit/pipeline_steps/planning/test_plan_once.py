@@ -74,7 +74,8 @@ def test_the_plan_records_every_later_steps_argv(monkeypatch, tmp_path):
     assert plan.download_request(gsm8k)["args"] == gsm8k["steps"]["download"]
     done = {**gsm8k, "download": {"path": "/snap", "commit": "abc"}}
     args = plan.preprocess_request(done)["args"]
-    assert args[args.index("--output") + 1] == f"{run['work']}/processed/gsm8k/abc/default-limit8"
+    # tasks share nothing but the store: the preprocessed output is handed over there, not in the work directory
+    assert args[args.index("--output") + 1] == f"{run['store']}/cache/processed/gsm8k/abc/default-limit8"
     done["preprocess"] = {"output": "/pp", "content_hash": "f" * 64}
     assert plan.upload_request(done)["args"] == [
         "--src",
