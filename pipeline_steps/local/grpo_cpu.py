@@ -1125,11 +1125,44 @@ class GRPOTrainer:
         }
 
 
+# an allocation that failed: torch's CPU allocator ("DefaultCPUAllocator: not enough memory: you tried to allocate
+# ... bytes"), its OutOfMemoryError ("... out of memory ..."), the C library's ("Cannot allocate memory")
+_OUT_OF_MEMORY = re.compile(r"not enough memory|out of memory|can(no|')t allocate memory", re.IGNORECASE)
+
+
+def out_of_memory(cfg, exc: BaseException) -> UserError | None:
+    """A failed allocation as bad input (one line naming the settings that size it, exit 2, not retried: the same
+    settings fail the same way), or None when ``exc`` is no such failure."""
+    if not (isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and _OUT_OF_MEMORY.search(str(exc)))):
+        return None
+    rollout = cfg.actor_rollout_ref.rollout
+    response = rollout.get("response_length") or cfg.data.max_response_length
+    response_key = "actor_rollout_ref.rollout.response_length"
+    if not rollout.get("response_length"):
+        response_key = "data.max_response_length"
+    tbs, n, prompt = int(cfg.data.train_batch_size), int(rollout.n), int(cfg.data.max_prompt_length)
+    what = " ".join(str(exc).split())[:160] or type(exc).__name__
+    return UserError(
+        f"out of memory in the CPU trainer ({what}): data.train_batch_size x actor_rollout_ref.rollout.n x "
+        f"(data.max_prompt_length + {response_key}) = {tbs} x {n} x ({prompt} + {response}) tokens per step; lower "
+        f"{response_key} (or the batch size, n, data.max_prompt_length)"
+    )
+
+
 def train(cfg, reward_fn: RewardFn | None = None, metrics_path=None, on_step=None) -> dict:
-    """Build the trainer in a 1-process gloo group and run it to the end (resuming per ``trainer.resume_mode``)."""
+    """Build the trainer in a 1-process gloo group and run it to the end (resuming per ``trainer.resume_mode``).
+
+    :raises UserError: an allocation failed (:func:`out_of_memory`): the settings are too large for this machine.
+    """
     from pipeline_steps.local.agent_rollout import local_sandbox
 
     run_dir = Path(str(cfg.trainer.default_local_dir)).parent
     # the code tool's sandboxes: the local server when no E2B service is configured (the run's files hidden from them)
     with process_group(), local_sandbox(cfg, hide=[str(run_dir)]):
-        return GRPOTrainer(cfg, reward_fn=reward_fn, metrics_path=metrics_path).fit(on_step=on_step)
+        try:
+            return GRPOTrainer(cfg, reward_fn=reward_fn, metrics_path=metrics_path).fit(on_step=on_step)
+        except (MemoryError, RuntimeError) as exc:
+            error = out_of_memory(cfg, exc)
+            if error is None:
+                raise
+            raise error from None

@@ -39,8 +39,32 @@ def preset_dirs() -> list[Path]:
     return [Path(extra), packaged] if extra else [packaged]
 
 
-def preset_names() -> list[str]:
-    return sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml")})
+def preset_names(offered: bool = False) -> list[str]:
+    """Every preset's name; ``offered``: only those the trigger form offers, i.e. not marked ``form: false`` (a preset
+    meant for another entry point, such as ``make demo-tools``, which the DAG's checks would refuse)."""
+    names = sorted({p.stem for d in preset_dirs() for p in d.glob("*.yaml")})
+    return [n for n in names if offered_in_form(n)] if offered else names
+
+
+def offered_in_form(name: str) -> bool:
+    """Does the trigger form offer preset ``name``? Yes unless its YAML says ``form: false``; a preset that cannot be
+    read stays offered (the plan reports what is wrong with it). Reads the YAML only: cheap enough for DAG parsing."""
+    try:
+        spec = yaml.safe_load(resolve_path(name).read_text(encoding="utf-8")) or {}
+    except Exception:
+        return True
+    return not (isinstance(spec, dict) and spec.get("form") is False)
+
+
+def check_offered(exp: Experiment) -> None:
+    """Refuse, in one line, a run of a preset the form does not offer (``form: false``): a REST API conf or a scheduled
+    run naming it would fail later, after downloads, in pre-flight."""
+    if exp.spec.get("form") is False:
+        why = exp.spec.get("form_note") or "it is meant for another entry point, not for a DAG run"
+        raise UserError(
+            f"experiment {exp.name!r} is not offered for DAG runs (form: false: {why}); choose one of "
+            f"{preset_names(offered=True)}"
+        )
 
 
 def modalities(spec: dict) -> set[str]:

@@ -10,11 +10,13 @@ User overrides therefore may not contain:
   the config) anywhere in the value;
 * a ``hydra.*`` key, or a deletion (``~key``);
 * a key the pipeline derives (data files, model path, checkpoint directory, resume): the message says what sets it;
-* from the trigger form (:func:`check_form`), a key that names code verl imports (a reward function's file, a tool or
-  agent-loop config listing classes, a module, a class): pre-flight imports a reward file in the Airflow worker and
-  verl imports all of them in the training pods, so a form may name only a file an installed package ships
-  (``pkg:<package>/<path>``: ours, e.g. the agent loops of ``pipeline_steps.rollouts``, or a deployment's package
-  installed beside it), which must exist, inside the package's directory; anything else belongs in a preset.
+* from the trigger form (:func:`check_form`), any key outside the reviewed table of
+  :mod:`pipeline_steps.training.form_keys` (an allow-list with each key's type and range; no path, no ``ray_kwargs``,
+  no ``trust_remote_code``): anything else belongs in a preset. A key that names code verl imports (a reward
+  function's file, a tool or agent-loop config listing classes, a module, a class) is refused first with a message
+  of its own: pre-flight imports a reward file in the Airflow worker and verl imports all of them in the training pods
+  (a ``pkg:<package>/<path>`` file an installed package ships passes that check, and a preset may name it);
+* from the trigger form with a model typed into it (:func:`check_form_model`), a preset's ``trust_remote_code``.
   (``--override`` on a step's command line is typed by someone with a shell.)
 
 Presets (packaged, or a deployment's own directory) pass the same checks except the derived-key one.
@@ -135,9 +137,38 @@ def check(key: str, value, source: str, *, user: bool = True) -> None:
 
 
 def check_form(key: str, value, source: str) -> None:
-    """What the trigger form may not set beyond :func:`check`: code for verl to import, at any depth of the value."""
+    """What the trigger form (and the REST API's ``conf``) may set beyond :func:`check`: only the keys of the reviewed
+    table :data:`pipeline_steps.training.form_keys.KEYS`, each within its type and range; never a path, ``ray_kwargs``
+    or ``trust_remote_code``. Code for verl to import is named as such first (at any depth of the value)."""
+    from pipeline_steps.training import form_keys
+
     bare = key.lstrip("+")
     _check_code_key(bare, value, source)
     for where, k, s in _walk(value, bare):
         if s is not None and where != bare:  # a mapping value can hold a code key too
             _check_code_key(where, s, source)
+    form_keys.check(key, value, source)
+
+
+TRUST_REMOTE_CODE = "trust_remote_code"
+
+
+def check_form_model(verl: dict, form_model: str | None, preset_model: str | None, source: str) -> None:
+    """A preset may trust its own model's repository code (``*.trust_remote_code: true``), never a model typed into
+    the form: that would run the typed repository's code on the worker and every training pod.
+
+    :param verl: the run's verl overrides (the preset's map and the form's).
+    :param form_model: the model typed into the form (None: the preset's own model).
+    :param preset_model: the preset's model (``model.source``).
+    :param source: the preset, for the message.
+    """
+    if not form_model or form_model == preset_model:
+        return
+    for key, value in verl.items():
+        bare = str(key).lstrip("+")
+        if bare.rsplit(".", 1)[-1] == TRUST_REMOTE_CODE and value not in (False, None, "false", "False", 0):
+            raise UserError(
+                f"model {form_model!r} typed into the form: {source} sets {bare}={value!r} for its own model "
+                f"({preset_model}), which would run {form_model}'s repository code on the training pods; choose the "
+                "preset's model, or a preset made for this model (under $PIPELINE_PRESETS_DIR)"
+            )

@@ -7,7 +7,8 @@ preset and the overrides, runs verl's own ``validate_config``, and adds what tha
 misses: unknown advantage estimator / policy loss / rollout engine (verl's own
 registries), required keys left unset, values of the wrong type (checked against
 verl's generated default config), batch sizes that do not divide over the GPUs,
-and data files or a model that are not staged in the store.
+a run whose memory cannot fit the backend (:func:`check_memory`: the local machine's
+memory, or the preset's GPUs), and data files or a model that are not staged in the store.
 
 Every failure is a :class:`UserError` whose one line names the key.
 """
@@ -18,6 +19,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import time
 import warnings
 from pathlib import Path
@@ -57,6 +59,7 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     check_missing_keys(cfg, ppo_utils)
     check_registries(cfg, backend)
     batch = check_batch_sizes(cfg)
+    memory = check_memory(exp, cfg, backend)  # before any CPU or GPU is committed: a run that cannot fit, refused
     check_exportable(cfg)
     run_verl_validate(cfg, ppo_utils)
     from pipeline_steps.tools.tool_config_check import check_agent_loops, check_multi_turn  # verl and the classes named
@@ -77,6 +80,7 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
         "adv_estimator": str(cfg.algorithm.adv_estimator),
         "rollout": str(cfg.actor_rollout_ref.rollout.name),
         **batch,
+        "memory": memory,
         **tools,
         "staged": staged,
         "store_checked": check_store,
@@ -93,6 +97,195 @@ def check_exportable(cfg) -> None:
             f"trainer.save_freq={save_freq}: verl saves no checkpoint unless it is > 0, so the run would leave "
             "nothing to evaluate or export; set it to a positive number of steps"
         )
+
+
+# -- memory -------------------------------------------------------------------------------------------
+
+# What a step's batch holds per token at the least, on every backend: verl's DataProto of the step (input ids,
+# attention mask, position ids, responses, response mask as int64; old and reference log-probs, advantages, returns,
+# token scores as float32) is 9 tensors of 4 to 8 bytes per token of train_batch_size x n x (prompt + response).
+BATCH_BYTES_PER_TOKEN = 64
+# Training states per model parameter with Adam: weights, gradients and the two moments (fp32 on the CPU trainer;
+# bf16 weights and gradients with fp32 master weights and moments under FSDP: 2 + 2 + 4 + 4 + 4 = 16 on GPUs).
+STATE_BYTES_PER_PARAM = 16
+OFFLOADED_BYTES_PER_PARAM = 4  # optimizer states offloaded to the host: bf16 weights and gradients stay on the GPUs
+# A GPU's memory when the preset does not say (cluster.gpu_memory_gb): the 80 GB of the A100/H100/H800 class the
+# guides' presets run on. A preset on smaller GPUs (or larger: B200 192) sets its own figure.
+DEFAULT_GPU_MEMORY_GB = 80
+GB = 1024**3
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([BbMm])$")
+
+
+def _params_from_name(name: str) -> float | None:
+    """A parameter count from a model's name or staged path (``Qwen2.5-3B-Instruct`` -> 3e9, ``Qwen3-30B-A3B`` ->
+    30e9, ``.../models/Qwen/Qwen2.5-3B-Instruct/main`` -> 3e9: only what follows the store's ``models/``)."""
+    name = name.split("/models/", 1)[-1]
+    for part in re.split(r"[-_/]", name):
+        m = _SIZE_RE.match(part)
+        if m:
+            return float(m.group(1)) * (1e9 if m.group(2) in "Bb" else 1e6)
+    return None
+
+
+def _config_json(path: str) -> dict | None:
+    """A model directory's ``config.json`` when it is on this machine (a path or a file:// URI), else None."""
+    import json
+
+    from pipeline_steps.uris import strip_file_scheme
+
+    if "://" in path and not path.startswith("file://"):
+        return None
+    try:
+        return json.loads((Path(os.path.expanduser(strip_file_scheme(path))) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _params_from_config(config: dict) -> float | None:
+    """Parameters of a decoder model from its config.json (embeddings, attention, MLP of every layer)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    try:
+        vocab, hidden, layers = int(text["vocab_size"]), int(text["hidden_size"]), int(text["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    inter = int(text.get("intermediate_size") or 4 * hidden)
+    tied = bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+    return float(vocab * hidden * (1 if tied else 2) + layers * (4 * hidden * hidden + 3 * hidden * inter))
+
+
+def model_size(exp: Experiment, cfg) -> tuple[float, str]:
+    """The model's parameter count and where it came from: its config.json when the model is on this machine, else
+    the size in its name (the staged model's path names the model the run trains, the form's or the preset's), else 0
+    (unknown: the estimate counts the batch only)."""
+    from omegaconf import OmegaConf
+
+    derived = "actor_rollout_ref.model.path" in exp.verl  # else verl's placeholder default, not this run's model
+    path = str(OmegaConf.select(cfg, "actor_rollout_ref.model.path") or "") if derived else ""
+    config = _config_json(path) if path else None
+    if config is not None:
+        params = _params_from_config(config)
+        if params:
+            return params, f"{path}/config.json"
+    model = exp.spec.get("model") or {}
+    for name in (path, str(model.get("source") or model.get("repo_id") or "")):
+        params = _params_from_name(name) if name else None
+        if params:
+            return params, f"the name {name.rstrip('/').split('/models/')[-1]}"
+    return 0.0, "unknown (the estimate counts the batch only)"
+
+
+def machine_memory() -> tuple[int, str]:
+    """This machine's memory for the local backend: MemTotal (/proc/meminfo), or a lower cgroup limit (v1 or v2)."""
+    total, where = 0, "MemTotal"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = int(Path(limit_file).read_text().strip())
+        except (OSError, ValueError):  # absent, or "max"
+            continue
+        if 0 < limit < total:
+            total, where = limit, f"the cgroup limit ({limit_file})"
+    return total, where
+
+
+def _int_at(cfg, key: str) -> int:
+    from omegaconf import OmegaConf
+
+    v = OmegaConf.select(cfg, key)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else 0
+
+
+def check_memory(exp: Experiment, cfg, backend: str) -> dict:
+    """Estimate what the run needs at least and refuse it in one line, naming the setting to lower, when that cannot
+    fit the backend: the local machine's memory, or the preset's GPUs (nodes x GPUs per node x
+    ``cluster.gpu_memory_gb``, default :data:`DEFAULT_GPU_MEMORY_GB`).
+
+    The estimate is a floor, so a refusal is certain rather than a guess: the step's batch (train_batch_size x n x
+    (prompt + response) tokens at :data:`BATCH_BYTES_PER_TOKEN`) and the model's training states (parameters x
+    :data:`STATE_BYTES_PER_PARAM`; a reference copy on the CPU trainer; less with optimizer offload on GPUs), plus on
+    the CPU trainer, when the model's config.json is on this machine, the generation's KV cache and one micro-batch's
+    logits. Activations, the rollout engine's cache and fragmentation come on top.
+    """
+    tbs, n = _int_at(cfg, "data.train_batch_size"), _int_at(cfg, "actor_rollout_ref.rollout.n")
+    prompt = _int_at(cfg, "actor_rollout_ref.rollout.prompt_length") or _int_at(cfg, "data.max_prompt_length")
+    response = _int_at(cfg, "actor_rollout_ref.rollout.response_length") or _int_at(cfg, "data.max_response_length")
+    prompt_key = (
+        "actor_rollout_ref.rollout.prompt_length"
+        if "actor_rollout_ref.rollout.prompt_length" in exp.verl
+        else "data.max_prompt_length"
+    )
+    response_key = (
+        "actor_rollout_ref.rollout.response_length"
+        if "actor_rollout_ref.rollout.response_length" in exp.verl
+        else "data.max_response_length"
+    )
+    tokens = tbs * n * (prompt + response)
+    batch_bytes = tokens * BATCH_BYTES_PER_TOKEN
+    params, params_from = model_size(exp, cfg)
+    local = backend == "local"
+    actor = cfg.actor_rollout_ref.actor
+    if local:
+        per_param = STATE_BYTES_PER_PARAM + (4 if actor.use_kl_loss or cfg.algorithm.use_kl_in_reward else 0)
+    else:
+        offload = bool(actor.fsdp_config.get("optimizer_offload"))
+        per_param = OFFLOADED_BYTES_PER_PARAM if offload else STATE_BYTES_PER_PARAM
+    model_bytes = int(params * per_param)
+    extra = 0
+    if local:  # the CPU trainer: the generation's KV cache (fp32) and one micro-batch's logits, from the model config
+        from omegaconf import OmegaConf
+
+        path = str(OmegaConf.select(cfg, "actor_rollout_ref.model.path") or "")
+        config = _config_json(path) if "actor_rollout_ref.model.path" in exp.verl else None
+        if config:
+            try:
+                layers, hidden = int(config["num_hidden_layers"]), int(config["hidden_size"])
+                heads = int(config.get("num_attention_heads") or 1)
+                kv = int(config.get("num_key_value_heads") or heads) * (hidden // heads)
+                micro = min(tbs * n, _int_at(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu") or tbs * n)
+                extra = tokens * 2 * layers * kv * 4 + micro * (prompt + response) * int(config["vocab_size"]) * 4 * 3
+            except (KeyError, TypeError, ValueError, ZeroDivisionError):
+                extra = 0
+    need = batch_bytes + model_bytes + extra
+    if local:
+        budget, where = machine_memory()
+        budget_text = f"this machine's {budget / GB:.1f} GB ({where})"
+    else:
+        cluster = exp.spec.get("cluster") or {}
+        per_gpu = float(cluster.get("gpu_memory_gb") or DEFAULT_GPU_MEMORY_GB)
+        gpus = _int_at(cfg, "trainer.nnodes") * _int_at(cfg, "trainer.n_gpus_per_node")
+        budget = int(gpus * per_gpu * GB)
+        source = "cluster.gpu_memory_gb" if cluster.get("gpu_memory_gb") else "the default per GPU"
+        budget_text = f"the {gpus} GPUs' {budget / GB:,.0f} GB ({per_gpu:g} GB each: {source})"
+    summary = {
+        "estimate_gb": round(need / GB, 2),
+        "budget_gb": round(budget / GB, 1),
+        "tokens_per_step": tokens,
+        "model_parameters": params,
+        "model_size_from": params_from,
+    }
+    if need <= budget:
+        return summary
+    if model_bytes > batch_bytes + extra:
+        fix = (
+            "a smaller model, or more GPUs (trainer.nnodes, trainer.n_gpus_per_node)"
+            if not local
+            else "a smaller model, or the kuberay backend"
+        )
+    elif tbs * n > prompt + response:
+        fix = "data.train_batch_size or actor_rollout_ref.rollout.n"
+    else:
+        fix = response_key if response >= prompt else prompt_key
+    model_text = f"a {params / 1e9:.3g}B-parameter model" if params else "the model (size unknown, not counted)"
+    raise UserError(
+        f"memory: data.train_batch_size x actor_rollout_ref.rollout.n x ({prompt_key} + {response_key}) = {tbs} x {n} "
+        f"x ({prompt} + {response}) = {tokens:,} tokens and {model_text} need at least "
+        f"{need / GB:,.1f} GB, more than {budget_text}; lower {fix}"
+    )
 
 
 # -- value types ------------------------------------------------------------------------------------

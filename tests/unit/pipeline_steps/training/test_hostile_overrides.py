@@ -104,7 +104,9 @@ def test_the_form_may_not_name_code_for_verl_to_import(template, needle, sentine
     assert "\n" not in str(err.value)
 
 
-def test_the_form_may_name_code_the_package_ships():
+def test_the_form_may_not_name_code_files_even_shipped_ones():
+    """Issue 46: the form sets only the keys of the reviewed table (pipeline_steps/training/form_keys.py), and no path:
+    a file the package ships passes the code check, then the allow-list refuses it; a preset may name it."""
     from pipeline_steps.planning import plan
 
     for shipped in (
@@ -112,8 +114,12 @@ def test_the_form_may_name_code_the_package_ships():
         "actor_rollout_ref.rollout.agent.agent_loop_config_path=pkg:pipeline_steps.rollouts/mcp_math_loop.yaml",
     ):
         params = {"experiment": "local_tiny", "verl_overrides": [shipped]}
-        out = plan.plan(params, None, "manual__1", "verl_grpo_pipeline")
-        assert out["experiment"] == "local_tiny"  # planned: the train task takes the overrides from the form
+        with pytest.raises(UserError, match="names a file or directory") as err:
+            plan.plan(params, None, "manual__1", "verl_grpo_pipeline")
+        assert "\n" not in str(err.value) and "set it in a preset" in str(err.value)
+    # the same files from a preset: planned
+    out = plan.plan({"experiment": "local_tiny_custom_rollout"}, None, "manual__1", "verl_grpo_pipeline")
+    assert out["preset"]["verl"]["actor_rollout_ref.rollout.agent.agent_loop_config_path"].startswith("pkg:")
 
 
 LOOPS = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
