@@ -89,6 +89,17 @@ BAD = [
     ({"train_jsonl": "hf://org/model/rows.jsonl"}, "train_jsonl"),  # a model repository: datasets only
     ({"validation_jsonl": "file:///data/$(whoami).jsonl"}, "validation_jsonl"),
     ({"smoke": "yes"}, "smoke"),
+    # issue 46: the form's schema carries the allow-list's keys, its numeric ranges and its size limits
+    ({"total_training_steps": 10**12}, "total_training_steps"),
+    ({"train_batch_size": 10**9}, "train_batch_size"),
+    ({"kl_coef": 1000}, "kl_coef"),
+    ({"gpus_per_node": 0}, "gpus_per_node"),
+    ({"verl_overrides": ["trainer.experiment_name=" + "x" * (10 * 1024 * 1024)]}, "verl_overrides"),
+    ({"verl_overrides": ["trainer.save_freq=1"] * 1000}, "verl_overrides"),
+    ({"store_uri": "file:///" + "d" * 5000}, "store_uri"),
+    ({"datasets": [f"d{i}" for i in range(1000)]}, "datasets"),
+    ({"dataset_revisions": {f"d{i}": "main" for i in range(1000)}}, "dataset_revisions"),
+    ({"experiment": "local_tool_learning"}, "experiment"),  # for make demo-tools only (form: false)
 ]
 
 
@@ -101,6 +112,47 @@ def test_trigger_form_rejects_bad_values(dag, conf, field):
         params.update(conf)
         params.validate()
     assert field in str(err.value)
+
+
+def _form_probes():
+    from tests.unit.pipeline_steps.training.test_form_allow_list import PROBES
+
+    return [override for override, _, _ in PROBES]
+
+
+@pytest.mark.parametrize("override", _form_probes(), ids=[p.split("=")[0][-40:] for p in _form_probes()])
+def test_trigger_form_refuses_every_probe_of_issue_46(dag, override):
+    """The form's JSON schema lets through only the reviewed keys (pipeline_steps/training/form_keys.py): each probe
+    of issue 46 (ray_kwargs, paths, trust_remote_code, critic.model.path, any other key) is refused in the form, before
+    the plan task refuses it again (tests/unit/pipeline_steps/training/test_form_allow_list.py)."""
+    from airflow.sdk.exceptions import ParamValidationError
+
+    params = copy.deepcopy(dag.params)
+    with pytest.raises(ParamValidationError) as err:
+        params.update({"verl_overrides": [override]})
+        params.validate()
+    assert "verl_overrides" in str(err.value)
+    params = copy.deepcopy(dag.params)
+    params.update(
+        {"verl_overrides": ["actor_rollout_ref.actor.optim.lr=2e-6", "+data.mm_processor_kwargs.max_pixels=1"]}
+    )
+    assert params.validate()["verl_overrides"][0] == "actor_rollout_ref.actor.optim.lr=2e-6"
+
+
+def test_every_numeric_field_has_a_range_and_every_string_or_array_a_size_limit(dag):
+    for name, param in dag.params.items():
+        schema = param.schema
+        types = schema.get("type")
+        types = set(types if isinstance(types, list) else [types])
+        if types & {"number", "integer"}:
+            assert "maximum" in schema and ("minimum" in schema or "exclusiveMinimum" in schema), name
+        if "string" in types and "enum" not in schema:
+            assert schema.get("maxLength"), name
+        if "array" in types:
+            assert schema.get("maxItems") and schema["items"].get("maxLength", 64) <= 512, name
+            assert schema["items"].get("pattern") or schema["items"].get("enum"), name
+        if "object" in types:
+            assert schema.get("maxProperties"), name
 
 
 def test_trigger_form_accepts_a_full_form(dag):
@@ -159,7 +211,7 @@ def test_the_form_to_verl_table_has_one_home(dag, monkeypatch):
     for text in (DAG_FILE.read_text(), inspect.getsource(plan), inspect.getsource(form.preset_summary)):
         assert not [f.verl_key for f in form.FIELDS.values() if f.verl_key in text], text[:200]
     # the preset values the form shows come through the table: a field added to it shows its preset value
-    probe = form.Field("data.max_prompt_length", {"type": ["null", "integer"]}, "Prompt length")
+    probe = form.Field("data.max_prompt_length", "Prompt length")
     monkeypatch.setitem(form.FIELDS, "max_prompt_length", probe)
     assert form.preset_summary("local_tiny")["max_prompt_length"] == "256"
     assert form.overrides({"max_prompt_length": 128}) == ["data.max_prompt_length=128"]
@@ -244,7 +296,9 @@ def test_the_form_offers_every_preset_the_vision_language_ones_included(dag):
     from pipeline_steps.training import experiment
 
     enum = dag.params.get_param("experiment").schema["enum"]
-    assert enum == experiment.preset_names()
+    assert enum == experiment.preset_names(offered=True)
     assert {"geo3k_qwen2_5_vl_7b", "geo3k_qwen2_5_vl_3b", "local_tiny", "local_arithmetic", "gsm8k_qwen2_5_3b"} <= set(
         enum
     )
+    # issue 46: a preset meant only for `make demo-tools` (form: false) is not offered; every other one is
+    assert set(experiment.preset_names()) - set(enum) == {"local_tool_learning"}
