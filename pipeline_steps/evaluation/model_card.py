@@ -14,15 +14,24 @@ Lineage comes from the JSON file the DAG passes to ``export --lineage``. Expecte
       "run_uri": "<store uri of the training run>"
     }
 
-The YAML metadata block is built by huggingface_hub's ``ModelCardData`` so the Hub reads it.
+The YAML metadata block is built by huggingface_hub's ``ModelCardData`` so the Hub reads it; it names only values
+shaped like Hub repository ids. Every other value from the lineage, the evaluation (ground truths, answers, the
+evaluation set's name) or the export record is escaped for where it lands (:mod:`pipeline_steps.evaluation.markdown`),
+so the card shows it as typed wherever it is rendered, HTML allowed or not: no image, script, link or heading of its
+own. The card's only links are verl's repository and the MLflow run the pipeline recorded (http(s) only).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+
+from pipeline_steps.evaluation.markdown import cell, code, labelled_link
 
 NR = "not recorded"
+# a Hub repository id ("name" or "owner/name"): what the card's metadata may name
+HUB_REPO_ID = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/)?[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
 def _get(d, *path, default=NR):
@@ -60,7 +69,7 @@ def eval_table(results: dict, base: dict | None) -> str:
         seen.add(name)
         gain = "—" if m is None or bb is None else f"{100 * (float(m) - float(bb)):+.1f} pt"
         lines.append(f"| {name} | {_pct(m)} | {_pct(bb)} | {gain} |")
-    lines.append(f"\n{o['problems']} problems, {o['samples_scored']} samples scored (k={k}).")
+    lines.append(f"\n{cell(o['problems'])} problems, {cell(o['samples_scored'])} samples scored (k={k}).")
     answers = answers_table(results, base)
     return "\n".join(lines) + (f"\n\n{answers}" if answers else "")
 
@@ -73,10 +82,10 @@ def answers_table(results: dict, base: dict | None) -> str:
     if not f:
         return ""
     b = figures_of(base or {}) or {}
-    modal = f"`{f['modal_ground_truth']}`"
+    modal = code(f["modal_ground_truth"])  # answers keep backticks (math_dapo): the span's fence outruns them
 
-    top_m = f"{_pct(f['majority_top_share'])} (`{f['majority_top']}`)" if f.get("majority_top") is not None else "—"
-    top_b = f"{_pct(b['majority_top_share'])} (`{b['majority_top']}`)" if b.get("majority_top") is not None else "—"
+    top_m = f"{_pct(f['majority_top_share'])} ({code(f['majority_top'])})" if f.get("majority_top") is not None else "—"
+    top_b = f"{_pct(b['majority_top_share'])} ({code(b['majority_top'])})" if b.get("majority_top") is not None else "—"
     return "\n".join(
         [
             f"Best constant answer: {modal} every time scores **{_pct(f['best_constant'])}** "
@@ -85,10 +94,10 @@ def answers_table(results: dict, base: dict | None) -> str:
             "",
             "| answers | model | base | ground truth |",
             "| --- | ---: | ---: | ---: |",
-            f"| avg@k on the {f['non_modal_problems']} problems whose answer is not {modal} | "
+            f"| avg@k on the {cell(f['non_modal_problems'])} problems whose answer is not {modal} | "
             f"{_pct(f.get('non_modal_avg@k'))} | {_pct(b.get('non_modal_avg@k'))} | — |",
-            f"| distinct majority answers | {f['majority_distinct']} | {b.get('majority_distinct', '—')} | "
-            f"{f['ground_truth_distinct']} |",
+            f"| distinct majority answers | {cell(f['majority_distinct'])} | {cell(b.get('majority_distinct', '—'))} | "
+            f"{cell(f['ground_truth_distinct'])} |",
             f"| share of the most common majority answer | {top_m} | {top_b} | "
             f"{_pct(f['ground_truth_top_share'])} ({modal}) |",
         ]
@@ -98,10 +107,15 @@ def answers_table(results: dict, base: dict | None) -> str:
 def _metadata(lineage: dict) -> str:
     from huggingface_hub import ModelCardData
 
-    datasets = [d.get("repo_id") or d.get("name") for d in lineage.get("datasets") or [] if isinstance(d, dict)]
+    def repo_id(x):  # the Hub links these: a value of any other shape is left out of the metadata (it is in the card)
+        return x if isinstance(x, str) and HUB_REPO_ID.match(x) and ".." not in x else None
+
+    datasets = [
+        repo_id(d.get("repo_id") or d.get("name")) for d in lineage.get("datasets") or [] if isinstance(d, dict)
+    ]
     data = ModelCardData(
         library_name="transformers",
-        base_model=_get(lineage, "base_model", "name", default=None),
+        base_model=repo_id(_get(lineage, "base_model", "name", default=None)),
         datasets=[d for d in datasets if d] or None,
         tags=["verl", "grpo", "reinforcement-learning"],
     )
@@ -130,52 +144,53 @@ def render(record: dict, results: dict, base: dict | None) -> str:
     ds_rows = ["| dataset | role | source | revision | content hash |", "| --- | --- | --- | --- | --- |"]
     for d in lin.get("datasets") or []:
         ds_rows.append(
-            f"| {_get(d, 'name')} | {_get(d, 'role')} | {_get(d, 'repo_id')} | `{_get(d, 'revision')}` | "
-            f"`{_get(d, 'content_hash')}` |"
+            f"| {cell(_get(d, 'name'))} | {cell(_get(d, 'role'))} | {cell(_get(d, 'repo_id'))} | "
+            f"{code(_get(d, 'revision'))} | {code(_get(d, 'content_hash'))} |"
         )
     if len(ds_rows) == 2:
         ds_rows.append(f"| {NR} | | | | |")
-    ov_text = "\n".join(f"    {o}" for o in overrides) or f"    ({'none' if 'overrides' in exp else NR})"
+    ov_lines = [f"- {code(o, table=False)}" for o in overrides] or [f"- ({'none' if 'overrides' in exp else NR})"]
+    step = cell(_get(record, "checkpoint", "step"))
+    promoted = "promoted to latest" if promo.get("promote") else "candidate"
     return f"""---
 {_metadata(lin)}
 ---
 
-# {record.get("experiment", NR)} · {record.get("version", NR)}
+# {cell(record.get("experiment", NR))} · {cell(record.get("version", NR))}
 
-GRPO post-training of `{_get(lin, "base_model", "name")}` with [verl](https://github.com/volcengine/verl),
-merged from the FSDP checkpoint of training step {_get(record, "checkpoint", "step")} with verl's model merger.
+GRPO post-training of {code(_get(lin, "base_model", "name"), table=False)} with [verl](https://github.com/volcengine/verl),
+merged from the FSDP checkpoint of training step {step} with verl's model merger.
 
 ## Evaluation
 
-Evaluation set `{ev.get("name", NR)}` (sha256 `{ev.get("sha256", NR)}`), k={sampling.get("k", NR)} samples per problem,
-temperature {sampling.get("temperature", NR)}, top-p {sampling.get("top_p", NR)}, \
-at most {sampling.get("max_new_tokens", NR)} new tokens;
-answers scored by verl's own reward code (`{results.get("scorer", NR)}`).
+Evaluation set {code(ev.get("name", NR), table=False)} (sha256 {code(ev.get("sha256", NR), table=False)}), \
+k={cell(sampling.get("k", NR))} samples per problem, temperature {cell(sampling.get("temperature", NR))}, \
+top-p {cell(sampling.get("top_p", NR))}, at most {cell(sampling.get("max_new_tokens", NR))} new tokens;
+answers scored by verl's own reward code ({code(results.get("scorer", NR), table=False)}).
 
 {eval_table(results, base)}
 
-Promotion at export time: **{"promoted to latest" if promo.get("promote") else "candidate"}** \
-— {promo.get("reason", NR)}.
+Promotion at export time: **{promoted}** — {cell(promo.get("reason", NR))}.
 
 ## Lineage
 
 | | |
 | --- | --- |
-| base model | `{_get(lin, "base_model", "name")}` at revision `{_get(lin, "base_model", "revision")}` |
-| experiment preset | `{exp.get("name", NR)}` (sha256 `{exp.get("preset_sha256") or exp.get("digest") or NR}`) |
-| overrides sha256 | `{ov_hash}` |
-| verl | {verl_version} |
-| Airflow DAG / run | `{lin.get("dag_id") or _get(lin, "airflow", "dag_id")}` / \
-`{lin.get("run_id") or _get(lin, "airflow", "run_id")}` |
-| training run | {lin.get("run_uri", NR)} |
+| base model | {code(_get(lin, "base_model", "name"))} at revision {code(_get(lin, "base_model", "revision"))} |
+| experiment preset | {code(exp.get("name", NR))} (sha256 {code(exp.get("preset_sha256") or exp.get("digest") or NR)}) |
+| overrides sha256 | {code(ov_hash)} |
+| verl | {cell(verl_version)} |
+| Airflow DAG / run | {code(lin.get("dag_id") or _get(lin, "airflow", "dag_id"))} / \
+{code(lin.get("run_id") or _get(lin, "airflow", "run_id"))} |
+| training run | {code(lin.get("run_uri", NR))} |
 | MLflow run | {_mlflow_cell(record.get("mlflow"))} |
-| checkpoint | `{_get(record, "checkpoint", "dir")}` step {_get(record, "checkpoint", "step")} |
-| weights sha256 | `{record.get("weights_sha256", NR)}` |
-| exported at | {record.get("exported_at", NR)} |
+| checkpoint | {code(_get(record, "checkpoint", "dir"))} step {step} |
+| weights sha256 | {code(record.get("weights_sha256", NR))} |
+| exported at | {code(record.get("exported_at", NR))} |
 
 Overrides applied on top of the preset:
 
-{ov_text}
+{chr(10).join(ov_lines)}
 
 {chr(10).join(ds_rows)}
 
@@ -190,8 +205,11 @@ tokenizer = AutoTokenizer.from_pretrained("PATH_TO_THIS_DIRECTORY")
 
 
 def _mlflow_cell(run: dict | None) -> str:
-    """The MLflow run id, linked when the tracking server is a web server; "not tracked" without one."""
+    """The MLflow run id, linked when the recorded URL is an http(s) one (the tracking server's web UI);
+    "not tracked" without a run."""
     if not run or not run.get("run_id"):
         return "not tracked"
-    rid = f"`{run['run_id']}`"
-    return f"[{rid}]({run['url']})" if run.get("url") else f"{rid} at `{run.get('tracking_uri', NR)}`"
+    rid = code(run["run_id"])
+    if run.get("url"):
+        return labelled_link(rid, str(run["url"]))
+    return f"{rid} at {code(run.get('tracking_uri', NR))}"

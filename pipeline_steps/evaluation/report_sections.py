@@ -1,4 +1,8 @@
-"""The run report's sections, each a list of Markdown lines; ``state`` collects what each input's status was."""
+"""The run report's sections, each a list of Markdown lines; ``state`` collects what each input's status was.
+
+Every value read from the run directory goes through :mod:`pipeline_steps.evaluation.markdown` (``cell`` for text,
+``code`` for identifiers and answers): a model's answer or a dataset's name never becomes markup on the page.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,10 @@ import logging
 from pathlib import Path
 
 from pipeline_steps import tracking_run
-from pipeline_steps.evaluation.markdown import cell, fmt
+from pipeline_steps.evaluation.markdown import cell, code, fmt, link, safe_url
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
 from pipeline_steps.evaluation.report_charts import CURVES, OPTIONAL_CURVES, TABLE_KEYS, VAL_RE, plot
 from pipeline_steps.evaluation.report_inputs import NP, read_json, read_metrics, series
-from pipeline_steps.evaluation.report_markup import code, link, safe_url
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
     for key in sorted({k for d in steps.values() for k in d if VAL_RE.match(k)}):
         vx, vy = series(steps, key)
         if vx:
-            val_extra.append((f"validation {key.split('/', 1)[1].rsplit('/', 1)[0]}", vx, vy, "s"))
+            source = key.split("/", 1)[1].rsplit("/", 1)[0].replace("$", r"\$")  # a data source's $ is not mathtext
+            val_extra.append((f"validation {source}", vx, vy, "s"))
     for name, key, title, ylabel in CURVES:
         xs, ys = series(steps, key)
         if not xs:
@@ -101,11 +105,11 @@ def eval_section(run_dir: Path, state: dict) -> list[str]:
     model = res.get("model") or {}
     lines += [
         f"Evaluation set {code(ev.get('name', NR), table=False)} (sha256 {code(ev.get('sha256', NR), table=False)}); "
-        f"k={s.get('k', NR)}, temperature {s.get('temperature', NR)}, top-p {s.get('top_p', NR)}, "
-        f"at most {s.get('max_new_tokens', NR)} new tokens.",
+        f"k={cell(s.get('k', NR))}, temperature {cell(s.get('temperature', NR))}, top-p {cell(s.get('top_p', NR))}, "
+        f"at most {cell(s.get('max_new_tokens', NR))} new tokens.",
         "",
         f"Model {code(model.get('path', NR), table=False)}"
-        + (f" (checkpoint step {model['step']})" if model.get("step") is not None else "")
+        + (f" (checkpoint step {cell(model['step'])})" if model.get("step") is not None else "")
         + (
             f"; base {code(_get(base, 'model', 'path'), table=False)}"
             if base
@@ -146,11 +150,11 @@ def problems_table(res: dict, base: dict | None) -> list[str]:
             up += p["correct"] > b["correct"]
             down += p["correct"] < b["correct"]
         if len(rows) - 2 < MAX_PROBLEM_ROWS:
-            base_cell = f"{b.get('correct', '?')}/{b.get('n', '?')}" if b else "—"
+            base_cell = f"{cell(b.get('correct', '?'))}/{cell(b.get('n', '?'))}" if b else "—"
             maj = code(p["maj_answer"]) if p.get("maj_answer") is not None else "—"
             rows.append(
                 f"| {cell(p.get('id', '?'))} | {code(p.get('ground_truth', '?'))} | "
-                f"{p.get('correct', '?')}/{p.get('n', '?')} | {base_cell} | {maj} |"
+                f"{cell(p.get('correct', '?'))}/{cell(p.get('n', '?'))} | {base_cell} | {maj} |"
             )
     head = [f"### Per problem ({len(problems)})", ""]
     if base_by_id:
@@ -277,5 +281,5 @@ def tasks_section(states: dict[str, str]) -> list[str]:
     if not states:
         return []
     lines = ["## Tasks", "", "| task | state |", "| --- | --- |"]
-    lines += [f"| `{cell(task)}` | {cell(state or 'not started')} |" for task, state in states.items()]
+    lines += [f"| {code(task)} | {cell(state or 'not started')} |" for task, state in states.items()]
     return lines + [""]

@@ -14,8 +14,10 @@ Inputs, read from the run directory, each optional: a missing one is shown as "n
 
 Output (one atomic directory, default ``<run-dir>/report/``): ``report.md``, one PNG per curve made with
 matplotlib's Agg canvas, and ``report.html`` (the same Markdown rendered by markdown-it-py with raw HTML
-disabled, images inlined) when markdown-it-py is installed. The page holds no timestamp, so a retry writes
-the same bytes.
+disabled, images inlined, a Content-Security-Policy that lets it load nothing else) when markdown-it-py is
+installed. Every value read from those inputs (model answers, ground truths, ids, names, the run's overrides) is
+escaped for where it lands (:mod:`pipeline_steps.evaluation.markdown`): the page links only what the pipeline gives
+it. The page holds no timestamp, so a retry writes the same bytes.
 
 On a cloud store the run's few small inputs are fetched from an open store (:func:`write_remote_report`) into a
 local copy, the report is written next to it and uploaded to ``<run dir>/report/`` as a version.
@@ -32,10 +34,10 @@ from urllib.parse import urlsplit
 from pipeline_steps import atomic, outputs, tracking_run
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation import trajectories
-from pipeline_steps.evaluation.markdown import cell
+from pipeline_steps.evaluation.markdown import cell, code
 from pipeline_steps.evaluation.model_card import _get
 from pipeline_steps.evaluation.report_inputs import parse_task_states, read_json
-from pipeline_steps.evaluation.report_markup import code, render_html
+from pipeline_steps.evaluation.report_markup import render_html
 from pipeline_steps.evaluation.report_sections import (
     eval_section,
     lineage_section,

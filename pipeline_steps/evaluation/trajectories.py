@@ -15,11 +15,10 @@ import contextlib
 import json
 import math
 import random
-import re
 import sys
 from pathlib import Path
 
-from pipeline_steps.evaluation.markdown import cell, fmt
+from pipeline_steps.evaluation.markdown import block, cell, fmt
 
 SAMPLES_SHOWN = 3
 MAX_TEXT = 1500  # characters of one turn on the page
@@ -94,13 +93,12 @@ def step_stats(rows: list[dict]) -> dict:
 
 
 def _block(text: str) -> list[str]:
-    """A fenced code block holding any text (fence longer than any backtick run inside): Markdown renders it
-    verbatim and the HTML renderer escapes it, so model output cannot inject markup."""
+    """Model output as a fenced code block (:func:`pipeline_steps.evaluation.markdown.block`), cut at MAX_TEXT
+    characters: the page shows it verbatim, so it cannot inject markup."""
     text = str(text)
     if len(text) > MAX_TEXT:
         text = text[:MAX_TEXT] + f"\n… ({len(text) - MAX_TEXT} more characters)"
-    fence = "`" * max(3, max((len(m) for m in re.findall(r"`+", text)), default=0) + 1)
-    return [fence + "text", text, fence]
+    return block(text)
 
 
 def render_sample(row: dict) -> list[str]:
@@ -116,7 +114,7 @@ def render_sample(row: dict) -> list[str]:
         turns = [{"role": "response", "text": row.get("output", "")}]
     for t in turns:
         if isinstance(t, dict):
-            lines += [f"{cell(t.get('role', '?')).capitalize()}:", "", *_block(t.get("text", "")), ""]
+            lines += [f"{cell(str(t.get('role', '?')).capitalize())}:", "", *_block(t.get("text", "")), ""]
     for call in row.get("tool_calls") or []:
         lines += ["Tool call:", "", *_block(json.dumps(call, ensure_ascii=False)), ""]
     return lines

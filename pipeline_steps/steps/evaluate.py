@@ -424,25 +424,10 @@ def _verl_version() -> str:
 
 
 def markdown(res: dict, base: dict | None) -> str:
-    from pipeline_steps.evaluation.model_card import eval_table
+    """``results.md``: rendered (every id, answer and name escaped) by :mod:`pipeline_steps.evaluation.results_page`."""
+    from pipeline_steps.evaluation import results_page
 
-    lines = [
-        f"# Evaluation: {res['eval_set']['name']}",
-        "",
-        f"model `{res['model']['path']}`"
-        + (f" (checkpoint step {res['model']['step']})" if res["model"].get("step") is not None else ""),
-        "",
-        eval_table(res, base),
-        "",
-        "| problem | answer | correct/k | maj answer |",
-        "| --- | --- | ---: | --- |",
-    ]
-    for p in res["problems"]:
-        lines.append(
-            f"| {p['id']} | {p['ground_truth']} | {p['correct']}/{p['n']} | "
-            f"{p['maj_answer'] if p['maj_answer'] is not None else '—'} |"
-        )
-    return "\n".join(lines) + "\n"
+    return results_page.render(res, base)
 
 
 def run(args) -> dict:

@@ -106,7 +106,7 @@ def test_evaluate_tiny_model_for_real_with_cached_base(tiny_model, aime, tmp_pat
         "generator": "hf",
     }
     md = (tmp_path / "out" / "results.md").read_text()
-    assert "| avg@3 |" in md and "| 2024-I-2 | 2 |" in md
+    assert "| avg@3 |" in md and "| 2024-I-2 | `2` |" in md  # the ground truth in a code span
     assert json.loads((tmp_path / "out" / "base_results.json").read_text())["overall"] == res["base"]["overall"]
 
     # second run: base comes from the cache (one generation call), results are reproducible
