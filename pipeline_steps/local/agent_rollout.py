@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import re
 import sys
@@ -32,6 +33,9 @@ from typing import Callable
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.local.agent_server import HFAsyncServer
+
+log = logging.getLogger(__name__)
+CAPACITY_REFUSED = "sandbox_capacity_refused"  # pipeline_steps.tools.code_sandbox's count (verl-free import here)
 
 # Tool answers that are failures: our code tool's ("[error] Name: ..." when the code raised, "Error: ..." when the
 # tool or the sandbox failed) and verl's own ("Unknown function ...", "Invalid JSON in arguments ...").
@@ -118,7 +122,21 @@ class AgentRollout:
         return out, {"agent_name": agent_name, "messages": seen[0].messages if seen else None}
 
     async def _all(self, prompts, n: int, sampling_params: dict):
-        return await asyncio.gather(*[self._one(p, sampling_params) for p in prompts for _ in range(n)])
+        try:
+            return await asyncio.gather(*[self._one(p, sampling_params) for p in prompts for _ in range(n)])
+        finally:  # every trajectory has ended: a tool that holds something per trajectory lets it go now
+            for tool in self.tools:
+                if hasattr(tool, "end_rollout"):
+                    await tool.end_rollout()
+
+    def _tool_counts(self) -> dict[str, int]:
+        """The counts the tools kept during the rollout (the code tool's ``sandbox_capacity_refused``), summed;
+        verl's ``ToolAgentLoop`` drops the metrics ``execute`` returns, so they are read from the tools."""
+        counts: dict[str, int] = {}
+        for tool in self.tools:
+            for k, v in (tool.take_counts() if hasattr(tool, "take_counts") else {}).items():
+                counts[k] = counts.get(k, 0) + int(v)
+        return counts
 
     def generate(self, prompts, n: int, *, temperature: float, top_p: float, top_k: int, seed: int):
         """The trainer's batch for ``prompts`` x ``n`` (interleaved like verl's repeat), plus trajectories."""
@@ -129,7 +147,18 @@ class AgentRollout:
         sp = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
         sp["max_tokens"] = self.response_length  # the loop itself stops at response_length over all turns
         torch.manual_seed(seed)
+        self._tool_counts()  # counts from before this rollout are not its own
         results = asyncio.run(self._all(prompts, n, sp))
+        tool_counts = self._tool_counts()
+        refused = tool_counts.get(CAPACITY_REFUSED, 0)
+        if refused:  # once per step: the calls failed, and the run would say nothing else
+            log.warning(
+                "%d code tool calls this step were refused by the sandbox service for capacity (scored as failed "
+                "calls; metric tool/%s): fewer sandboxes at once (data.train_batch_size x actor_rollout_ref.rollout.n "
+                "in session: trajectory, else the tool's max_concurrency) or a larger sandbox service",
+                refused,
+                CAPACITY_REFUSED,
+            )
         pad = self.tokenizer.pad_token_id
         width_p = max(len(o.prompt_ids) for o, _ in results)
         rows = len(results)
@@ -160,6 +189,7 @@ class AgentRollout:
             "tool_call_counts": np.array([len(t["tool_calls"]) for t in trajectories], dtype=np.int32),
             "trajectories": trajectories,
             "loop_timings": [_timings(o) for o, _ in results],
+            "tool_counts": tool_counts,
         }
 
     def _trajectory(self, out, seen: dict) -> dict:
@@ -247,9 +277,10 @@ TIMED = ("generate_sequences", "tool_calls")  # what verl's ToolAgentLoop times 
 
 def metrics(batch: dict) -> dict:
     """Tool use of one step: share of samples calling a tool, calls and failed calls (verl's ``tool_call_counts/*``
-    come from ``compute_data_metrics``); and the agent loop's timings under the names verl's AgentLoopManager gives
-    them on the cluster (``timing_s/agent_loop/<generate_sequences|tool_calls>/<min|max|mean>``), so a local run
-    and a cluster run show the time in tools against the time generating the same way."""
+    come from ``compute_data_metrics``), calls the sandbox service refused for capacity
+    (``tool/sandbox_capacity_refused``, among the failed ones); and the agent loop's timings under the names verl's
+    AgentLoopManager gives them on the cluster (``timing_s/agent_loop/<generate_sequences|tool_calls>/<min|max|mean>``),
+    so a local run and a cluster run show the time in tools against the time generating the same way."""
     trajectories = batch.get("trajectories") or []
     if not trajectories:
         return {}
@@ -264,6 +295,8 @@ def metrics(batch: dict) -> dict:
         "tool/error_rate": errors / answered if answered else 0.0,
         "tool/timeouts": float(timeouts),
     }
+    if "tool_counts" in batch:  # calls the sandbox service refused for capacity (also counted in tool/errors)
+        out[f"tool/{CAPACITY_REFUSED}"] = float(batch["tool_counts"].get(CAPACITY_REFUSED, 0))
     timings = batch.get("loop_timings") or []
     for name in TIMED if timings else ():
         values = [t[name] for t in timings]

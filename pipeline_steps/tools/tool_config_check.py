@@ -1,15 +1,22 @@
 """Pre-flight of a verl tool config (``actor_rollout_ref.rollout.multi_turn.tool_config_path``) on CPU, without
 building any tool (an MCP tool would contact its server): the YAML's shape, each ``class_name`` importable and a
-``BaseTool``, ``config.type: native`` (verl 0.9.1 knows no other), each ``tool_schema`` valid for verl."""
+``BaseTool``, ``config.type: native`` (verl 0.9.1 knows no other), each ``tool_schema`` valid for verl; and, for the
+code sandbox tool, the sandboxes a rollout holds at once against the sandbox service's capacity
+(:func:`check_sandbox_capacity`)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
+import logging
+import os
+import urllib.request
 from pathlib import Path
 
 from pipeline_steps.errors import UserError
 
+log = logging.getLogger(__name__)
 KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 TRUSTED = ("pipeline_steps.tools.", "verl.tools.")  # modules imported to check their class; others only located
 
@@ -56,9 +63,11 @@ def check_tool_config(path: str) -> list[str]:
     return names
 
 
-def check_multi_turn(cfg) -> dict:
+def check_multi_turn(cfg, backend: str | None = None, cluster: dict | None = None) -> dict:
     """For the pre-flight: the tool config when multi-turn is on and the file is readable here (a path that only
-    exists in the training image is left to the cluster)."""
+    exists in the training image is left to the cluster), and the code tool's sandboxes against the service's
+    capacity (``backend``: ``local`` or ``cluster``, else taken from the rollout engine; ``cluster``: the preset's
+    ``cluster`` section, which names the sandbox service)."""
     mt = cfg.actor_rollout_ref.rollout.get("multi_turn") or {}
     path = mt.get("tool_config_path")
     if mt.get("enable") and path:
@@ -67,7 +76,139 @@ def check_multi_turn(cfg) -> dict:
         path = resolve_config_path(path)  # pkg: names a shipped config; a missing one fails here
     if not mt.get("enable") or not path or not Path(str(path)).is_file():
         return {}
-    return {"tools": check_tool_config(str(path))}
+    out = {"tools": check_tool_config(str(path))}
+    sandboxes = check_sandbox_capacity(cfg, str(path), backend, cluster)
+    if sandboxes:
+        out["sandboxes"] = sandboxes
+    return out
+
+
+# -- sandbox capacity ---------------------------------------------------------------------------------
+
+ROLLOUT = "actor_rollout_ref.rollout"
+
+
+def _code_tool_config(path: str) -> dict | None:
+    """The code sandbox tool's settings in the tool config (its defaults filled in), or None without that tool."""
+    import yaml
+
+    from pipeline_steps.tools import CODE_SANDBOX_TOOL
+
+    spec = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    for entry in spec.get("tools") or []:
+        if entry.get("class_name") == CODE_SANDBOX_TOOL:
+            from pipeline_steps.tools.code_sandbox import DEFAULTS
+
+            config = entry.get("config") or {}
+            return {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
+    return None
+
+
+def sandboxes_at_once(cfg, tool: dict, backend: str) -> tuple[int, str]:
+    """The sandboxes one training step's rollout holds at once, and how that figure comes about (the settings).
+
+    ``session: trajectory``: every trajectory of the step (``data.train_batch_size x rollout.n``) holds its sandbox
+    from its first call to its end, and they run together. ``session: call``: a sandbox lives for one call; at most
+    the calls in flight: every trajectory's parallel calls, bounded by ``max_concurrency`` per rollout process (one
+    on the local backend, ``rollout.agent.num_workers`` on the cluster)."""
+    ro = cfg.actor_rollout_ref.rollout
+    batch, n = int(cfg.data.train_batch_size), int(ro.n)
+    trajectories = f"data.train_batch_size={batch} x {ROLLOUT}.n={n}"
+    if tool["session"] == "trajectory":
+        return batch * n, f"{trajectories} trajectories each hold a sandbox (session: trajectory)"
+    parallel = int(ro.multi_turn.get("max_parallel_calls") or 1)
+    workers = 1 if backend == "local" else int((ro.get("agent") or {}).get("num_workers") or 1)
+    concurrency = int(tool["max_concurrency"])
+    calls = batch * n * parallel
+    at_once = min(calls, concurrency * workers)
+    how = f"session: call, {trajectories} x {ROLLOUT}.multi_turn.max_parallel_calls={parallel} calls"
+    how += f" at most max_concurrency={concurrency} x {workers} rollout process(es) at once"
+    if backend != "local":
+        how += f" ({ROLLOUT}.agent.num_workers)"
+    return at_once, how
+
+
+def _local_server_default() -> int:
+    """The ``--max-sandboxes`` of the server the local backend starts when no E2B service is set (the
+    ``sandbox-server`` step's default: ``agent_rollout.local_sandbox`` does not set it)."""
+    import argparse
+
+    from pipeline_steps.steps import sandbox_server
+
+    parser = argparse.ArgumentParser()
+    sandbox_server.add_arguments(parser)
+    return int(parser.parse_args(["--state-dir", "-"]).max_sandboxes)
+
+
+def _ask_server(url: str) -> int | None:
+    """The capacity a running local sandbox server reports (``GET /health``: ``capacity``); None from another
+    service or when it does not answer."""
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/health", timeout=5) as r:
+            body = json.loads(r.read(64 * 1024))
+    except (OSError, ValueError):
+        return None
+    capacity = body.get("capacity") if isinstance(body, dict) else None
+    return capacity if isinstance(capacity, int) and capacity > 0 else None
+
+
+def sandbox_capacity(tool: dict, backend: str, cluster: dict | None) -> tuple[int | None, str]:
+    """The sandbox service's capacity (None: unknown) and which service and setting it comes from."""
+    if backend == "local":
+        api_url = tool.get("e2b_api_url") or os.environ.get("E2B_API_URL")
+        domain = tool.get("e2b_domain") or os.environ.get("E2B_DOMAIN")
+        if api_url:
+            return _ask_server(api_url), f"the sandbox service at E2B_API_URL={api_url}"
+        if domain:
+            return None, f"the sandbox service at E2B_DOMAIN={domain}"
+        default = _local_server_default()
+        return default, f"the local sandbox server the run starts (sandbox-server --max-sandboxes {default})"
+    from pipeline_steps import settings
+    from pipeline_steps.training.rayjob_manifest import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, sandbox_services
+
+    name = (cluster or {}).get("sandbox_service")
+    if name is None:
+        domain = settings.get(SANDBOX_DOMAIN_ENV) or "(unset)"
+        return None, f"the deployment's default sandbox service ${SANDBOX_DOMAIN_ENV}={domain}"
+    svc = sandbox_services().get(name)
+    if svc is None:
+        return None, f"cluster.sandbox_service={name}"  # an unknown name: the RayJob render refuses it
+    where = f"cluster.sandbox_service={name} (${SANDBOX_SERVICES_ENV}[{name!r}].capacity"
+    return svc.get("capacity"), where + (")" if svc.get("capacity") else ": unset)")
+
+
+def check_sandbox_capacity(cfg, path: str, backend: str | None = None, cluster: dict | None = None) -> dict:
+    """The code sandbox tool's sandboxes held at once by one step's rollout against the service's capacity:
+    UserError in one line, naming the settings, when they do not fit; a warning when the capacity is unknown.
+    ``{}`` when the tool config has no code sandbox tool."""
+    tool = _code_tool_config(path)
+    if tool is None:
+        return {}
+    if backend is None:  # the local backend alone generates with transformers (check_registries)
+        backend = "local" if str(cfg.actor_rollout_ref.rollout.get("name")) == "hf" else "cluster"
+    at_once, how = sandboxes_at_once(cfg, tool, backend)
+    capacity, service = sandbox_capacity(tool, backend, cluster)
+    summary = {"at_once": at_once, "capacity": capacity, "session": tool["session"]}
+    if capacity is None:
+        log.warning(
+            "code sandbox tool: %s: %d sandboxes at once; the capacity of %s is unknown, so calls beyond it would "
+            "fail as 'sandbox unavailable'%s",
+            how,
+            at_once,
+            service,
+            "" if backend == "local" else " (give the service a capacity in $PIPELINE_SANDBOX_SERVICES)",
+        )
+    elif at_once > capacity:
+        remedy = (
+            f"lower data.train_batch_size or {ROLLOUT}.n, or use session: call"
+            if tool["session"] == "trajectory"
+            else "lower max_concurrency in the tool config"
+        )
+        raise UserError(
+            f"{KEY}={path}: {how}: {at_once} sandboxes at once, but {service} holds {capacity}; {remedy}, or use a "
+            "sandbox service with more"
+        )
+    return summary
 
 
 LOOPS_KEY = "actor_rollout_ref.rollout.agent.agent_loop_config_path"
