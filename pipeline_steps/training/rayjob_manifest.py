@@ -224,9 +224,10 @@ _SERVICES_SHAPE = '{"<name>": {"domain": "<E2B domain>", "secret": "<Secret name
 
 def sandbox_services() -> dict[str, dict]:
     """The deployment's named sandbox services: ``$PIPELINE_SANDBOX_SERVICES`` (Helm values), name -> the E2B
-    domain and the Kubernetes Secret (name, data key) holding its API key. Endpoints and Secret names only, never a
-    key: presets of different sandbox services (guide 000's sandbox-manager, guide 003's AGS region) run from one
-    Airflow, each naming its service by ``cluster.sandbox_service``."""
+    domain and the Kubernetes Secret (name, data key) holding its API key, and optionally its ``capacity`` (sandboxes
+    at once, which the pre-flight checks a rollout against). Endpoints and Secret names only, never a key: presets
+    of different sandbox services (guide 000's sandbox-manager, guide 003's AGS region) run from one Airflow, each
+    naming its service by ``cluster.sandbox_service``."""
     raw = (settings.get(SANDBOX_SERVICES_ENV) or "").strip()
     if not raw:
         return {}
@@ -241,8 +242,12 @@ def sandbox_services() -> dict[str, dict]:
         what = f"${SANDBOX_SERVICES_ENV}[{name!r}]"
         if not _SERVICE_NAME.match(str(name)):
             raise UserError(f"{what}: a service name is a lower-case DNS label (e.g. ags-shanghai)")
-        if not isinstance(svc, dict) or set(svc) - {"domain", "secret", "key"} or not {"domain", "secret"} <= set(svc):
-            raise UserError(f"{what}: expected {{domain, secret[, key]}}, e.g. {_SERVICES_SHAPE}")
+        if (
+            not isinstance(svc, dict)
+            or set(svc) - {"domain", "secret", "key", "capacity"}
+            or not {"domain", "secret"} <= set(svc)
+        ):
+            raise UserError(f"{what}: expected {{domain, secret[, key, capacity]}}, e.g. {_SERVICES_SHAPE}")
         domain, secret, key = str(svc["domain"]), str(svc["secret"]), str(svc.get("key", "apiKey"))
         if not _HOST.match(domain):
             raise UserError(f"{what}.domain={domain!r}: not a domain name (e.g. ap-shanghai.tencentags.com)")
@@ -251,6 +256,11 @@ def sandbox_services() -> dict[str, dict]:
         if not _SECRET_KEY_RE.match(key):
             raise UserError(f"{what}.key={key!r}: not a Secret data key")
         out[str(name)] = {"domain": domain, "secret": secret, "key": key}
+        if "capacity" in svc:  # sandboxes the service holds at once: the pre-flight checks a rollout against it
+            capacity = svc["capacity"]
+            if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+                raise UserError(f"{what}.capacity={capacity!r}: sandboxes the service holds at once, an integer >= 1")
+            out[str(name)]["capacity"] = capacity
     return out
 
 
