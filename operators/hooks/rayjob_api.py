@@ -12,6 +12,7 @@ from functools import cached_property
 from airflow.providers.cncf.kubernetes.hooks.kubernetes import AsyncKubernetesHook, KubernetesHook
 
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayjobs"
+RAY_TOKEN_KEY = "auth_token"  # KubeRay's RAY_AUTH_TOKEN_SECRET_KEY: the data key of a cluster's Ray token Secret
 
 
 class RayJobHook(KubernetesHook):
@@ -96,3 +97,16 @@ class RayJobHook(KubernetesHook):
             pod = max(pods.items, key=lambda p: str(p.metadata.creation_timestamp or ""))
             text = await core.read_namespaced_pod_log(pod.metadata.name, namespace, tail_lines=tail_lines)
             return str(text).splitlines()
+
+    async def async_ray_token(self, secret: str, namespace: str) -> str | None:
+        """The Ray token in Secret ``secret`` (key ``auth_token``, as KubeRay writes and reads it), for a request header
+        to the Ray dashboard only (never logged); ``None`` when the Secret has no such key. Raises
+        ``kubernetes_asyncio`` ``ApiException`` (403 when this identity may not read it, 404 when it is absent)."""
+        import base64
+
+        from kubernetes_asyncio.client import CoreV1Api
+
+        async with self.async_hook.get_conn() as api_client:
+            secret_obj = await CoreV1Api(api_client).read_namespaced_secret(secret, namespace)
+        value = (secret_obj.data or {}).get(RAY_TOKEN_KEY)
+        return base64.b64decode(value).decode().strip() if value else None

@@ -2,7 +2,11 @@
 
 Success is only ``jobDeploymentStatus == Complete`` with ``jobStatus == SUCCEEDED`` (KubeRay reports ``Complete`` for
 FAILED and STOPPED jobs too). The log tail comes from the submitter pod in ``K8sJobMode``; in ``HTTPMode`` (no
-submitter pod) from the Ray dashboard's Jobs API when the worker can reach it.
+submitter pod) from the Ray dashboard's Jobs API when the triggerer can reach it. Every rendered RayJob turns Ray token
+authentication on (``spec.rayClusterSpec.authOptions.mode: token``), so the dashboard refuses a request without the
+cluster's token: the trigger reads it from the Secret KubeRay gives the cluster's pods (``authOptions.secretName``, else
+the one KubeRay generates under the RayCluster's name; key ``auth_token``) and sends it as Ray's clients do
+(``Authorization: Bearer <token>``). The token is kept in memory only, never logged or put in an event.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class RayJobTrigger(JobPollTrigger):
         self.name, self.namespace, self.submission_mode = name, namespace, submission_mode
         self.kubernetes_conn_id, self.cluster_context = kubernetes_conn_id, cluster_context
         self._dashboard_misses = 0
+        self._ray_token: str | None = None  # read once per trigger run; never serialized, logged or evented
 
     @property
     def job_name(self) -> str:
@@ -84,6 +89,7 @@ class RayJobTrigger(JobPollTrigger):
             "reason": status.get("reason"),
             "dashboard_url": status.get("dashboardURL"),
             "_status": status,
+            "_auth": ((obj.get("spec") or {}).get("rayClusterSpec") or {}).get("authOptions") or {},
         }
         label = (
             f"jobDeploymentStatus={status.get('jobDeploymentStatus') or '-'} jobStatus={status.get('jobStatus') or '-'}"
@@ -107,18 +113,30 @@ class RayJobTrigger(JobPollTrigger):
             if self.submission_mode == "K8sJobMode":
                 return await self.hook.async_submitter_log(self.name, self.namespace, self.log_tail_lines)
             if status.get("dashboardURL") and status.get("jobId") and self._dashboard_misses < 3:
-                return await self._dashboard_log(status["dashboardURL"], status["jobId"])
+                headers = await self._ray_auth_header(poll.fields.get("_auth") or {}, status)
+                return await self._dashboard_log(status["dashboardURL"], status["jobId"], headers)
         except Exception as exc:  # logs are best effort
             self._dashboard_misses += self.submission_mode != "K8sJobMode"
             self.log.debug("no log tail for RayJob %s: %s", self.name, exc)
         return []
 
-    async def _dashboard_log(self, dashboard: str, job_id: str) -> list[str]:
+    async def _ray_auth_header(self, auth: dict, status: dict) -> dict[str, str]:
+        """The dashboard request's ``Authorization`` header when the cluster has token authentication on."""
+        if str(auth.get("mode") or "").lower() != "token":
+            return {}
+        if self._ray_token is None:
+            secret = auth.get("secretName") or status.get("rayClusterName")  # KubeRay's generated Secret: the cluster's
+            if not secret:
+                return {}
+            self._ray_token = await self.hook.async_ray_token(secret, self.namespace)
+        return {"Authorization": f"Bearer {self._ray_token}"} if self._ray_token else {}
+
+    async def _dashboard_log(self, dashboard: str, job_id: str, headers: dict[str, str] | None = None) -> list[str]:
         import aiohttp
 
         base = dashboard if dashboard.startswith(("http://", "https://")) else f"http://{dashboard}"
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-            async with session.get(f"{base}/api/jobs/{job_id}/logs") as resp:
+            async with session.get(f"{base}/api/jobs/{job_id}/logs", headers=headers or {}) as resp:
                 resp.raise_for_status()
                 logs = (await resp.json()).get("logs") or ""
         return logs.splitlines()[-self.log_tail_lines :]
@@ -126,6 +144,7 @@ class RayJobTrigger(JobPollTrigger):
     def _event(self, kind, fields, progress, tail, message) -> dict:
         event = super()._event(kind, fields, progress, tail, message)
         event.pop("_status", None)
+        event.pop("_auth", None)
         for key in ("job_deployment_status", "job_status", "reason", "dashboard_url"):
             event.setdefault(key, None)
         return event

@@ -2,8 +2,8 @@
 
 Against the Kubernetes API the pipeline will use (the kube config, or in-cluster credentials inside a pod), it checks:
 the KubeRay RayJob CRD (and that it serves ``ray.io/v1``) and the operator's version; the namespace; a
-``SelfSubjectAccessReview`` for every verb the operator and the trigger use (run it as each component's service
-account: the worker's and the triggerer's); each PVC of ``$PIPELINE_MOUNTS`` is Bound; each Secret the preset's pods
+``SelfSubjectAccessReview`` for every verb the worker's code uses (run it as the worker's service account, which
+the verl_doctor DAG does; the scheduler's account is bound to nothing); each PVC of ``$PIPELINE_MOUNTS`` is Bound; each Secret the preset's pods
 read exists with the expected key. With a preset it also checks allocatable GPUs against the run's request, and
 asks the sandbox service (tool-agent presets) and the MLflow server (``trainer.logger`` with mlflow) one
 authenticated question each; with a store URI, it lists the store with the connection's credentials
@@ -26,11 +26,11 @@ from pipeline_steps.errors import UserError
 log = logging.getLogger(__name__)
 
 CRD = "rayjobs.ray.io"
-# What operators/hooks/rayjob_api.py and the trigger do, as k8s/base/rbac.yaml grants it
-VERBS = [("ray.io", "rayjobs", "", v) for v in ("create", "get", "list", "watch", "delete")] + [
-    ("", "pods", "", "get"),
-    ("", "pods", "", "list"),
-    ("", "pods", "log", "get"),
+# What the worker's code calls (the operators through operators/hooks/rayjob_api.py, and this step's PVC check), as
+# k8s/base/rbac.yaml's worker Role grants it (tests/unit/k8s/test_rbac_grants.py keeps the three in step); the
+# triggerer's Role is a subset for RayJobs (get, delete) plus its Ray token Secret
+VERBS = [("ray.io", "rayjobs", "", v) for v in ("create", "get", "list", "delete")] + [
+    ("", "persistentvolumeclaims", "", "get"),
 ]
 
 
@@ -114,7 +114,7 @@ def check_access(authz, client, ns: str) -> list[Check]:
         status = authz.create_self_subject_access_review(review).status
         fix = (
             "kubectl apply -k k8s/overlays/<cloud>: k8s/base/rbac.yaml binds airflow-worker and airflow-triggerer; "
-            "run doctor as the component's service account"
+            "run doctor as the worker's service account (the verl_doctor DAG)"
         )
         out.append(Check(f"may {what} in {ns}", bool(status.allowed), "" if status.allowed else "denied", fix))
     return out

@@ -19,7 +19,19 @@ API server, so the clients' own error handling runs):
   equality ``labelSelector``: the KubeRay operator's, from :func:`kuberay_operator`) and nodes (``/api/v1/nodes``,
   from :func:`gpu_node`), both lists refused with 403 outside ``access`` as cluster-scoped requests.
 - ``/api/jobs/{job_id}/logs``: the Ray dashboard's Jobs REST API (``HTTPMode`` has no submitter
-  pod); ``status.dashboardURL`` points at this server.
+  pod); ``status.dashboardURL`` points at this server. As Ray 2.60's dashboard does with token authentication on
+  (``ray/_private/authentication/http_token_authentication.py``), it answers 401 to a request without the cluster's
+  token (``Authorization: Bearer <token>``, or ``X-Ray-Authorization``) and 403 to a wrong one, for every RayJob whose
+  ``spec.rayClusterSpec.authOptions.mode`` is ``token``; the token lives in the Secret KubeRay gives the cluster
+  (``authOptions.secretName``, else one named after the RayCluster, key ``auth_token``), created when the cluster
+  starts (a named Secret the test did not create is created too, with a random token).
+
+RBAC: a bearer token in ``identities`` carries a grant set, normally computed from the shipped Role and RoleBinding
+objects (:func:`rbac_grants`, :meth:`StandIn.identity`, :func:`shipped_rbac`: k8s/base/rbac.yaml); every Kubernetes API
+request with it (any resource, namespaced or cluster-scoped, subresources, ``resourceNames``) is decided by the grant as
+the API server's RBAC authorizer decides it, 403 ``Forbidden`` outside it, and its ``SelfSubjectAccessReview`` answers
+from it (creating one needs no grant: Kubernetes' ``system:basic-user`` allows it to everyone). This server's own token
+(the tests' administrator) may do everything, except what ``access`` leaves out of the cluster state ``doctor`` reads.
 
 A scripted controller plays KubeRay: each RayJob gets a list of status steps
 (``jobDeploymentStatus`` Initializing -> Running -> Complete/Failed/ValidationFailed,
@@ -40,8 +52,7 @@ RayJob that fails them is accepted by the API server (KubeRay has no RayJob admi
 What it does NOT cover: admission webhooks, the real KubeRay controller (RayCluster
 creation, submitter Job, backoffLimit retries, TTL and deletion rules), schema
 defaulting and CEL ``x-kubernetes-validations`` rules, finalizers (DELETE removes the
-object at once), watches, patch/update, RBAC objects (authentication is a bearer token: a wrong one gets 401; extra
-tokens in ``identities`` carry a grant set, decided by the test from the Role, and get 403 outside it), resourceVersion
+object at once), watches, patch/update, ClusterRoles and aggregated roles (only Role/RoleBinding), resourceVersion
 conflicts, and set-based label selectors (``in``, ``notin``, existence).
 """
 
@@ -70,6 +81,14 @@ SECRET = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets/([^/]+)$")
 SSAR = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
 DEPLOYMENTS = "/apis/apps/v1/deployments"  # list across namespaces (the KubeRay operator's namespace is the user's)
 NODES = "/api/v1/nodes"
+# any Kubernetes API request, for the authorizer: core (/api/v1) or a group (/apis/<group>/<version>), namespaced or not
+API_PATH = re.compile(
+    r"^/(?:api/v1|apis/(?P<group>[^/]+)/[^/]+)"
+    r"(?:/namespaces/(?P<ns>[^/]+)(?=/|$))?(?:/(?P<resource>[^/]+)(?:/(?P<name>[^/]+)(?:/(?P<sub>[^/]+))?)?)?$"
+)
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+SHIPPED_RBAC = ROOT / "k8s" / "base" / "rbac.yaml"
+RAY_TOKEN_KEY = "auth_token"  # KubeRay's RAY_AUTH_TOKEN_SECRET_KEY
 
 # KubeRay-like scripts: each dict is one observed status (plus optional side effects).
 SUCCESS = [
@@ -208,22 +227,79 @@ def gpu_node(
     }
 
 
-def _forbidden(method: str, path: str, grant: set) -> str | None:
-    """The authorizer's message when ``grant`` lacks the verb a RayJob or pod request needs, else None."""
-    if m := RAYJOBS.match(path):
-        ns, name = m.groups()
-        group, resource, sub = "ray.io", "rayjobs", ""
-        verb = {"POST": "create", "DELETE": "delete"}.get(method) or ("get" if name else "list")
-    elif m := PODS.match(path):
-        ns, name, log = m.groups()
-        group, resource, sub = "", "pods", "log" if log else ""
-        verb = "get" if name else "list"
-    else:
+def request_attributes(method: str, path: str, query: dict | None = None) -> tuple[str, str, str, str, str, str] | None:
+    """(group, resource, subresource, verb, namespace, name) of a Kubernetes API request, as the API server's request
+    info resolver reads them; None for a path that is not a resource (the Ray dashboard's, discovery)."""
+    m = API_PATH.match(path)
+    if not m or not m.group("resource"):
+        if m and m.group("ns") and not m.group("resource"):  # /api/v1/namespaces/<ns>: the namespace itself
+            return "", "namespaces", "", {"GET": "get", "DELETE": "delete"}.get(method, "update"), "", m.group("ns")
         return None
-    if (group, resource, sub, verb, ns) in grant:
-        return None
-    what = f"{resource}{'/' + sub if sub else ''}{'.' + group if group else ''}"
-    return f'{what} is forbidden: cannot {verb} resource "{what}" in namespace "{ns}"'
+    group, ns, resource = m.group("group") or "", m.group("ns") or "", m.group("resource")
+    name, sub = m.group("name") or "", m.group("sub") or ""
+    watch = str((query or {}).get("watch", "")).lower() in ("1", "true")
+    verb = {
+        "GET": ("get" if name else ("watch" if watch else "list")),
+        "POST": "create",
+        "PUT": "update",
+        "PATCH": "patch",
+        "DELETE": ("delete" if name else "deletecollection"),
+    }.get(method, method.lower())
+    return group, resource, sub, verb, ns, name
+
+
+def granted(grant: set, group: str, resource: str, sub: str, verb: str, ns: str, name: str = "") -> bool:
+    """Whether ``grant`` allows it: a 5-tuple ``(group, resource, sub, verb, ns)`` allows every name, a 6-tuple with a
+    name only that object (RBAC's ``resourceNames``: never a list or a create, which name no object)."""
+    return (group, resource, sub, verb, ns) in grant or bool(name and (group, resource, sub, verb, ns, name) in grant)
+
+
+def forbidden_message(group: str, resource: str, sub: str, verb: str, ns: str, name: str, who: str = "") -> str:
+    """The RBAC authorizer's 403 message."""
+    what = f"{resource}{'/' + sub if sub else ''}"
+    head = f'{what}{"." + group if group else ""} "{name}"' if name else f"{what}{'.' + group if group else ''}"
+    where = f'in the namespace "{ns}"' if ns else "at the cluster scope"
+    user = f'User "{who}" ' if who else ""
+    return f'{head} is forbidden: {user}cannot {verb} resource "{what}" in API group "{group}" {where}'
+
+
+def shipped_rbac(path: str | Path = SHIPPED_RBAC) -> list[dict]:
+    """The Role and RoleBinding objects the deployment ships (k8s/base/rbac.yaml)."""
+    import yaml
+
+    return [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+
+
+def rbac_grants(docs: list[dict], account: str, namespace: str, as_namespace: str | None = None) -> set[tuple]:
+    """What ServiceAccount ``namespace/account`` may do, from Role and RoleBinding objects, as grant tuples (see
+    :func:`granted`). ``as_namespace`` stands in for every Role's namespace (a test's namespace for verl-pipeline)."""
+    roles = {(d["metadata"].get("namespace", ""), d["metadata"]["name"]): d for d in docs if d.get("kind") == "Role"}
+    out: set[tuple] = set()
+    for b in (d for d in docs if d.get("kind") == "RoleBinding"):
+        if not any(
+            s.get("kind") == "ServiceAccount" and (s.get("namespace"), s.get("name")) == (namespace, account)
+            for s in b.get("subjects") or []
+        ):
+            continue
+        ref = b["roleRef"]
+        if ref.get("kind") != "Role":
+            raise ValueError(f"RoleBinding {b['metadata']['name']}: only Roles are modelled, not {ref.get('kind')}")
+        ns = b["metadata"].get("namespace", "")
+        role = roles.get((ns, ref["name"]))
+        if role is None:  # a binding to a missing Role grants nothing, as in Kubernetes
+            continue
+        where = as_namespace if as_namespace is not None else ns
+        for rule in role.get("rules") or []:
+            names = rule.get("resourceNames") or []
+            for group in rule.get("apiGroups") or []:
+                for res in rule.get("resources") or []:
+                    resource, _, sub = res.partition("/")
+                    for verb in rule.get("verbs") or []:
+                        if names:
+                            out |= {(group, resource, sub, verb, where, n) for n in names}
+                        else:
+                            out.add((group, resource, sub, verb, where))
+    return out
 
 
 def _now() -> str:
@@ -340,9 +416,13 @@ class StandIn:
         self.access: set[tuple[str, str, str, str, str]] | None = None
         self.deployments: list[dict] = []  # Deployment objects (kuberay_operator())
         self.nodes: list[dict] = []  # Node objects (gpu_node())
-        # extra bearer tokens, each with what its identity may do (RBAC, decided here instead of from Role objects):
-        # RayJob and pod requests outside the grant get 403 Forbidden, as the API server's authorizer answers
-        self.identities: dict[str, set[tuple[str, str, str, str, str]]] = {}
+        # extra bearer tokens, each with what its identity may do (RBAC grant tuples, normally from the shipped Roles:
+        # identity()): every API request outside the grant gets 403 Forbidden, as the API server's authorizer answers
+        self.identities: dict[str, set[tuple]] = {}
+        self.identity_names: dict[str, str] = {}  # token -> "system:serviceaccount:<ns>:<name>" (403 messages)
+        self._caller: set | None = None  # the grant of the request being handled (None: this server's own token)
+        self.ray_tokens: dict[tuple[str, str], str] = {}  # (ns, Secret) -> the Ray token KubeRay generated into it
+        self.dashboard_requests: list[bool] = []  # per dashboard request to a token cluster: did it carry a token
 
     # -- scripting ---------------------------------------------------------------------------------
     def script(self, name: str, steps: list[dict], metrics_file: str | Path | None = None) -> None:
@@ -354,6 +434,18 @@ class StandIn:
     def status(self, name: str, namespace: str = "default") -> dict | None:
         obj = self.objects.get((namespace, name))
         return None if obj is None else copy.deepcopy(obj.get("status") or {})
+
+    def identity(
+        self, account: str, namespace: str = "airflow", docs: list[dict] | None = None, as_namespace: str | None = None
+    ) -> str:
+        """A bearer token for ServiceAccount ``namespace/account`` with what the Roles bound to it grant (``docs``:
+        the shipped k8s/base/rbac.yaml by default); ``as_namespace`` stands in for the Roles' namespace."""
+        token = f"sa-{namespace}-{account}-{uuid.uuid4().hex[:8]}"
+        self.identities[token] = rbac_grants(
+            shipped_rbac() if docs is None else docs, account, namespace, as_namespace
+        )
+        self.identity_names[token] = f"system:serviceaccount:{namespace}:{account}"
+        return token
 
     def count_creates(self, name_prefix: str = "") -> int:
         return sum(1 for b in self.creates if b["metadata"]["name"].startswith(name_prefix))
@@ -385,19 +477,27 @@ class StandIn:
                     except json.JSONDecodeError:
                         return self._send(400, _status_body(400, "BadRequest", "request body is not JSON"))
                 auth = self.headers.get("Authorization") or ""
-                grant = stand_in.identities.get(auth.removeprefix("Bearer "))
-                if url.path.startswith(("/api/v1/", "/apis/")) and auth != f"Bearer {stand_in.token}" and grant is None:
+                kube = url.path.startswith(("/api/v1/", "/apis/")) or url.path in ("/api/v1", "/apis")
+                token = auth.removeprefix("Bearer ")
+                grant = stand_in.identities.get(token) if kube else None
+                if kube and auth != f"Bearer {stand_in.token}" and grant is None:
                     with stand_in.lock:
                         stand_in.unauthorized += 1
                     return self._send(401, _status_body(401, "Unauthorized", "Unauthorized"))
-                denied = None if grant is None else _forbidden(method, url.path, grant)
-                if denied:
+                attrs = request_attributes(method, url.path, query) if grant is not None else None
+                if attrs and url.path != SSAR and not granted(grant, *attrs):
                     with stand_in.lock:
                         stand_in.requests.append((method, url.path))
-                    return self._send(403, _status_body(403, "Forbidden", denied))
+                    message = forbidden_message(*attrs, who=stand_in.identity_names.get(token, ""))
+                    return self._send(403, _status_body(403, "Forbidden", message, attrs[5] or None))
+                headers = {k.lower(): v for k, v in self.headers.items()}
                 with stand_in.lock:
                     stand_in.requests.append((method, url.path))
-                    code, out, ctype = stand_in.handle(method, url.path, query, body)
+                    stand_in._caller = grant
+                    try:
+                        code, out, ctype = stand_in.handle(method, url.path, query, body, headers)
+                    finally:
+                        stand_in._caller = None
                 self._send(code, out, ctype)
 
             def do_GET(self):
@@ -446,7 +546,7 @@ class StandIn:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
     # -- API -----------------------------------------------------------------------------------------
-    def handle(self, method: str, path: str, query: dict, body):
+    def handle(self, method: str, path: str, query: dict, body, headers: dict | None = None):
         m = RAYJOBS.match(path)
         if m and "rayjobs.ray.io" not in self.crds:  # no CRD, no ray.io/v1 API
             return (
@@ -486,6 +586,9 @@ class StandIn:
         if m and method == "GET":  # HTTPMode: the job's log comes from the head's dashboard
             for (ns, name), obj in self.objects.items():
                 if (obj.get("status") or {}).get("jobId") == m.group(1) and (ns, name) in self.job_logs:
+                    refused = self._ray_auth_refusal(ns, obj, headers or {})
+                    if refused:
+                        return refused
                     return 200, {"logs": "".join(line + "\n" for line in self.job_logs[(ns, name)])}, "application/json"
             return 404, f"Job {m.group(1)} does not exist", "text/plain"
         return (
@@ -494,8 +597,58 @@ class StandIn:
             "application/json",
         )
 
-    def allowed(self, group: str, resource: str, sub: str, verb: str, ns: str) -> bool:
+    def allowed(self, group: str, resource: str, sub: str, verb: str, ns: str, name: str = "") -> bool:
+        """What the caller may do: an identity's grant, else this server's own token with ``access`` (None: all)."""
+        if self._caller is not None:
+            return granted(self._caller, group, resource, sub, verb, ns, name)
         return self.access is None or (group, resource, sub, verb, ns) in self.access
+
+    # -- Ray token authentication (KubeRay authOptions) ---------------------------------------------------------
+    @staticmethod
+    def _auth_options(obj: dict) -> dict:
+        return ((obj.get("spec") or {}).get("rayClusterSpec") or {}).get("authOptions") or {}
+
+    def _ray_token_secret(self, obj: dict) -> str | None:
+        """The Secret holding the cluster's Ray token (KubeRay: authOptions.secretName, else the RayCluster's name)."""
+        auth = self._auth_options(obj)
+        if str(auth.get("mode") or "").lower() != "token":
+            return None
+        return auth.get("secretName") or (obj.get("status") or {}).get("rayClusterName")
+
+    def _ensure_ray_token(self, ns: str, obj: dict) -> None:
+        """As KubeRay does when the cluster is created: a Secret with a random token unless it exists."""
+        import base64
+
+        secret = self._ray_token_secret(obj)
+        if secret and (ns, secret) not in self.secrets:
+            token = uuid.uuid4().hex
+            self.secrets[(ns, secret)] = {RAY_TOKEN_KEY: base64.b64encode(token.encode()).decode()}
+            if not self._auth_options(obj).get("secretName"):
+                self.ray_tokens[(ns, secret)] = token  # KubeRay's own: deleted with the cluster
+
+    def ray_token(self, ns: str, obj_or_name) -> str | None:
+        """The Ray token a RayJob's cluster expects (None: token authentication is off)."""
+        import base64
+
+        obj = self.objects.get((ns, obj_or_name)) if isinstance(obj_or_name, str) else obj_or_name
+        secret = self._ray_token_secret(obj or {})
+        data = self.secrets.get((ns, secret)) if secret else None
+        if not data or RAY_TOKEN_KEY not in data:
+            return None
+        return base64.b64decode(data[RAY_TOKEN_KEY]).decode().strip()
+
+    def _ray_auth_refusal(self, ns: str, obj: dict, headers: dict):
+        """Ray's token middleware: 401 without a token, 403 with a wrong one, None when the request may pass."""
+        if self._ray_token_secret(obj) is None:
+            return None
+        header = headers.get("authorization") or headers.get("x-ray-authorization") or ""
+        self.dashboard_requests.append(bool(header))
+        if not header:
+            return 401, "Unauthorized: Missing authentication token", "text/plain"
+        expected = self.ray_token(ns, obj)
+        if expected is None or header != f"Bearer {expected}":
+            return 403, "Forbidden: Invalid authentication token", "text/plain"
+        return None
 
     def _cluster_state(self, method: str, path: str, body, query: dict):
         """CRDs, namespaces, PVCs, Secrets, SelfSubjectAccessReviews, Deployments and nodes, as the API server answers
@@ -571,7 +724,7 @@ class StandIn:
             )
         if m := SECRET.match(path):
             ns, name = m.groups()
-            if not self.allowed("", "secrets", "", "get", ns):
+            if not self.allowed("", "secrets", "", "get", ns, name):
                 msg = f'secrets "{name}" is forbidden: cannot get resource "secrets" in namespace "{ns}"'
                 return 403, _status_body(403, "Forbidden", msg, name), j
             if (ns, name) not in self.secrets:
@@ -703,6 +856,7 @@ class StandIn:
             status["dashboardURL"] = self.dashboard_host or f"{name}-raycluster-head-svc.{ns}.svc.cluster.local:8265"
             status["jobId"] = obj.get("spec", {}).get("jobId") or name
             status["startTime"] = _now()
+            self._ensure_ray_token(ns, obj)
         if status.get("jobStatus") or step.get("jobStatus"):
             self.job_logs.setdefault((ns, name), [])
         for line in step.pop("log", []):
@@ -757,6 +911,9 @@ class StandIn:
             return 404, _status_body(404, "NotFound", f'rayjobs.ray.io "{name}" not found', name), "application/json"
         self.deletes.append(name)
         self.job_logs.pop((ns, name), None)  # the cluster and submitter go with it
+        secret = self._ray_token_secret(obj)
+        if secret and self.ray_tokens.pop((ns, secret), None) is not None:  # KubeRay's generated Secret goes too
+            self.secrets.pop((ns, secret), None)
         return (
             200,
             {

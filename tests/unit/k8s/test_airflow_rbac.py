@@ -115,20 +115,10 @@ def test_every_airflow_account_reading_the_bucket_on_gke_is_granted():
 
 def grants(rbac_docs: list[dict], account: str, namespace: str, as_namespace: str) -> set[tuple]:
     """What ``account`` (in ``namespace``) may do, from Role/RoleBinding documents, as the stand-in's grant set in
-    ``as_namespace`` (the test's namespace stands for verl-pipeline)."""
-    roles = {d["metadata"]["name"]: d for d in rbac_docs if d and d["kind"] == "Role"}
-    out = set()
-    for b in (d for d in rbac_docs if d and d["kind"] == "RoleBinding"):
-        if not any(
-            s["kind"] == "ServiceAccount" and (s["namespace"], s["name"]) == (namespace, account) for s in b["subjects"]
-        ):
-            continue
-        for rule in roles[b["roleRef"]["name"]]["rules"]:
-            for group in rule["apiGroups"]:
-                for res in rule["resources"]:
-                    resource, _, sub = res.partition("/")
-                    out |= {(group, resource, sub, verb, as_namespace) for verb in rule["verbs"]}
-    return out
+    ``as_namespace`` (the test's namespace stands for verl-pipeline): the stand-in's own RBAC model."""
+    from tests.helpers.k8s_api_stand_in import rbac_grants
+
+    return rbac_grants(rbac_docs, account, namespace, as_namespace)
 
 
 def _run_as_components(api, tmp_path, monkeypatch, rbac_docs) -> dict:

@@ -249,29 +249,30 @@ def test_sandbox_component_on_the_ack_overlay(kubectl, tmp_path, crd_schema):
     assert closed["spec"]["policyTypes"] == ["Egress"] and not closed["spec"].get("egress")
 
 
-def test_rbac_is_exactly_what_the_operator_needs():
-    docs = {d["kind"]: d for d in docs_of(K8S / "base" / "rbac.yaml")}
-    rules = sorted(
-        (tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in docs["Role"]["rules"]
-    )
-    assert rules == [
-        (("",), ("pods", "pods/log"), ("get", "list")),
-        (("ray.io",), ("rayjobs",), ("create", "delete", "get", "list", "watch")),
-    ]
-    assert docs["Role"]["kind"] == "Role"  # namespaced, not a ClusterRole
-    binding = docs["RoleBinding"]
-    assert binding["roleRef"]["name"] == docs["Role"]["metadata"]["name"]
+def test_rbac_is_one_role_per_component():
+    """A Role and a RoleBinding per component, namespaced, each binding its component's account only (what each Role
+    grants is checked against the code's calls by tests/unit/k8s/test_rbac_grants.py)."""
+    docs = docs_of(K8S / "base" / "rbac.yaml")
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Role"}
+    bindings = [d for d in docs if d["kind"] == "RoleBinding"]
+    assert {d["kind"] for d in docs} == {"Role", "RoleBinding"}  # namespaced only: no ClusterRole anywhere
     values = yaml.safe_load((K8S / "airflow" / "values.yaml").read_text())
+    airflow_ns = values["config"]["kubernetes_executor"]["namespace"]
+    bound = {}
+    for b in bindings:
+        assert b["roleRef"]["kind"] == "Role" and b["roleRef"]["name"] in roles
+        assert len(b["subjects"]) == 1, b["metadata"]["name"]
+        (s,) = b["subjects"]
+        bound[(s["namespace"], s["name"])] = b["roleRef"]["name"]
     # the workers (operators) and the triggerer (deferred tasks' triggers); tests/unit/k8s/test_airflow_rbac.py derives
     # the names from the Helm chart's own rules
-    assert binding["subjects"] == [
-        {
-            "kind": "ServiceAccount",
-            "name": values[component]["serviceAccount"]["name"],
-            "namespace": values["config"]["kubernetes_executor"]["namespace"],
-        }
-        for component in ("workers", "triggerer")
-    ]
+    accounts = [(airflow_ns, values[c]["serviceAccount"]["name"]) for c in ("workers", "triggerer")]
+    assert sorted(bound) == sorted(accounts)
+    assert len(set(bound.values())) == 2, "each component has a Role of its own"
+    for role in roles.values():
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], role["metadata"]["name"]
+            assert "watch" not in rule["verbs"] and "pods" not in rule["resources"], role["metadata"]["name"]
 
 
 def test_helm_values_take_secrets_by_name_only():

@@ -105,8 +105,8 @@ def test_missing_namespace(cluster):
 
 def test_a_missing_verb(cluster):
     api, config = cluster
-    api.access.discard(("ray.io", "rayjobs", "", "watch", NS))
-    assert "rbac.yaml binds airflow-worker and airflow-triggerer" in _fails(config, "may watch rayjobs.ray.io")
+    api.access.discard(("ray.io", "rayjobs", "", "delete", NS))
+    assert "rbac.yaml binds airflow-worker and airflow-triggerer" in _fails(config, "may delete rayjobs.ray.io")
 
 
 def test_unbound_pvc(cluster):
