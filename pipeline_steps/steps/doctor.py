@@ -2,14 +2,14 @@
 
 Against the Kubernetes API the pipeline will use (the kube config, or in-cluster credentials inside a pod), it checks:
 the KubeRay RayJob CRD (and that it serves ``ray.io/v1``) and the operator's version; the namespace; a
-``SelfSubjectAccessReview`` for every verb the worker's code uses (run it as the worker's service account, which
-the verl_doctor DAG does; the scheduler's account is bound to nothing); each PVC of ``$PIPELINE_MOUNTS`` is Bound; each Secret the preset's pods
-read exists with the expected key. With a preset it also checks allocatable GPUs against the run's request, and
-asks the sandbox service (tool-agent presets) and the MLflow server (``trainer.logger`` with mlflow) one
-authenticated question each; with a store URI, it lists the store with the connection's credentials
+``SelfSubjectAccessReview`` for every verb the worker's code uses (run it as the worker's service account, which the
+verl_doctor DAG does; the scheduler's account is bound to nothing); each PVC of ``$PIPELINE_MOUNTS`` is Bound; each
+Secret the preset's pods read exists with the expected key. With a preset it also checks allocatable GPUs against the
+run's request, and asks the sandbox service (tool-agent presets) and the MLflow server (``trainer.logger`` with
+mlflow) one authenticated question each; with a store URI, it lists the store with the connection's credentials
 (``pipeline_steps/diagnostics/``). A secret value is only ever sent in a request header, never printed. It writes one
-line per check to stderr (``[ok]`` / ``[FAIL]`` with the fix: the Airflow task log shows stderr) and exits 2 when
-any fails.
+line per check to stderr (``[ok]`` / ``[FAIL]`` with the fix: the Airflow task log shows stderr) and exits 2 when any
+fails.
 """
 
 from __future__ import annotations

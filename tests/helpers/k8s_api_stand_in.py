@@ -441,9 +441,7 @@ class StandIn:
         """A bearer token for ServiceAccount ``namespace/account`` with what the Roles bound to it grant (``docs``:
         the shipped k8s/base/rbac.yaml by default); ``as_namespace`` stands in for the Roles' namespace."""
         token = f"sa-{namespace}-{account}-{uuid.uuid4().hex[:8]}"
-        self.identities[token] = rbac_grants(
-            shipped_rbac() if docs is None else docs, account, namespace, as_namespace
-        )
+        self.identities[token] = rbac_grants(shipped_rbac() if docs is None else docs, account, namespace, as_namespace)
         self.identity_names[token] = f"system:serviceaccount:{namespace}:{account}"
         return token
 
