@@ -9,7 +9,8 @@ local HTTP server that counts its hits.
 
 Then every output is rendered as a reader sees it and opened in Debian's Chromium through Playwright:
 
-* ``report.html``, written by the real ``python -m pipeline_steps report`` on that run directory;
+* ``report.html``, written by the real ``python -m pipeline_steps report`` on that run directory, and its
+  ``report.md`` as a permissive viewer of the store would show it (below);
 * the model card (``README.md``, what ``export`` writes with :func:`pipeline_steps.evaluation.model_card.render`)
   and ``results.md`` (what ``evaluate`` writes), each rendered by markdown-it-py with raw HTML allowed and
   linkify on (``gfm-like``: what a Hub or GitHub page does, before any sanitiser).
@@ -253,14 +254,17 @@ def open_page(browser, path: Path, trap: dict) -> dict:
     return seen
 
 
-def assert_inert(seen: dict, allowed_links: set[str]) -> None:
-    assert seen["requests"] == [], f"the page requested {seen['requests']}"
+def assert_inert(seen: dict, allowed_links: set[str], own_images: tuple[Path, ...] = ()) -> None:
+    """No request (but the pipeline's own curves beside the page), no script, no foreign link, image or heading."""
+    own = {p.name for p in own_images}
+    requests = [u for u in seen["requests"] if u not in {p.as_uri() for p in own_images}]
+    assert requests == [], f"the page requested {requests}"
     assert seen["hits"] == [], f"the trap server was hit: {seen['hits']}"
     assert seen["pwned"] is None and seen["console"] == [], f"a script ran: {seen['pwned']} {seen['console']}"
     assert seen["scripts"] == 0 and seen["frames"] == 0, seen
     foreign = [h for h in seen["links"] if h not in allowed_links]
     assert foreign == [], f"links that did not come from the pipeline: {foreign}"
-    assert [s for s in seen["images"] if not s.startswith("data:image/png;base64,")] == [], seen["images"]
+    assert [s for s in seen["images"] if not s.startswith("data:image/png;base64,") and s not in own] == [], seen
     assert [h for h in seen["headings"] if h.strip().startswith(MARK)] == [], f"forged headings: {seen['headings']}"
 
 
@@ -310,6 +314,11 @@ def test_report_html_from_hostile_fixtures_loads_nothing_and_runs_nothing(tmp_pa
     finally:
         probe.close()
     assert "/csp-probe" not in trap["hits"], "the report's Content-Security-Policy let a remote image load"
+
+    # report.md itself, as a permissive viewer of the store shows it (raw HTML allowed, no policy): inert too
+    plots = tuple(Path(p) for p in summary["plots"])
+    permissive = render_markdown(Path(summary["report"]).read_text(), page.parent / "report-permissive.html")
+    assert_inert(open_page(browser, permissive, trap), {DASHBOARD, MLFLOW_URL}, own_images=plots)
 
 
 def test_model_card_from_hostile_fixtures_is_inert_when_rendered_with_html(tmp_path, trap, browser):

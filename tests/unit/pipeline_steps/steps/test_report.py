@@ -216,6 +216,9 @@ def test_full_report_has_plots_numbers_lineage_and_links(full_run):
     )  # reward, entropy, response length, throughput, step timing
     assert "<b>a" not in page and "&lt;b&gt;a" in page  # typed text is escaped, not rendered
     assert "<img src=x" not in page and "&lt;img src=x" in page
+    # the page may load nothing but what it carries (tests/e2e/test_inert_outputs.py opens it in Chromium)
+    assert "Content-Security-Policy\" content=\"default-src 'none'; img-src data:;" in page
+    assert ' style="' not in page and "'unsafe-inline'" not in page  # table alignment is a class, not a style
 
 
 def test_report_is_atomic_and_a_retry_writes_the_same_bytes(full_run, tmp_path):
