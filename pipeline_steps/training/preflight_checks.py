@@ -64,7 +64,7 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     run_verl_validate(cfg, ppo_utils)
     from pipeline_steps.tools.tool_config_check import check_agent_loops, check_multi_turn  # verl and the classes named
 
-    tools = check_multi_turn(cfg)
+    tools = check_multi_turn(cfg, backend, exp.spec.get("cluster"))  # with the code tool's sandbox capacity
     tools.update(check_agent_loops(cfg))  # a preset's own agent loops (agent_loop_config_path)
     from pipeline_steps.rewards.reward_check import check_reward_function
 
@@ -271,20 +271,18 @@ def check_memory(exp: Experiment, cfg, backend: str) -> dict:
     if need <= budget:
         return summary
     if model_bytes > batch_bytes + extra:
-        fix = (
-            "a smaller model, or more GPUs (trainer.nnodes, trainer.n_gpus_per_node)"
-            if not local
-            else "a smaller model, or the kuberay backend"
+        fix = "choose a smaller model, or " + (
+            "the kuberay backend" if local else "more GPUs (trainer.nnodes, trainer.n_gpus_per_node)"
         )
     elif tbs * n > prompt + response:
-        fix = "data.train_batch_size or actor_rollout_ref.rollout.n"
+        fix = "lower data.train_batch_size or actor_rollout_ref.rollout.n"
     else:
-        fix = response_key if response >= prompt else prompt_key
+        fix = "lower " + (response_key if response >= prompt else prompt_key)
     model_text = f"a {params / 1e9:.3g}B-parameter model" if params else "the model (size unknown, not counted)"
     raise UserError(
         f"memory: data.train_batch_size x actor_rollout_ref.rollout.n x ({prompt_key} + {response_key}) = {tbs} x {n} "
         f"x ({prompt} + {response}) = {tokens:,} tokens and {model_text} need at least "
-        f"{need / GB:,.1f} GB, more than {budget_text}; lower {fix}"
+        f"{need / GB:,.1f} GB, more than {budget_text}; {fix}"
     )
 
 
