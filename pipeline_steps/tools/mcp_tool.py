@@ -2,7 +2,8 @@
 
 verl 0.9.1 dropped its MCP tool and ``type: mcp``; this one is ``type: native`` and reads the ACK guide's
 settings: ``mcp.mcp_servers_config_path`` (a JSON file ``{"mcpServers": {name: {"url": ..., "api_key": ...}}}``;
-an ``api_key`` of ``$NAME`` is read from the environment, and is sent as ``Authorization: Bearer``),
+an ``api_key`` of ``$NAME`` is read from the environment, and is sent as ``Authorization: Bearer``; our MCP code
+server requires it: ``"api_key": "$MCP_SERVER_TOKEN"``),
 ``mcp.tool_selected_list`` (the MCP tools this entry may call), ``timeout`` (seconds per call) and ``rate_limit``
 (calls per second, a token bucket shared by all rollouts of the process).
 
@@ -43,7 +44,10 @@ def load_servers(path: str) -> dict[str, dict]:
         headers = dict(spec.get("headers") or {})
         key = spec.get("api_key")
         if key:
-            key = os.environ.get(key[1:], "") if key.startswith("$") else key
+            if str(key).startswith("$"):  # the token from the environment, never written into the file
+                var, key = key[1:], os.environ.get(key[1:], "")
+                if not key:
+                    raise ValueError(f"MCP servers file {path}: server {name!r} takes its api_key from ${var}, unset")
             headers["Authorization"] = f"Bearer {key}"
         out[name] = {"url": spec["url"], "headers": headers}
     return out

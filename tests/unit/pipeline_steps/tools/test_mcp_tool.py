@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ pytestmark = [
 ]
 
 TOOL_CONFIG = str(files("pipeline_steps.tools") / "mcp_tool.yaml")
+TOKEN_ENV = "MCP_SERVER_TOKEN"  # the MCP code server's bearer token (pipeline_steps/tools/mcp_code_server.py)
 
 
 def _free_port() -> int:
@@ -33,6 +35,9 @@ def mcp_server(tmp_path_factory):
     from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
     tmp = tmp_path_factory.mktemp("mcp")
+    token = secrets.token_hex(16)
+    saved = os.environ.get(TOKEN_ENV)
+    os.environ[TOKEN_ENV] = token  # the tool reads it as the servers file says ("api_key": "$MCP_SERVER_TOKEN")
     with LocalSandboxServer(tmp / "state", args=["--warm", "2"]) as sandboxes:
         port = _free_port()
         cmd = [sys.executable, "-m", "pipeline_steps.tools.mcp_code_server", "--port", str(port)]
@@ -47,11 +52,16 @@ def mcp_server(tmp_path_factory):
                     assert proc.poll() is None and time.monotonic() < deadline, "MCP server did not start"
                     time.sleep(0.2)
             servers = tmp / "mcp_server.json"
-            servers.write_text(json.dumps({"mcpServers": {"sandbox": {"url": f"http://127.0.0.1:{port}/mcp"}}}))
+            url = f"http://127.0.0.1:{port}/mcp"
+            servers.write_text(json.dumps({"mcpServers": {"sandbox": {"url": url, "api_key": f"${TOKEN_ENV}"}}}))
             yield {"servers_file": servers, "port": port}
         finally:
             proc.terminate()
             proc.wait(10)
+            if saved is None:
+                os.environ.pop(TOKEN_ENV, None)
+            else:
+                os.environ[TOKEN_ENV] = saved
 
 
 def _tool(servers_file, **config):
@@ -137,3 +147,18 @@ def test_bad_servers_file_is_one_line(tmp_path):
     bad.write_text("not json")
     with pytest.raises(ValueError, match="expected"):
         load_servers(str(bad))
+
+
+def test_a_token_named_but_not_set_is_one_line_not_an_empty_bearer(tmp_path, monkeypatch):
+    from pipeline_steps.tools.mcp_tool import load_servers
+
+    monkeypatch.delenv("NO_SUCH_TOKEN", raising=False)
+    servers = tmp_path / "mcp_server.json"
+    servers.write_text(
+        json.dumps({"mcpServers": {"x": {"url": "http://127.0.0.1:1/mcp", "api_key": "$NO_SUCH_TOKEN"}}})
+    )
+    with pytest.raises(ValueError, match=r"\$NO_SUCH_TOKEN, unset") as err:
+        load_servers(str(servers))
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("NO_SUCH_TOKEN", "t0ken")
+    assert load_servers(str(servers))["x"]["headers"] == {"Authorization": "Bearer t0ken"}
