@@ -115,7 +115,7 @@ def test_trigger_form_rejects_bad_values(dag, conf, field):
 
 
 def _form_probes():
-    from tests.unit.pipeline_steps.training.test_form_allow_list import PROBES
+    from tests.helpers.form_probes import PROBES
 
     return [override for override, _, _ in PROBES]
 
