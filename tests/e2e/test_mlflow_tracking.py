@@ -3,12 +3,18 @@ verl's ``Tracking`` with ``trainer.logger`` holding ``mlflow``, read back throug
 
 The metric names in MLflow must be those of the file logger's lines (after verl's MLflow key sanitising, which turns
 ``@`` into ``_at_``), at the same steps and values: a local run and a cluster run then chart the same names.
+
+The embedded server wants its generated credentials (issue 46; the refusals: tests/e2e/test_local_service_auth.py):
+the clients here get them as the pipeline's do, through MLflow's ``MLFLOW_TRACKING_USERNAME``/``PASSWORD``, and the
+browser through its HTTP credentials.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
+import os
 
 import pytest
 
@@ -24,8 +30,18 @@ def server(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("mlflow")
     uri = mlflow_server.ensure_server(d)
-    yield uri, d
-    mlflow_server.shutdown_server(d)
+    creds = mlflow_server.client_env(d)
+    saved = {k: os.environ.get(k) for k in creds}
+    os.environ.update(creds)  # this process's clients and the steps it starts (run_cli passes its environment on)
+    try:
+        yield uri, d
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        mlflow_server.shutdown_server(d)
 
 
 def test_server_is_reused_not_started_twice(server):
@@ -121,23 +137,32 @@ def test_the_local_server_serves_the_web_ui_and_the_run_pages_data(server, tmp_p
 
     from pipeline_steps import tracking_run
 
-    uri, _ = server
+    uri, d = server
     client = MlflowClient(tracking_uri=uri)
     exp_id = client.create_experiment(f"ui-{tmp_path.name}")
     run_id = client.create_run(exp_id, run_name="ui-run-name").info.run_id
     for step, value in ((1, 0.25), (2, 0.5)):
         client.log_metric(run_id, "critic/score/mean", value, step=step)
 
-    with urllib.request.urlopen(uri + "/", timeout=30) as r:
+    from pipeline_steps.local import mlflow_server
+
+    creds = mlflow_server.client_env(d)
+    user, password = creds["MLFLOW_TRACKING_USERNAME"], creds["MLFLOW_TRACKING_PASSWORD"]
+    basic = {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    def get(url: str):
+        return urllib.request.urlopen(urllib.request.Request(url, headers=basic), timeout=30)
+
+    with get(uri + "/") as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
         html = r.read().decode()
     assert "<title>MLflow</title>" in html and 'id="root"' in html
     script = re.search(r'src="(static-files/static/js/main\.[0-9a-f]+\.js)"', html).group(1)
-    with urllib.request.urlopen(f"{uri}/{script}", timeout=30) as r:  # the app itself is served too
+    with get(f"{uri}/{script}") as r:  # the app itself is served too
         assert r.status == 200 and "javascript" in r.headers["Content-Type"] and len(r.read()) > 100_000
 
     def ajax(path: str) -> dict:
-        with urllib.request.urlopen(f"{uri}/ajax-api/2.0/mlflow/{path}", timeout=30) as r:
+        with get(f"{uri}/ajax-api/2.0/mlflow/{path}") as r:
             return json.loads(r.read())
 
     run = ajax(f"runs/get?run_id={run_id}")["run"]
@@ -156,7 +181,7 @@ def test_the_local_server_serves_the_web_ui_and_the_run_pages_data(server, tmp_p
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page()
+            page = browser.new_page(http_credentials={"username": user, "password": password})  # asked for once
             page.goto(page_url, timeout=120_000)
             page.get_by_text("ui-run-name").first.wait_for(timeout=120_000)
             page.get_by_text(run_id).first.wait_for(timeout=30_000)  # the run's own page, not a list
