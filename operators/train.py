@@ -339,7 +339,8 @@ def local_tracking_env(exp, mlflow_conn_id: str | None = None, job: str = "job")
     """The environment of a local job whose ``trainer.logger`` has mlflow: the MLflow connection's server when the
     connection exists (its credentials in a file only this user reads, named by ``$PIPELINE_MLFLOW_CREDENTIALS_FILE``:
     the Ray dashboard shows a job's environment), else ``$MLFLOW_TRACKING_URI``, else the local profile's embedded
-    server (started on demand, reused while it runs, like the local Ray cluster).
+    server (started on demand, reused while it runs, like the local Ray cluster). The embedded server's credentials
+    reach the job the same way: its own credentials file (pipeline_steps/local/mlflow_server.py), by name.
 
     :param job: the Ray submission's base name (names the credentials file)
     """
@@ -356,4 +357,7 @@ def local_tracking_env(exp, mlflow_conn_id: str | None = None, job: str = "job")
         if secret_file:
             env[tracking_run.CREDENTIALS_FILE_ENV] = str(secret_file)
         return env
-    return {"MLFLOW_TRACKING_URI": mlflow_server.ensure_server()}  # a failed start is retryable, not bad input
+    env = {"MLFLOW_TRACKING_URI": mlflow_server.ensure_server()}  # a failed start is retryable, not bad input
+    if mlflow_server.is_local_server(env["MLFLOW_TRACKING_URI"]):  # the embedded server wants its login (issue 46)
+        env[tracking_run.CREDENTIALS_FILE_ENV] = str(mlflow_server.credentials_file())  # 0600, in its own directory
+    return env
