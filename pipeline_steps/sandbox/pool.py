@@ -39,6 +39,7 @@ KERNEL = Path(__file__).with_name("kernel.py")
 UID_LOCK_DIR = Path("/run/lock/pipeline-sandbox-uids")
 UID_RANGE = 100_000  # uids tried from uid_base
 ENDED_REMEMBERED = 10_000  # ids of ended sandboxes kept to answer late requests
+SPAWN_WAIT_S = 30.0  # a create with every slot taken waits this long at most for a warm sandbox being started
 WARM, RUNNING, ENDING, ENDED = "warm", "running", "ending", "ended"
 HOME = "/home/user"
 KERNEL_IN_JAIL = "/opt/sandbox/kernel.py"
@@ -376,6 +377,11 @@ class Pool:
         return Kernel(proc, keep=sb.cgroup.pids())
 
     async def acquire(self, template: str, timeout: float, metadata: dict, env_vars: dict) -> Sandbox:
+        # A warm sandbox being started holds its slot: wait for it rather than refuse, so that max_sandboxes
+        # sandboxes can be handed out at once (a refusal at 63 of 64 was seen with a warm pool refilling).
+        deadline = time.monotonic() + SPAWN_WAIT_S
+        while not self.warm and not self.free_slots and self._spawning and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         if self.warm:
             sb = self.warm.pop(0)
         elif self.free_slots:

@@ -25,10 +25,12 @@ import urllib.parse
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 
+from pipeline_steps.local.host_guard import LoopbackHostMiddleware
 from pipeline_steps.sandbox.commands import process_app
 from pipeline_steps.sandbox.envd import file_routes, filesystem_app
 from pipeline_steps.sandbox.pool import RUNNING, Pool
@@ -209,8 +211,9 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
         return Response(status_code=204)
 
     async def health(request: Request):
-        if "e2b-sandbox-id" not in request.headers:  # the server's own readiness probe
-            return JSONResponse({"ok": True, "running": len(pool.running), "warm": len(pool.warm)})
+        if "e2b-sandbox-id" not in request.headers:  # the server's own readiness probe; capacity: the pre-flight's
+            body = {"ok": True, "running": len(pool.running), "warm": len(pool.warm), "capacity": pool.max_sandboxes}
+            return JSONResponse(body)
         _, err = sandbox_of(request.headers)
         if err is not None and err.status_code == 410:  # the SDK's is_running() reads 502 as "not running"
             return _error(502, "sandbox not running")
@@ -295,4 +298,5 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
         finally:
             await pool.close()
 
-    return Starlette(routes=routes, lifespan=lifespan)
+    # on a loopback port, a Host that is not a loopback name is refused (DNS rebinding): pipeline_steps/local/host_guard
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(LoopbackHostMiddleware)])
