@@ -27,6 +27,7 @@ demo: venv
 # the code tool (preset local_tool_learning) beside a control run without the tool; prints tool-call rate, tool
 # success rate and reward of the first and last steps, writes a plot (scripts/demo_tools.py).
 demo-tools: venv
+	bash scripts/system_packages.sh demo-tools
 	$(BIN)/python -m scripts.demo_tools
 
 # Airflow with its UI on the local profile (prints the URL; no login, local use only). Ctrl-C stops it.
@@ -52,6 +53,7 @@ test test-fast: export PYTHONDONTWRITEBYTECODE :=
 # 20 m 31 s (2,163 s).
 TEST_WORKERS ?= 3
 test: lint
+	bash scripts/system_packages.sh test
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --durations=10 tests
 
 # Everything not marked slow (no real Airflow, Ray or training end to end, nothing over about 5 s of CPU): about
@@ -59,6 +61,7 @@ test: lint
 # little: 4 workers (2 m 53 s) edge out 3 (2 m 58 s).
 FAST_TEST_WORKERS ?= 4
 test-fast: lint
+	bash scripts/system_packages.sh test
 	$(BIN)/python -m pytest -q -n $(FAST_TEST_WORKERS) -m "not slow" --durations=5 tests
 
 bench: venv

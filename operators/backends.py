@@ -289,8 +289,9 @@ def push_job(context, name: str, dashboard_url: str | None) -> None:
 def complete(log, context, event: dict, dashboard_url: str | None = None) -> None:
     """Resumed from a trigger: log the last progress; fail with the job's reason on failure.
 
-    A spec the API rejected (``ValidationFailed``) fails without retry; any other failure raises
-    :class:`JobFailed` so the task's retries apply (the next attempt resumes).
+    A spec the API rejected (``ValidationFailed``) and a local job whose step exited 2 (bad input: an allocation
+    the settings cannot fit, a refused input) fail without retry; any other failure raises :class:`JobFailed` so the
+    task's retries apply (the next attempt resumes).
     """
     if event.get("last_progress"):
         log.info("last progress %s", event["last_progress"])
@@ -301,6 +302,8 @@ def complete(log, context, event: dict, dashboard_url: str | None = None) -> Non
         message = event.get("message") or f"job {event.get('name')} failed"
         if event.get("reason") == "ValidationFailed":  # the spec itself is wrong: a retry cannot help
             raise AirflowFailException(message)
+        if event.get("exit_code") == 2:  # the step's bad input: the same input fails the same way
+            raise AirflowFailException(f"{message} (bad input: not retried)")
         raise JobFailed(message)
 
 

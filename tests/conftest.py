@@ -41,6 +41,7 @@ pytest_plugins = [
     "tests.helpers.train_local_runs",  # assets: the tiny model, a gsm8k parquet and a varied reward
     "tests.helpers.operator_runs",  # ray_cluster: a private local Ray cluster per module
     "tests.helpers.doctor_cluster",  # cluster: a ready ACK cluster on the Kubernetes API stand-in
+    "tests.helpers.postgres",  # postgres: a PostgreSQL 15 cluster per module
     "tests.helpers.leftovers",  # no process the tests started outlives the run
 ]
 

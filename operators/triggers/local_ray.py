@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from operators.triggers.job_poll import JobPollTrigger, Poll
@@ -49,7 +50,11 @@ class LocalRayJobTrigger(JobPollTrigger):
         status = details["status"]
         state = "running" if status not in ray_cluster.TERMINAL else "succeeded" if status == "SUCCEEDED" else "failed"
         message = " ".join(str(details.get("message") or "").split())[:300]
-        return Poll(state, {"job_status": status}, status, message)
+        fields = {"job_status": status}
+        # Ray's message for a failed entrypoint names its exit code: the step's failure class (2: bad input)
+        if state == "failed" and (code := re.search(r"exit code (-?\d+)", message)):
+            fields["exit_code"] = int(code.group(1))
+        return Poll(state, fields, status, message)
 
     def failure_message(self, poll: Poll, tail: list[str]) -> str:
         last = f"; last log line: {tail[-1][:300]}" if tail else ""

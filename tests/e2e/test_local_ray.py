@@ -211,3 +211,34 @@ def test_unknown_job_id(cluster):
 
     with pytest.raises(local_ray.JobNotFoundError):
         local_ray.status(cluster["address"], "pipeline-test-no-such-job")
+
+
+def test_a_job_whose_step_exits_2_fails_its_task_without_retry(cluster):
+    """A step's bad input (exit 2: e.g. the CPU trainer's allocation the settings cannot fit) ends the local job
+    FAILED; the trigger reads the exit code from Ray's own message, and the task fails without retries, as the same
+    input fails the same way (exit 1, a transient fault, stays retryable)."""
+    import asyncio
+    import sys
+
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from operators.backends import complete
+    from operators.failures import JobFailed
+    from operators.triggers.local_ray import LocalRayJobTrigger
+    from pipeline_steps.local import ray_cluster as local_ray
+
+    for code, raised in ((2, AirflowFailException), (1, JobFailed)):
+        sid = f"pipeline-test-exit-{code}-{time.time_ns()}"
+        local_ray.submit_or_attach(cluster["address"], sid, [sys.executable, "-c", f"raise SystemExit({code})"])
+        assert local_ray.wait(cluster["address"], sid, timeout=120) == "FAILED"
+        trigger = LocalRayJobTrigger(cluster["address"], sid, poll_interval=0.2)
+
+        async def first_event():
+            async for event in trigger.run():
+                return event.payload
+
+        event = asyncio.run(first_event())
+        assert event.get("exit_code") == code, event
+        with pytest.raises(raised) as info:
+            complete(None, None, event)
+        assert ("bad input: not retried" in str(info.value)) == (code == 2)
