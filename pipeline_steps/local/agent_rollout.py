@@ -356,6 +356,7 @@ def _env(values: dict):
 def local_mcp_server(directory: Path, exec_timeout: float = 30.0):
     """Our MCP code server (``pipeline_steps.tools.mcp_code_server``) on a free local port, its sandboxes from the
     ``E2B_*`` settings in the environment; ``$MCP_SERVERS_CONFIG`` names an ``mcp_server.json`` for it meanwhile."""
+    import secrets
     import socket
     import subprocess
     import time
@@ -366,7 +367,8 @@ def local_mcp_server(directory: Path, exec_timeout: float = 30.0):
     cmd = [sys.executable, "-m", "pipeline_steps.tools.mcp_code_server", "--port", str(port)]
     cmd += ["--exec-timeout", str(exec_timeout)]
     log = open(directory / "mcp-server.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    token = secrets.token_hex(16)  # the server refuses a caller without it (issue 46); the loop sends it
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MCP_SERVER_TOKEN": token})
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -378,9 +380,10 @@ def local_mcp_server(directory: Path, exec_timeout: float = 30.0):
                     raise RuntimeError(f"the local MCP code server did not start (log: {log.name})") from None
                 time.sleep(0.2)
         servers = directory / "mcp_server.json"
-        servers.write_text(json.dumps({"mcpServers": {"sandbox": {"url": f"http://127.0.0.1:{port}/mcp"}}}))
+        url = f"http://127.0.0.1:{port}/mcp"
+        servers.write_text(json.dumps({"mcpServers": {"sandbox": {"url": url, "api_key": "$MCP_SERVER_TOKEN"}}}))
         print(f"started the local MCP code server for the agent loop: http://127.0.0.1:{port}/mcp", file=sys.stderr)
-        with _env({MCP_CONFIG_ENV: str(servers)}):
+        with _env({MCP_CONFIG_ENV: str(servers), "MCP_SERVER_TOKEN": token}):
             yield servers
     finally:
         proc.terminate()

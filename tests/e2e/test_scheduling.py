@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from scripts.local_profile import xcom
-from tests.helpers.airflow_api import api
+from tests.helpers.airflow_api import api, login_url
 from tests.helpers.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +83,8 @@ def _create_backfill_in_the_ui(url: str, shots: Path) -> None:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1400})
+        page.goto(login_url(url))  # the link make airflow prints: one click logs the browser in
+        page.wait_for_url(f"{url}/", timeout=60_000)
         page.goto(f"{url}/dags/verl_grpo_pipeline", wait_until="networkidle")
         page.get_by_role("button", name="Trigger").first.click()
         dialog = page.get_by_role("dialog")

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from tests.helpers import listening
-from tests.helpers.airflow_api import api
+from tests.helpers.airflow_api import api, login_url
 from tests.helpers.chromium import CHROMIUM_ARGS
 from tests.helpers.ports import free_port
 
@@ -103,6 +103,8 @@ def ui(tmp_path_factory):
 
 def _open_form(ui):
     page = ui["browser"].new_page(viewport={"width": 1400, "height": 1400})
+    page.goto(login_url(ui["url"]))  # the link make airflow prints: one click logs the browser in
+    page.wait_for_url(f"{ui['url']}/", timeout=60_000)
     page.goto(f"{ui['url']}/dags/verl_grpo_pipeline", wait_until="networkidle")
     page.get_by_role("button", name="Trigger").first.click()
     dialog = page.get_by_role("dialog")

@@ -143,6 +143,8 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(
     assert summary["resumed_from_step"] == 1 and summary["last_step"] == 3
     assert "progress step 3:" in capsys.readouterr().out
     # the retry continued the first attempt's MLflow run: one run with every step, and the XCom names it
+    for k, v in mlflow_server.client_env(tmp_path / "mlflow").items():  # the embedded server wants its login
+        monkeypatch.setenv(k, v)
     client = MlflowClient(tracking_uri=out["mlflow"]["tracking_uri"])
     assert out["mlflow"]["run_id"] == summary["mlflow"]["run_id"]
     history = client.get_metric_history(out["mlflow"]["run_id"], "critic/score/mean")

@@ -212,8 +212,9 @@ class _BasicAuthProxy(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, upstream: str, user: str, password: str):
+    def __init__(self, upstream: str, user: str, password: str, upstream_auth: str = ""):
         self.upstream = upstream.split("://", 1)[1]
+        self.upstream_auth = upstream_auth  # the embedded server behind it wants its own login (issue 46)
         self.expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         self.refused = 0
         super().__init__(("127.0.0.1", 0), _ProxyHandler)
@@ -235,6 +236,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         conn = http.client.HTTPConnection(self.server.upstream, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "authorization", "connection")}
+        headers["Authorization"] = self.server.upstream_auth
         conn.request(self.command, self.path, body=body or None, headers=headers)
         resp = conn.getresponse()
         data = resp.read()
@@ -259,7 +261,9 @@ def team_server(tmp_path):
 
     d = tmp_path / "team-mlflow"
     upstream = mlflow_server.ensure_server(d)
-    proxy = _BasicAuthProxy(upstream, "alice", PASSWORD)
+    own = mlflow_server.client_env(d)
+    pair = f"{own['MLFLOW_TRACKING_USERNAME']}:{own['MLFLOW_TRACKING_PASSWORD']}".encode()
+    proxy = _BasicAuthProxy(upstream, "alice", PASSWORD, "Basic " + base64.b64encode(pair).decode())
     threading.Thread(target=proxy.serve_forever, daemon=True).start()
     try:
         yield proxy
