@@ -121,10 +121,9 @@ def sandboxes_at_once(cfg, tool: dict, backend: str) -> tuple[int, str]:
     concurrency = int(tool["max_concurrency"])
     calls = batch * n * parallel
     at_once = min(calls, concurrency * workers)
-    how = f"session: call, {trajectories} x {ROLLOUT}.multi_turn.max_parallel_calls={parallel} calls"
-    how += f" at most max_concurrency={concurrency} x {workers} rollout process(es) at once"
-    if backend != "local":
-        how += f" ({ROLLOUT}.agent.num_workers)"
+    how = f"session: call, {trajectories} x {ROLLOUT}.multi_turn.max_parallel_calls={parallel} calls, of which "
+    how += f"max_concurrency={concurrency} per rollout process x {workers} process(es)"
+    how += f" ({ROLLOUT}.agent.num_workers) run at once" if backend != "local" else " run at once"
     return at_once, how
 
 
@@ -166,7 +165,7 @@ def sandbox_capacity(tool: dict, backend: str, cluster: dict | None) -> tuple[in
     from pipeline_steps import settings
     from pipeline_steps.training.rayjob_manifest import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, sandbox_services
 
-    name = (cluster or {}).get("sandbox_service")
+    name = cluster.get("sandbox_service") if isinstance(cluster, dict) else None
     if name is None:
         domain = settings.get(SANDBOX_DOMAIN_ENV) or "(unset)"
         return None, f"the deployment's default sandbox service ${SANDBOX_DOMAIN_ENV}={domain}"
