@@ -61,19 +61,25 @@ class SandboxApi:
 
 
 @pytest.fixture(scope="module")
-def mlflow_uri(tmp_path_factory):
+def mlflow_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="module")
+def mlflow_uri(mlflow_dir):
     from pipeline_steps.local import mlflow_server
 
-    d = tmp_path_factory.mktemp("mlflow")
-    uri = mlflow_server.ensure_server(d)
+    uri = mlflow_server.ensure_server(mlflow_dir)
     try:
         yield uri
     finally:
-        mlflow_server.shutdown_server(d)
+        mlflow_server.shutdown_server(mlflow_dir)
 
 
 @pytest.fixture
-def services(cluster, tmp_path, mlflow_uri, oss_server):  # noqa: F811 - the imported fixture
+def services(cluster, tmp_path, mlflow_dir, mlflow_uri, oss_server):  # noqa: F811 - the imported fixture
+    from pipeline_steps.local import mlflow_server
+
     api, config = cluster
     sandbox = SandboxApi(API_KEY)
     api.secrets[(NS, "sandbox-api-key")] = {"apiKey": b64(API_KEY)}
@@ -98,6 +104,7 @@ def services(cluster, tmp_path, mlflow_uri, oss_server):  # noqa: F811 - the imp
         "E2B_API_URL": sandbox.url,  # ...which the stand-in serves (the E2B SDK's own override of api.<domain>)
         "E2B_API_KEY": "",
         "MLFLOW_TRACKING_URI": mlflow_uri,
+        **mlflow_server.client_env(mlflow_dir),  # the embedded server's generated login (issue 46)
         "PIPELINE_STORE_CONN_ID": "pipeline_store",
         **oss_server.env(),
     }
@@ -144,7 +151,7 @@ def test_a_ready_cluster_and_its_services_pass(services, mlflow_uri):
         "[ok] store oss://test-bucket/doctor: listed with connection 'pipeline_store' (0 objects at its root)" in lines
     )
     assert sandbox.requests == ["/v2/sandboxes?limit=1"]
-    assert API_KEY not in err and OSS_SECRET not in err
+    assert API_KEY not in err and OSS_SECRET not in err and env["MLFLOW_TRACKING_PASSWORD"] not in err
 
 
 def test_the_sandbox_service_refuses_the_key(services):

@@ -33,13 +33,28 @@ IMAGE = "registry.example.com/verl-grpo-train@sha256:" + "0" * 64
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("mlflow")
+
+
+@pytest.fixture(scope="module")
+def server(server_dir):
     from pipeline_steps.local import mlflow_server
 
-    d = tmp_path_factory.mktemp("mlflow")
-    uri = mlflow_server.ensure_server(d)
+    uri = mlflow_server.ensure_server(server_dir)
     yield uri
-    mlflow_server.shutdown_server(d)
+    mlflow_server.shutdown_server(server_dir)
+
+
+def _login(monkeypatch, server_dir) -> dict[str, str]:
+    """The embedded server's generated login (issue 46) into this process's environment, where MLflow's client
+    reads it (the autouse ``_clean_env`` clears it before each test)."""
+    from pipeline_steps.local import mlflow_server
+
+    creds = mlflow_server.client_env(server_dir)
+    for k, v in creds.items():
+        monkeypatch.setenv(k, v)
+    return creds
 
 
 @pytest.fixture(autouse=True)
@@ -63,12 +78,13 @@ def _config(ckpt: Path, logger=("console", "file", "mlflow"), project="cluster_p
     )
 
 
-def test_the_entrypoint_starts_records_and_resumes_the_run(server, tmp_path, monkeypatch):
+def test_the_entrypoint_starts_records_and_resumes_the_run(server, server_dir, tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     from pipeline_steps import tracking_run
     from pipeline_steps.training import verl_main
 
+    _login(monkeypatch, server_dir)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server)
     ckpt = tmp_path / "checkpoints"
     first = verl_main.mlflow_run(_config(ckpt))
@@ -150,12 +166,15 @@ run_ppo(cfg, Trainer)
 
 
 @pytest.mark.slow
-def test_verls_actor_logs_to_the_recorded_run_through_a_real_ray_job(server, tmp_path, ray_cluster):  # noqa: F811
+def test_verls_actor_logs_to_the_recorded_run_through_a_real_ray_job(
+    server, server_dir, tmp_path, ray_cluster, monkeypatch
+):
     from mlflow.tracking import MlflowClient
 
     from pipeline_steps import tracking_run
     from pipeline_steps.local import ray_cluster as local_ray
 
+    creds = _login(monkeypatch, server_dir)  # this process's client reads the run back
     driver = tmp_path / "driver.py"
     driver.write_text(RAY_DRIVER)
     ckpt = tmp_path / "run" / "checkpoints"
@@ -166,9 +185,10 @@ def test_verls_actor_logs_to_the_recorded_run_through_a_real_ray_job(server, tmp
         f"trainer.default_local_dir={ckpt}",
     ]
     sid = f"mlflow-run-{int(time.time())}"
-    # the job's runtime env holds MLFLOW_TRACKING_URI, as the RayJob's runtimeEnvYAML does
+    # the job's runtime env holds MLFLOW_TRACKING_URI, as the RayJob's runtimeEnvYAML does, and (this private test
+    # cluster only) the embedded server's login, as the pod's environment holds the team server's
     local_ray.submit_or_attach(
-        ray_cluster, sid, [sys.executable, str(driver), *overrides], env={"MLFLOW_TRACKING_URI": server}
+        ray_cluster, sid, [sys.executable, str(driver), *overrides], env={"MLFLOW_TRACKING_URI": server, **creds}
     )
     deadline = time.monotonic() + 300
     while (status := local_ray.info(ray_cluster, sid)["status"]) not in ("SUCCEEDED", "FAILED", "STOPPED"):
@@ -190,7 +210,7 @@ def test_verls_actor_logs_to_the_recorded_run_through_a_real_ray_job(server, tmp
 
 
 def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_shows_it(
-    k8s_api, server, tmp_path, monkeypatch
+    k8s_api, server, server_dir, tmp_path, monkeypatch
 ):
     """The record comes from verl_main's own code run on the config composed from the rendered RayJob's argv and
     env (what the pod runs up to ray.init); the train task reads it from the bucket mount into its XCom."""
@@ -206,6 +226,7 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
     from tests.helpers.k8s_api_stand_in import SUCCESS
     from tests.helpers.rayjob_operators import read_through_mounts
 
+    _login(monkeypatch, server_dir)  # the pod's MLflow client, and this process's reading the run back
     monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_DEFAULT", json.dumps({"conn_type": "http", "host": server}))
     mnt = tmp_path / "mnt"
     monkeypatch.setenv("PIPELINE_MOUNTS", json.dumps([{"uri": "gs://verl-bucket", "claim": "store", "path": str(mnt)}]))
