@@ -420,6 +420,7 @@ def build_rayjob(
     if not isinstance(cluster, dict):
         raise UserError("experiment: 'cluster' must be a mapping")
     c = _cluster_settings(exp, cluster)
+    _check_node_settings_fit(c, mounts)
     cluster = with_sandbox_service(exp, cluster)
     plain_env = _plain_env(cluster)
     env_vars = {"PYTHONUNBUFFERED": "1", **plain_env, **_ray_env(cluster)}
@@ -522,6 +523,45 @@ def _cluster_settings(exp: Experiment, cluster: dict) -> _ClusterSettings:
         host_paths,
         queue,
     )
+
+
+# Node-specific settings that only one cloud's nodes have: (setting, how to recognise it) -> cloud. GKE: its node labels
+# and RDMA network annotations, and the COS node layout /home/kubernetes/bin (NVIDIA libraries, the gIB NCCL plugin);
+# ACK: Alibaba Cloud's node labels and pod annotations. The cloud of the mounts is the scheme of their buckets.
+_NODE_MARKS = {
+    "gke": (("cloud.google.com/", "networking.gke.io/", "gke.io/"), ("/home/kubernetes/",)),
+    "ack": (("alibabacloud.com/", "aliyun.com/", "k8s.aliyun.com/"), ()),
+}
+_MOUNT_CLOUDS = {"gs": "gke", "oss": "ack"}
+
+
+def _check_node_settings_fit(c: _ClusterSettings, mounts: MountMap) -> None:
+    """Refuse, in one line, node-specific settings of another cloud than the one the mounts belong to (the GKE-only
+    32B preset, its gIB host paths and RDMA annotations, rendered with ACK's mounts would never schedule or start)."""
+    mount_clouds = {_MOUNT_CLOUDS.get((split_uri(m.uri) or ("",))[0]) for m in mounts.mounts} - {None}
+    if len(mount_clouds) != 1:
+        return  # no cloud bucket mounted (a local test store), or a mix: nothing to compare with
+    (cloud,) = mount_clouds
+    found = []
+    for what, keys in (
+        ("cluster.worker_annotations", list(c.worker_annotations)),
+        ("cluster.node_selector", [str(k) for k in c.node_selector]),
+        ("cluster.worker_host_paths", list(c.host_paths.values())),
+    ):
+        for key in keys:
+            for other, (prefixes, paths) in _NODE_MARKS.items():
+                label = key.split("/", 1)[0] + "/" if "/" in key and not key.startswith("/") else ""
+                marked = any(label.endswith(p) for p in prefixes) or any(key.startswith(p) for p in paths)
+                if other != cloud and marked:
+                    found.append((other, f"{what} {key}"))
+    if found:
+        other = found[0][0]
+        buckets = ", ".join(sorted(m.uri for m in mounts.mounts))
+        raise UserError(
+            f"{found[0][1]}{' (and ' + str(len(found) - 1) + ' more)' if len(found) > 1 else ''} is for "
+            f"{other.upper()} nodes, but the mounts ({buckets}) are {cloud.upper()}'s: render this preset with "
+            f"k8s/overlays/{other}/mounts.json as $PIPELINE_MOUNTS, or use a preset made for {cloud.upper()}"
+        )
 
 
 def _job_argv(exp: Experiment, mounts: MountMap, entrypoint: list[str] | None, env_vars: dict) -> tuple[list, dict]:

@@ -458,9 +458,11 @@ def test_what_the_guides_clusters_need_can_be_expressed(tmp_path, crd_schema):
     )
     preset = tmp_path / "custom.yaml"
     preset.write_text(yaml.safe_dump(spec))
-    _, job = render(str(preset))
+    _, job = render(str(preset), GKE, "gs://verl-store")  # GKE's node settings render only with GKE's mounts (issue 45)
     validate(job, crd_schema)
     assert kuberay_validation_error(job) is None
+    with pytest.raises(UserError, match=r"^cluster.worker_annotations networking.gke.io/\S+ \(and 2 more\) is for GKE"):
+        render(str(preset))  # ACK's mounts: refused in one line
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]
     worker = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["template"]
     for pod in (head, worker):
