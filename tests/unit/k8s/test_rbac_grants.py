@@ -247,22 +247,30 @@ def _root(func: Func) -> frozenset[str] | None:
     return None
 
 
+@functools.cache
+def _called_names() -> dict[str, set[Func]]:
+    """name -> the functions that call something of that name (built once)."""
+    out: dict[str, set[Func]] = {}
+    for other in functions():
+        for node in ast.walk(other.node):
+            if isinstance(node, ast.Call) and _name(node.func):
+                out.setdefault(_name(node.func), set()).add(other)
+    return out
+
+
+@functools.cache
 def _callers(func: Func) -> list[Func]:
     """Functions calling ``func`` by name: in its own module, or in a module that names its class (a method) or its
     module (a function), so a common name elsewhere is not taken for it."""
-    mark = func.cls or func.path.stem
-    out = []
-    for other in functions():
-        if other is func:
-            continue
-        text = modules()[other.path][0]
-        if other.path != func.path and not re.search(rf"\b{re.escape(mark)}\b", text):
-            continue
-        for node in ast.walk(other.node):
-            if isinstance(node, ast.Call) and _name(node.func) == func.name:
-                out.append(other)
-                break
-    return out
+    mark = re.compile(rf"\b{re.escape(func.cls or func.path.stem)}\b")
+    return sorted(
+        (
+            other
+            for other in _called_names().get(func.name, ())
+            if other is not func and (other.path == func.path or mark.search(modules()[other.path][0]))
+        ),
+        key=lambda f: f.where,
+    )
 
 
 def components(func: Func, seen: frozenset = frozenset()) -> frozenset[str]:
@@ -296,6 +304,7 @@ def role_named(component: str) -> str:
     return "-"
 
 
+@functools.cache
 def table() -> list[dict]:
     rows = []
     for call in api_calls():
@@ -365,13 +374,14 @@ def test_the_scan_finds_a_new_call(tmp_path, monkeypatch):
         "        return await self.core.list_namespaced_config_map('verl-pipeline')\n"
     )
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
-    for fn in (modules, functions, api_calls):
+    caches = (modules, functions, api_calls, _called_names, _callers, table)
+    for fn in caches:
         fn.cache_clear()
     monkeypatch.setattr(f"{__name__}.SOURCES", [tmp_path / "operators"])
     try:
         rows = table()
     finally:
-        for fn in (modules, functions, api_calls):
+        for fn in caches:
             fn.cache_clear()
     assert [(r["component"], r["what"], r["verb"], r["granted"]) for r in rows] == [
         ("triggerer", "configmaps", "list", False)
