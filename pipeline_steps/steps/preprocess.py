@@ -29,12 +29,14 @@ from pipeline_steps.data.preprocessors.common import (
 )
 from pipeline_steps.errors import UserError
 from pipeline_steps.store import mirror
+from pipeline_steps.store.claim import CLAIM
 from pipeline_steps.store.manifest import MANIFEST, MIRROR_MARKER
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
 PREPROCESSOR_VERSION = 5  # 5: exact dedup keys, JSONL BOM and per-line limits; 4: JSONL rollout_extra is a struct
 
 log = logging.getLogger(__name__)
+BOOKKEEPING = {MANIFEST, MIRROR_MARKER, CLAIM}  # a store version's (or its local copy's) own files, beside the data
 BATCH_ROWS = 65536
 LINE_BATCH_ROWS = 4096  # JSONL rows are Python dicts until converted: smaller batches bound memory
 VARIANTS = ("default", "tool_agent")
@@ -80,16 +82,32 @@ def resolve_splits(spec: registry.DatasetSpec, root: Path) -> dict[str, list[str
         return {"train": [str(root)]}
     if not root.is_dir():
         raise UserError(f"--input {root}: no such file or directory; pass the snapshot path from the download step")
+    import tempfile
+
     import datasets
 
-    try:
-        builder = datasets.load_dataset_builder(str(root), data_dir=spec.config)
-    except (FileNotFoundError, ValueError, datasets.exceptions.DataFilesNotFoundError) as exc:
-        raise UserError(
-            f"--input {root}: no data files for dataset {spec.name} ({' '.join(str(exc).split())[:160]})"
-        ) from None
-    files = builder.config.data_files or {}
-    return {str(split): sorted(str(f) for f in paths) for split, paths in files.items()}
+    # the store's bookkeeping beside a version's files is not data (its two JSON files outvote a lone parquet file
+    # in datasets' choice of format): datasets sees the snapshot without it, through links to the rest
+    entries = list(root.iterdir())
+    kept = [p for p in entries if p.name not in BOOKKEEPING]
+    with tempfile.TemporaryDirectory(prefix="snapshot-view-") as view:
+        base = root if len(kept) == len(entries) else Path(view)
+        if base != root:
+            for p in kept:
+                (base / p.name).symlink_to(p.resolve(), target_is_directory=p.is_dir())
+        try:
+            builder = datasets.load_dataset_builder(str(base), data_dir=spec.config)
+        except (FileNotFoundError, ValueError, datasets.exceptions.DataFilesNotFoundError) as exc:
+            raise UserError(
+                f"--input {root}: no data files for dataset {spec.name} ({' '.join(str(exc).split())[:160]})"
+            ) from None
+        files = builder.config.data_files or {}
+
+    def under_root(f) -> str:  # a file seen through a link, named in the snapshot (a followed link: as resolved)
+        p = Path(str(f))
+        return str(root / p.relative_to(base)) if p.is_relative_to(base) else str(p)
+
+    return {str(split): sorted(under_root(f) for f in paths) for split, paths in files.items()}
 
 
 def _parquet_batches(path: str, required: tuple[str, ...], where: str):

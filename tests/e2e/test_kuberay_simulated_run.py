@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 MOUNT = "/mnt/store"
 NS = "training"
+MLFLOW_SECRET = "mlflow-tracking"
 
 
 # The first attempt waits in step 2's reward once step 1 is logged, until the test has killed it: a CPU step of the
@@ -67,6 +68,7 @@ def _preset(directory: Path, reward: Path) -> None:
         "service_account": "verl-ray",
         "env": {"PIPELINE_SIMULATED": "1"},
         "secrets": [{"env": "HF_TOKEN", "secret": "hf-token", "key": "token", "optional": True}],
+        "mlflow_secret": MLFLOW_SECRET,  # the Secret holding the connection's login for the pods
     }
     spec["verl"].pop("trainer.n_gpus_per_node", None)  # from cluster.gpus_per_node
     spec["verl"]["trainer.experiment_name"] = "tiny_cluster"
@@ -91,7 +93,7 @@ def _step_logged(hold: Path):
 
 
 @pytest.mark.budget(900)  # 436 s in make test at a load average of 10
-def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path):
+def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path, monkeypatch):
     """3 training steps; the first train pod is killed (SIGKILL, as a lost node) after step 1: KubeRay reports
     Failed/AppFailed, Airflow retries the task, a new RayJob attempt resumes from the step-1 checkpoint, and the
     metrics history keeps step 1."""
@@ -129,6 +131,10 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
     from pipeline_steps.local import mlflow_server
 
     mlflow_uri = mlflow_server.ensure_server(tmp_path / "team-mlflow")  # the team's server: connection mlflow_default
+    # it wants a login (issue 46): the connection holds it, the pods get it from the Secret by reference
+    creds = mlflow_server.client_env(tmp_path / "team-mlflow")
+    user, password = creds["MLFLOW_TRACKING_USERNAME"], creds["MLFLOW_TRACKING_PASSWORD"]
+    runner.secrets.update({(MLFLOW_SECRET, "username"): user, (MLFLOW_SECRET, "password"): password})
     try:
         kube_config = api.kube_config(tmp_path / "kubeconfig", namespace=NS)
         _preset(tmp_path / "presets", reward)
@@ -144,10 +150,13 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
                 "PIPELINE_MOUNTS": json.dumps([{"uri": f"file://{store}", "claim": "verl-store", "path": MOUNT}]),
                 "PIPELINE_PRESETS_DIR": str(tmp_path / "presets"),
                 "PIPELINE_POLL_SECONDS": "1",
-                "AIRFLOW_CONN_MLFLOW_DEFAULT": json.dumps({"conn_type": "http", "host": mlflow_uri}),
+                "AIRFLOW_CONN_MLFLOW_DEFAULT": json.dumps(
+                    {"conn_type": "http", "host": mlflow_uri, "login": user, "password": password}
+                ),
             }
         )
-        env.pop("MLFLOW_TRACKING_URI", None)
+        for name in ("MLFLOW_TRACKING_URI", *creds):
+            env.pop(name, None)
         conf = {
             "experiment": "tiny_cluster",
             "backend": "kuberay",
@@ -208,12 +217,17 @@ def test_a_kuberay_run_end_to_end_with_each_rayjobs_entrypoint_executed(tmp_path
         assert (store / "models" / "exported" / "tiny_cluster").is_dir()  # export ran in its pod and uploaded
         assert not list((store / "tmp" / "step-summaries").glob("*.json.tmp*"))
 
-        # MLflow: the pods got the connection's server (a plain value); the run recorded beside the checkpoints (both
-        # attempts in one run) is in the train XCom, got the evaluation and the model card from the export pod, and
-        # the report and the card name it
+        # MLflow: the pods got the connection's server (a plain value) and its login (from the Secret, never a value
+        # in a manifest); the run recorded beside the checkpoints (both attempts in one run) is in the train XCom, got
+        # the evaluation and the model card from the export pod, and the report and the card name it
         from mlflow.tracking import MlflowClient
 
         assert train["env"]["MLFLOW_TRACKING_URI"] == mlflow_uri and export["env"]["MLFLOW_TRACKING_URI"] == mlflow_uri
+        for pod in (train, export):
+            assert (pod["env"]["MLFLOW_TRACKING_USERNAME"], pod["env"]["MLFLOW_TRACKING_PASSWORD"]) == (user, password)
+        assert password not in json.dumps(api.creates)
+        for k, v in creds.items():  # this process's client reads the run back
+            monkeypatch.setenv(k, v)
         run = trained["mlflow"]
         assert run and run["tracking_uri"] == mlflow_uri, trained
         assert json.loads((ckpt / "mlflow_run.json").read_text()) == run
