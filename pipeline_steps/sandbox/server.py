@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 
-from pipeline_steps.local.host_guard import LoopbackHostMiddleware
+from pipeline_steps.host_guard import LoopbackHostMiddleware
 from pipeline_steps.sandbox.commands import process_app
 from pipeline_steps.sandbox.envd import file_routes, filesystem_app
 from pipeline_steps.sandbox.pool import RUNNING, Pool
@@ -298,5 +298,5 @@ def build_app(pool: Pool, api_key: str, templates: set[str], debug_sandbox: bool
         finally:
             await pool.close()
 
-    # on a loopback port, a Host that is not a loopback name is refused (DNS rebinding): pipeline_steps/local/host_guard
+    # on a loopback port, a Host that is not a loopback name is refused (DNS rebinding): pipeline_steps/host_guard
     return Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(LoopbackHostMiddleware)])

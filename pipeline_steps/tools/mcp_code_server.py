@@ -8,7 +8,7 @@ local ``sandbox-server``).
 Every request must carry ``Authorization: Bearer <token>`` (401 otherwise, before any tool runs: an unauthenticated
 caller never makes this server spend the sandbox service's key); the server does not start without a token. On a
 loopback address a ``Host`` that is not a loopback name is refused too (DNS rebinding:
-:mod:`pipeline_steps.local.host_guard`). The pipeline's MCP tool sends the token from its ``mcp_server.json``
+:mod:`pipeline_steps.host_guard`). The pipeline's MCP tool sends the token from its ``mcp_server.json``
 (``"api_key": "$MCP_SERVER_TOKEN"``: :mod:`pipeline_steps.tools.mcp_tool`).
 """
 
@@ -80,7 +80,7 @@ def build(host: str, port: int, template: str, exec_timeout: float, max_chars: i
 
 def app(server, token: str):
     """The server's ASGI app: the token checked first, then the loopback Host check, then FastMCP's routes."""
-    from pipeline_steps.local.host_guard import LoopbackHostMiddleware
+    from pipeline_steps.host_guard import LoopbackHostMiddleware
 
     return BearerTokenMiddleware(LoopbackHostMiddleware(server.streamable_http_app()), token)
 

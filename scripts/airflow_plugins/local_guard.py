@@ -2,7 +2,7 @@
 
 - Every request that reaches the API server on a loopback address must name a loopback ``Host`` (localhost,
   127.0.0.1, [::1], any port): a page that rebinds its DNS name to 127.0.0.1 gets 403 before Airflow sees the request
-  (:mod:`pipeline_steps.local.host_guard`).
+  (:mod:`pipeline_steps.host_guard`).
 - ``/pipeline/login#key=<password>``: the link `make airflow` prints. The page posts the key (from the URL's fragment,
   which no request carries: it stays out of the access log) to ``POST /pipeline/login``, which checks it as Airflow's
   simple auth manager checks a password (user ``admin``, the password generated per Airflow home in its passwords
@@ -16,7 +16,7 @@ Loaded through ``AIRFLOW__CORE__PLUGINS_FOLDER`` (scripts/airflow_local.py: ``ai
 
 from airflow.plugins_manager import AirflowPlugin
 
-from pipeline_steps.local.host_guard import LoopbackHostMiddleware
+from pipeline_steps.host_guard import LoopbackHostMiddleware
 
 LOGIN_PREFIX = "/pipeline"
 USER = "admin"
