@@ -130,7 +130,8 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(
     info = local_ray.info(ray_cluster, trigger.submission_id)
     argv = shlex.split(info["entrypoint"])
     assert not any("resume_mode" in a for a in argv)  # train-local always resumes from its output's checkpoints
-    assert argv[argv.index("--output-dir") + 1] == str(run_dir)  # same run dir, so the same checkpoint dir
+    # same run dir, so the same checkpoint dir: the store URI (the job fetches and commits it itself, issue 45)
+    assert argv[argv.index("--output-dir") + 1] == f"file://{run_dir}"
     event = run_trigger(trigger, timeout=420)
     assert event["status"] == "success", event
     out = retry.execute_complete({"run_id": RUN_ID}, event)
