@@ -11,10 +11,12 @@ layer over moto: Alibaba OSS cannot be reached from here), reached through the A
 on a local Ray cluster the test starts, standing for the KubeRay cluster: the job reads its inputs from the store and
 commits the run directory there itself. The Hugging Face Hub is the offline cache, shared as the Hub is.
 
-What it shows (issue 45): the run succeeds; the mapped datasets' tasks land on both workers; the first task to run on
-worker A is killed with its host (SIGKILL of every process of A's namespace, and its disk gone), then retried on
-worker B, and succeeds. On the code before the handoffs went through the store, this run failed at ``preprocess``
-("--input …/work/snapshots/…: no such file or directory"), classed as bad input and never retried.
+What it shows (issue 45): the run succeeds; the mapped datasets' tasks land on both workers; the first ``preprocess``
+to run on worker A (whose ``download`` ran there too) is killed with its host (SIGKILL of every process of A's
+namespace, and its disk gone), then retried on worker B, and succeeds. Task logs go to the bucket (the Alibaba
+provider's OSS remote logging, as the Helm values configure it): the retried task's log is read through the API server
+after both workers are gone. On the code before the handoffs went through the store, this run failed: the retried
+``preprocess`` found no snapshot on B's disk, and a ``train`` on B handed the job paths on B's disk.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def test_the_dag_runs_on_workers_that_share_nothing_but_the_store(tmp_path, post
     finally:
         os.environ.pop("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", None)
     offline_hub.build_cache(offline_hub.FIXTURES, hub)
-    store = f"oss://test-bucket/rehearsal-{uuid.uuid4().hex[:8]}"
+    prefix = f"rehearsal-{uuid.uuid4().hex[:8]}"
+    store = f"oss://test-bucket/{prefix}"
     ray_dir = Path(f"/tmp/rr-{uuid.uuid4().hex[:6]}")  # short: Ray puts Unix sockets below it
     ray_env = {
         k: v
@@ -170,14 +173,23 @@ def test_the_dag_runs_on_workers_that_share_nothing_but_the_store(tmp_path, post
             "PIPELINE_SCHEDULE": "none",
             "AIRFLOW__CORE__HOSTNAME_CALLABLE": "socket.gethostname",  # the worker's own host name (UTS namespace)
             "PIPELINE_STORE_URI": store,
+            # one connection for the store and the task logs, in the Alibaba provider's shape (auth_type AK)
             "AIRFLOW_CONN_PIPELINE_STORE": json.dumps(
                 {
                     "conn_type": "alibaba_cloud",
-                    "login": OSS_KEY_ID,
-                    "password": OSS_SECRET,
-                    "extra": {"region": OSS_REGION, "endpoint": oss_server.endpoint, "path_style": "true"},
+                    "extra": {
+                        "auth_type": "AK",
+                        "access_key_id": OSS_KEY_ID,
+                        "access_key_secret": OSS_SECRET,
+                        "region": OSS_REGION,
+                        "endpoint": oss_server.endpoint,
+                        "path_style": "true",
+                    },
                 }
             ),
+            "AIRFLOW__LOGGING__REMOTE_LOGGING": "True",
+            "AIRFLOW__LOGGING__REMOTE_BASE_LOG_FOLDER": f"oss://test-bucket/{prefix}/airflow-logs",
+            "AIRFLOW__LOGGING__REMOTE_LOG_CONN_ID": "pipeline_store",
             "HF_HUB_CACHE": str(hub),
             "RAY_ADDRESS": ray_address,
             "RAY_AUTH_TOKEN": (ray_dir / "auth_token").read_text().strip(),
@@ -225,19 +237,28 @@ def test_the_dag_runs_on_workers_that_share_nothing_but_the_store(tmp_path, post
             },
         )
         run_id = run["dag_run_id"]
-        # the first task running on A: A dies with it (every process, its disk), then B starts (a fresh host)
-        deadline = time.time() + 300
+        # the first preprocess running on A (its snapshot downloaded there): A dies with it (every process, its
+        # disk), then B starts (a fresh host) and retries it
+        deadline = time.time() + 600
         victim = None
         while victim is None:
-            assert time.time() < deadline, "no task started on worker-a"
+            assert time.time() < deadline, "no preprocess task started on worker-a"
             victim = next(
-                (t for t in _task_instances(url, run_id) if t["state"] == "running" and t["hostname"] == "worker-a"),
+                (
+                    t
+                    for t in _task_instances(url, run_id)
+                    if t["task_id"] == "preprocess" and t["state"] == "running" and t["hostname"] == "worker-a"
+                ),
                 None,
             )
-            time.sleep(0.5)
+            time.sleep(0.3)
         workers["worker-a"].kill()
         killed = (victim["task_id"], victim["map_index"])
-        workers["worker-b"].start()
+        workers["worker-b"].start()  # B alone: the killed task is retried on the other host
+        deadline = time.time() + 600
+        while not any(t["state"] == "success" for t in _tries(url, run_id, *killed)):
+            assert time.time() < deadline, f"{killed} was not retried to success: {_tries(url, run_id, *killed)}"
+            time.sleep(3)
         workers["worker-a"] = Worker("worker-a", env, private, logs / "worker-a.2.log")
         workers["worker-a"].start()  # A comes back as a new machine: an empty disk
         deadline = time.time() + 1500
@@ -257,6 +278,17 @@ def test_the_dag_runs_on_workers_that_share_nothing_but_the_store(tmp_path, post
         assert tries[-1]["state"] == "success" and tries[-1]["hostname"] == "worker-b", tries
         mapped = {t["hostname"] for t in tis if t["task_id"] in ("download", "preprocess", "upload_dataset")}
         assert mapped == {"worker-a", "worker-b"}, f"the mapped dataset tasks all ran on {mapped}"
+        for w in workers.values():  # every worker gone, their disks with them: the log is in the bucket only
+            w.stop()
+        task_id, map_index = killed
+        log = api(
+            url,
+            f"/dags/{DAG}/dagRuns/{run_id}/taskInstances/{task_id}/logs/{tries[-1]['try_number']}"
+            f"?map_index={map_index}&full_content=true",
+        )
+        text = json.dumps(log["content"])
+        print("the retried task's log, read after its worker stopped:", text[:600])
+        assert "running: python -m pipeline_steps preprocess" in text, text[:2000]
     finally:
         for w in workers.values():
             w.stop()

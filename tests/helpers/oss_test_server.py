@@ -33,10 +33,9 @@ server as their HTTP proxy (``HTTP_PROXY``), the way a request to ``oss-<region>
 corporate network. Each request is logged to stdout with its form (``virtual-hosted GET <host>/<key>``,
 ``path-style GET /<bucket>/<key>``).
 
-Not covered: STS tokens
-and presigned URLs (query-string auth), ACLs, versioning, OSS-only APIs (append,
-symlink, restore, tagging differences), server-side encryption, request time skew
-and exact OSS error ``EC`` codes.
+AppendObject, an OSS-only API that Airflow's OSS task-log handler writes with, is served (``_append``). Not covered:
+STS tokens and presigned URLs (query-string auth), ACLs, versioning, the other OSS-only APIs (symlink, restore,
+tagging differences), server-side encryption, request time skew and exact OSS error ``EC`` codes.
 """
 
 from __future__ import annotations
@@ -342,6 +341,8 @@ class OssTestServer:
                 continue
             fwd["x-amz-" + k[6:] if k.startswith("x-oss-") else k] = v
         fwd["Host"] = f"127.0.0.1:{self.port}"
+        if method == "POST" and "append" in query and key:
+            return self._append(raw_path, bucket, key, query, fwd, body, request_id)
         forbid = method == "PUT" and not query and headers.get("x-oss-forbid-overwrite", "").lower() == "true"
         fwd.pop("x-amz-forbid-overwrite", None)
         with self._create_lock if forbid else contextlib.nullcontext():
@@ -392,6 +393,28 @@ class OssTestServer:
             out_headers["x-oss-err"] = base64.b64encode(out_body).decode()
             out_body = b""
         return status, out_headers, out_body
+
+    def _append(self, raw_path: str, bucket: str, key: str, query: dict, fwd: dict, body: bytes, request_id: str):
+        """OSS's AppendObject (``POST /<key>?append&position=N``; Airflow's OSS task-log handler writes with it), which
+        S3 lacks: the object is read, checked against ``position``, and written back whole with the data appended."""
+        headers = {"x-oss-request-id": request_id}
+        with self._create_lock:
+            status, _, current = self.s3.forward("GET", raw_path, "", {"Host": fwd["Host"]}, b"")
+            current = current if status < 300 else b""
+            if int(query.get("position") or 0) != len(current):
+                err = self._error_xml("PositionNotEqualToLength", "Position is not equal to file length", request_id)
+                headers.update({"x-oss-next-append-position": str(len(current)), "Content-Type": "application/xml"})
+                return 409, headers, err
+            data = current + body
+            put = {k: v for k, v in fwd.items() if k.lower().startswith("content-type") or k == "Host"}
+            status, resp_headers, out = self.s3.forward("PUT", raw_path, "", put, data)
+            if status >= 300:
+                return status, {**headers, "Content-Type": "application/xml"}, _NS_RE.sub(b"", out, count=1)
+            crc = crc64(data)
+            etag = dict((k.lower(), v) for k, v in resp_headers).get("etag", "")
+            self._crc_cache[(bucket, key, etag)] = crc
+        headers.update({"x-oss-next-append-position": str(len(data)), "x-oss-hash-crc64ecma": str(crc), "ETag": etag})
+        return 200, headers, b""
 
     def _completed_crc(self, bucket: str, key: str, upload_id: str, body: bytes) -> int | None:
         """The object's CRC64 combined from its parts' (as OSS does), without re-reading the object."""
