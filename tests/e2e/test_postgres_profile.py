@@ -37,6 +37,7 @@ from tests.helpers.airflow_api import api
 
 pytestmark = pytest.mark.slow
 
+
 @pytest.fixture(scope="module")
 def airflow_pg(postgres, tmp_path_factory):
     from scripts.airflow_local import start, stop
