@@ -34,10 +34,17 @@ def airflow_home(url: str) -> Path:
     port = urlsplit(url).port
     for c in psutil.net_connections("tcp"):
         if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-            home = psutil.Process(c.pid).environ().get("AIRFLOW_HOME")
-            if home:
-                airflow_local._HOMES[url] = Path(home)
-                return Path(home)
+            # the API server sets its process title, which overwrites its /proc environ (empty then): the nearest
+            # ancestor that has one (the components' supervisor below `make airflow`) names the same home
+            listener = psutil.Process(c.pid)
+            for p in (listener, *listener.parents()):
+                try:
+                    home = p.environ().get("AIRFLOW_HOME")
+                except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+                    continue
+                if home:
+                    airflow_local._HOMES[url] = Path(home)
+                    return Path(home)
     # an OSError, as a refused connection is: a caller waiting for the server to come up asks again
     raise ConnectionRefusedError(f"no Airflow API server of the local profile listens at {url}")
 
