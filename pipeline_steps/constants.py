@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # KubeRay appends 6 characters for the RayCluster's name, which must stay within 53; so RayJob names stay within 47.
 RAYJOB_NAME_MAX = 47
+LOCAL_SANDBOX_MAX = 64  # the local sandbox server's --max-sandboxes default (sandbox-server; the pre-flight's count)
 # verl's checkpoint tracker: the newest complete global_step_N under a checkpoint directory.
 CHECKPOINT_TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from pipeline_steps import settings
+from pipeline_steps.constants import LOCAL_SANDBOX_MAX
 from pipeline_steps.errors import UserError
 from pipeline_steps.sandbox import KEY_ENV
 
@@ -20,7 +21,7 @@ def add_arguments(p):
     p.add_argument("--hide", action="append", default=[], help="a directory sandboxes must not see (repeatable)")
     p.add_argument("--template", action="append", default=None, help="template names served (code-interpreter-v1)")
     p.add_argument("--warm", type=int, default=2, help="sandboxes kept started ahead of requests")
-    p.add_argument("--max-sandboxes", type=int, default=64)
+    p.add_argument("--max-sandboxes", type=int, default=LOCAL_SANDBOX_MAX)
     p.add_argument(
         "--uid-base",
         type=int,

@@ -63,11 +63,12 @@ def check_tool_config(path: str) -> list[str]:
     return names
 
 
-def check_multi_turn(cfg, backend: str | None = None, cluster: dict | None = None) -> dict:
+def check_multi_turn(cfg, backend: str | None = None, cluster_service: tuple[int | None, str] | None = None) -> dict:
     """For the pre-flight: the tool config when multi-turn is on and the file is readable here (a path that only
     exists in the training image is left to the cluster), and the code tool's sandboxes against the service's
-    capacity (``backend``: ``local`` or ``cluster``, else taken from the rollout engine; ``cluster``: the preset's
-    ``cluster`` section, which names the sandbox service)."""
+    capacity (``backend``: ``local`` or ``cluster``, else taken from the rollout engine; ``cluster_service``: the
+    cluster's sandbox service as ``(capacity or None, where it comes from)``, resolved by the training layer from the
+    preset's ``cluster.sandbox_service``: :func:`pipeline_steps.training.rayjob_manifest.sandbox_service_capacity`)."""
     mt = cfg.actor_rollout_ref.rollout.get("multi_turn") or {}
     path = mt.get("tool_config_path")
     if mt.get("enable") and path:
@@ -77,7 +78,7 @@ def check_multi_turn(cfg, backend: str | None = None, cluster: dict | None = Non
     if not mt.get("enable") or not path or not Path(str(path)).is_file():
         return {}
     out = {"tools": check_tool_config(str(path))}
-    sandboxes = check_sandbox_capacity(cfg, str(path), backend, cluster)
+    sandboxes = check_sandbox_capacity(cfg, str(path), backend, cluster_service)
     if sandboxes:
         out["sandboxes"] = sandboxes
     return out
@@ -127,18 +128,6 @@ def sandboxes_at_once(cfg, tool: dict, backend: str) -> tuple[int, str]:
     return at_once, how
 
 
-def _local_server_default() -> int:
-    """The ``--max-sandboxes`` of the server the local backend starts when no E2B service is set (the
-    ``sandbox-server`` step's default: ``agent_rollout.local_sandbox`` does not set it)."""
-    import argparse
-
-    from pipeline_steps.steps import sandbox_server
-
-    parser = argparse.ArgumentParser()
-    sandbox_server.add_arguments(parser)
-    return int(parser.parse_args(["--state-dir", "-"]).max_sandboxes)
-
-
 def _ask_server(url: str) -> int | None:
     """The capacity a running local sandbox server reports (``GET /health``: ``capacity``); None from another
     service or when it does not answer."""
@@ -151,8 +140,11 @@ def _ask_server(url: str) -> int | None:
     return capacity if isinstance(capacity, int) and capacity > 0 else None
 
 
-def sandbox_capacity(tool: dict, backend: str, cluster: dict | None) -> tuple[int | None, str]:
-    """The sandbox service's capacity (None: unknown) and which service and setting it comes from."""
+def sandbox_capacity(
+    tool: dict, backend: str, cluster_service: tuple[int | None, str] | None = None
+) -> tuple[int | None, str]:
+    """The sandbox service's capacity (None: unknown) and which service and setting it comes from
+    (``cluster_service``: the cluster backend's, as the training layer resolved it from the preset)."""
     if backend == "local":
         api_url = tool.get("e2b_api_url") or os.environ.get("E2B_API_URL")
         domain = tool.get("e2b_domain") or os.environ.get("E2B_DOMAIN")
@@ -160,23 +152,18 @@ def sandbox_capacity(tool: dict, backend: str, cluster: dict | None) -> tuple[in
             return _ask_server(api_url), f"the sandbox service at E2B_API_URL={api_url}"
         if domain:
             return None, f"the sandbox service at E2B_DOMAIN={domain}"
-        default = _local_server_default()
+        from pipeline_steps.constants import LOCAL_SANDBOX_MAX
+
+        default = LOCAL_SANDBOX_MAX  # agent_rollout.local_sandbox starts it with sandbox-server's default
         return default, f"the local sandbox server the run starts (sandbox-server --max-sandboxes {default})"
-    from pipeline_steps import settings
-    from pipeline_steps.training.rayjob_manifest import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, sandbox_services
-
-    name = cluster.get("sandbox_service") if isinstance(cluster, dict) else None
-    if name is None:
-        domain = settings.get(SANDBOX_DOMAIN_ENV) or "(unset)"
-        return None, f"the deployment's default sandbox service ${SANDBOX_DOMAIN_ENV}={domain}"
-    svc = sandbox_services().get(name)
-    if svc is None:
-        return None, f"cluster.sandbox_service={name}"  # an unknown name: the RayJob render refuses it
-    where = f"cluster.sandbox_service={name} (${SANDBOX_SERVICES_ENV}[{name!r}].capacity"
-    return svc.get("capacity"), where + (")" if svc.get("capacity") else ": unset)")
+    # the cluster's sandbox service (and its capacity) is the deployment's registry's, which the training layer
+    # reads (pipeline_steps.training.sandbox_services) and hands in
+    return cluster_service or (None, "the cluster's sandbox service")
 
 
-def check_sandbox_capacity(cfg, path: str, backend: str | None = None, cluster: dict | None = None) -> dict:
+def check_sandbox_capacity(
+    cfg, path: str, backend: str | None = None, cluster_service: tuple[int | None, str] | None = None
+) -> dict:
     """The code sandbox tool's sandboxes held at once by one step's rollout against the service's capacity:
     UserError in one line, naming the settings, when they do not fit; a warning when the capacity is unknown.
     ``{}`` when the tool config has no code sandbox tool."""
@@ -186,7 +173,7 @@ def check_sandbox_capacity(cfg, path: str, backend: str | None = None, cluster: 
     if backend is None:  # the local backend alone generates with transformers (check_registries)
         backend = "local" if str(cfg.actor_rollout_ref.rollout.get("name")) == "hf" else "cluster"
     at_once, how = sandboxes_at_once(cfg, tool, backend)
-    capacity, service = sandbox_capacity(tool, backend, cluster)
+    capacity, service = sandbox_capacity(tool, backend, cluster_service)
     summary = {"at_once": at_once, "capacity": capacity, "session": tool["session"]}
     if capacity is None:
         log.warning(

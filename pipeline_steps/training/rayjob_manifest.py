@@ -222,6 +222,22 @@ _SERVICE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _SERVICES_SHAPE = '{"<name>": {"domain": "<E2B domain>", "secret": "<Secret name>", "key": "<key, default apiKey>"}}'
 
 
+def sandbox_service_capacity(cluster: dict | None) -> tuple[int | None, str]:
+    """The sandbox service a preset's ``cluster.sandbox_service`` names (else the deployment's default): its capacity
+    (None: unknown) and where that comes from, for the pre-flight's sandbox count."""
+    from pipeline_steps import settings
+
+    name = cluster.get("sandbox_service") if isinstance(cluster, dict) else None
+    if name is None:
+        domain = settings.get(SANDBOX_DOMAIN_ENV) or "(unset)"
+        return None, f"the deployment's default sandbox service ${SANDBOX_DOMAIN_ENV}={domain}"
+    svc = sandbox_services().get(name)
+    if svc is None:
+        return None, f"cluster.sandbox_service={name}"  # an unknown name: the RayJob render refuses it
+    where = f"cluster.sandbox_service={name} (${SANDBOX_SERVICES_ENV}[{name!r}].capacity"
+    return svc.get("capacity"), where + (")" if svc.get("capacity") else ": unset)")
+
+
 def sandbox_services() -> dict[str, dict]:
     """The deployment's named sandbox services: ``$PIPELINE_SANDBOX_SERVICES`` (Helm values), name -> the E2B
     domain and the Kubernetes Secret (name, data key) holding its API key, and optionally its ``capacity`` (sandboxes

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.helpers.helm_accounts import release, service_account
 from tests.helpers.k8s_api_stand_in import granted, rbac_grants, request_attributes, shipped_rbac
-from tests.unit.k8s.test_airflow_rbac import release, service_account
 
 ROOT = Path(__file__).resolve().parents[3]
 SOURCES = [ROOT / "operators", ROOT / "pipeline_steps"]
