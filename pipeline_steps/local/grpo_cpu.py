@@ -360,6 +360,16 @@ def verl_locks_in(directory: Path):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    """The ids of the Qwen-VL vision placeholders in ``tokenizer``: never sampled in a response (the model's forward
+    pass would count one as an image's place and fail on the mismatch with the image features)."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})
+
+
 def mm_batch(rows: list) -> dict:
     """The image inputs of a batch's rows in row order (Qwen-VL models take every row's patches concatenated, and
     one ``image_grid_thw`` line per image), or nothing for text rows."""
@@ -678,6 +688,8 @@ class GRPOTrainer:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         mm_rows = [p.mm for p in prompts for _ in range(n)]
         kwargs.update(mm_batch(mm_rows))
+        if self.processor is not None:  # a response holding <|image_pad|> would be taken for an image's place
+            kwargs["suppress_tokens"] = vision_token_ids(self.tokenizer)
         self.model.eval()
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)

@@ -195,3 +195,62 @@ def test_log_probability_differs_between_the_figure_and_a_blank_image_on_the_cpu
     # one row alone gets the same as in the batch: each row's patches go with it
     alone = grpo_cpu.GRPOTrainer.log_probs(trainer, model, batch(real), torch.tensor([1]))[0].sum(-1)
     assert torch.allclose(alone, lp["figure", True][1:], atol=1e-4)
+
+
+ANSWER = """
+import base64, io, json, sys
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+d, fixture = sys.argv[1], sys.argv[2]
+p = AutoProcessor.from_pretrained(d)
+m = AutoModelForImageTextToText.from_pretrained(d).eval()
+row = json.loads(open(fixture).readline())
+img = Image.open(io.BytesIO(base64.b64decode(row["images"][0]["bytes_b64"])))
+text = row["problem"].replace("<image>", "")
+chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+enc = p(text=[p.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)], images=[img],
+        return_tensors="pt", min_pixels=3136, max_pixels=12544)
+out = m.generate(**enc, max_new_tokens=8, do_sample=False)
+tokens = int(enc["image_grid_thw"].prod()) // 4
+print(json.dumps({"processor": type(p).__name__, "model": type(m).__name__, "image_tokens": tokens,
+                  "new_tokens": int(out.shape[1] - enc["input_ids"].shape[1])}))
+"""
+
+
+@pytest.mark.budget(900)
+def test_train_local_trains_on_the_figures_and_the_merged_model_answers_from_an_image(tiny_vl_model, tmp_path):
+    """train-local (the local backend's job) runs GRPO steps of local_tiny_vl on image rows; verl's merger turns the
+    checkpoint into a model that a fresh process loads with AutoProcessor / AutoModelForImageTextToText and that
+    generates from a figure."""
+    from tests.helpers.step_cli import run_step
+    from tests.helpers.vl_rows import FIXTURE
+
+    train = write_parquet(geo3k_rows("train"), tmp_path / "train.parquet")
+    out = tmp_path / "out"
+    _, summary, _ = run_step(
+        "train-local", "--experiment", "local_tiny_vl", "--train-files", train, "--val-files", train,
+        "--model-path", tiny_vl_model, "--output-dir", out, "--override", "trainer.total_training_steps=2",
+        "--override", "trainer.val_before_train=false", "--override", "trainer.logger=[console,file]",
+    )  # fmt: skip
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "critic/score/mean" in s["data"]] == [1, 2]
+    ckpt = out / "checkpoints" / "global_step_2" / "actor"
+    assert (ckpt / "huggingface" / "processor_config.json").is_file()  # the checkpoint keeps the processor
+    merged = tmp_path / "merged"
+    subprocess.run(
+        [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "fsdp", "--local_dir", str(ckpt),
+         "--target_dir", str(merged)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", ANSWER, str(merged), str(FIXTURE / "test-00000-of-00001.jsonl")],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {
+        "processor": "Qwen2_5_VLProcessor",
+        "model": "Qwen2_5_VLForConditionalGeneration",
+        "image_tokens": 16,
+        "new_tokens": got["new_tokens"],
+    }
+    assert got["new_tokens"] > 0
