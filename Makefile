@@ -12,11 +12,14 @@ export AIRFLOW__CORE__LOAD_EXAMPLES := False
 
 venv: $(VENV)/.installed
 
-# torch alone first, from the CPU wheel; then the project (editable) with its pins and the lock, torch held.
+# torch and torchvision first, together (the pair must match: the VL processors import torchvision); then the project
+# (editable) with its pins and the lock, the pair held. TORCH_INDEX empty: pip's configured indexes (PyPI's builds,
+# CUDA-enabled, which run on CPU; 7.8 GB venv). TORCH_INDEX=https://download.pytorch.org/whl/cpu: PyTorch's CPU builds.
+TORCH_INDEX ?=
 $(VENV)/.installed: requirements.txt constraints.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip==26.3
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e '.[test]' -r requirements.txt -c constraints.txt
 	touch $@
 
@@ -69,7 +72,7 @@ bench: venv
 
 # Re-lock after changing requirements.txt (in a fresh venv built from requirements.txt alone).
 lock:
-	$(BIN)/pip freeze --exclude-editable | grep -v '^torch==' > constraints.txt.new && mv constraints.txt.new constraints.txt
+	$(BIN)/pip freeze --exclude-editable | grep -v '^torch==\|^torchvision==\|^nvidia-\|^triton==\|^cuda-' > constraints.txt.new && mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(AIRFLOW_HOME) $(PIPELINE_HOME)

@@ -34,7 +34,7 @@ from tests.helpers.leftovers import TEST_RUN  # noqa: E402
 
 # the shared fixtures, usable by name in every test module (tests/README.md: tests/helpers/)
 pytest_plugins = [
-    "tests.helpers.model_fixtures",  # hub_cache, offline_hub, tiny_model
+    "tests.helpers.model_fixtures",  # hub_cache, offline_hub, tiny_model, tiny_vl_model
     "tests.helpers.k8s_connection",  # k8s_api
     "tests.helpers.storage_servers",  # oss_server, gcs_server, oss_seaweed_server
     "tests.helpers.store_under_test",  # backend: file://, oss://, gs:// (parametrized)

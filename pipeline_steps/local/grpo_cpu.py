@@ -72,14 +72,58 @@ class Prompt:
     extra_info: dict
     messages: list | None = None  # the chat, for verl's agent loops (multi-turn)
     agent_name: str | None = None
+    mm: dict | None = None  # an image row's processor outputs (pixel_values, image_grid_thw), as verl's rollout makes
+    images: list | None = None  # its images' bytes (the report's thumbnails, the evaluation)
+
+
+def image_prompt(row: dict, messages: list, processor, data_cfg) -> tuple[list[int], dict]:
+    """An image row's prompt ids and processor outputs, made by verl's own code as its cluster path makes them:
+    ``RLHFDataset._build_messages`` (each ``<image>`` an image entry), the chat template, ``qwen_vl_utils``' fetch and
+    resize (``_process_multi_modal_info``) and ``build_multimodal_processor_inputs`` with
+    ``data.mm_processor_kwargs``."""
+    import copy
+
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+    from verl.utils.tokenizer import build_multimodal_processor_inputs
+
+    image_key = data_cfg.get("image_key", "images")
+    helper = RLHFDataset.__new__(RLHFDataset)  # the methods only read these attributes
+    helper.processor, helper.image_key, helper.video_key, helper.audio_key = processor, image_key, "videos", "audios"
+    chat = helper._build_messages(
+        {"prompt": copy.deepcopy(messages), image_key: copy.deepcopy(row[image_key])}, "prompt"
+    )
+    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    patch = data_cfg.get("image_patch_size") or getattr(processor.image_processor, "patch_size", 14)
+    images, videos, audios = RLHFDataset._process_multi_modal_info(chat, patch, data_cfg)
+    mm_kwargs = data_cfg.get("mm_processor_kwargs") or {}
+    mm_kwargs = OmegaConf.to_container(mm_kwargs, resolve=True) if OmegaConf.is_config(mm_kwargs) else dict(mm_kwargs)
+    enc = build_multimodal_processor_inputs(
+        processor, text=[text], images=images, videos=videos, audio=audios, mm_processor_kwargs=mm_kwargs
+    )
+    mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc}
+    return enc["input_ids"][0].tolist(), mm
+
+
+def reads_images(model_path) -> bool:
+    """Does the model at ``model_path`` read images (a ``vision_config`` in its config.json)?"""
+    import json
+
+    try:
+        return bool(json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8")).get("vision_config"))
+    except (OSError, ValueError):
+        return False
 
 
 # ----------------------------------------------------------------------------- data
 
 
-def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
-    """Read verl-schema parquet files and tokenize each prompt with the chat template."""
+def load_prompts(files, tokenizer, data_cfg, processor=None) -> list[Prompt]:
+    """Read verl-schema parquet files and tokenize each prompt with the chat template; an image row (``data.image_key``)
+    through ``processor`` (:func:`image_prompt`), refused in one line when the model has none."""
     import pyarrow.parquet as pq
+
+    image_key = data_cfg.get("image_key", "images")
 
     prompt_key = data_cfg.get("prompt_key", "prompt")
     source_key = data_cfg.get("reward_fn_key", "data_source")
@@ -116,8 +160,28 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
             rm = row["reward_model"]
             if not isinstance(rm, dict) or "ground_truth" not in rm:
                 raise UserError(f"data file {f} row {i}: reward_model must hold a ground_truth")
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            mm = None
+            if row.get(image_key):
+                if processor is None:
+                    raise UserError(
+                        f"data file {f} row {i}: has images ({image_key!r}) but the model has no image processor; "
+                        "train a vision-language model (preset local_tiny_vl) or a text dataset"
+                    )
+                try:
+                    ids, mm = image_prompt(row, messages, processor, data_cfg)
+                except Exception as exc:  # verl's filter would drop it silently: say which row and why
+                    raise UserError(
+                        f"data file {f} row {i}: its images could not be processed ({exc.__class__.__name__}: "
+                        f"{str(exc).splitlines()[0][:160] if str(exc) else ''})"
+                    ) from None
+            else:
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) > max_len and mm is not None and not drop_long:  # image tokens cannot be cut
+                raise UserError(
+                    f"data file {f} row {i}: prompt has {len(ids)} tokens with its image > "
+                    f"data.max_prompt_length={max_len}; raise it or lower data.mm_processor_kwargs.max_pixels"
+                )
             if len(ids) > max_len:
                 if drop_long:
                     continue
@@ -134,7 +198,12 @@ def load_prompts(files, tokenizer, data_cfg) -> list[Prompt]:
                         "data.filter_overlong_prompts=true"
                     )
             extra = dict(row.get("extra_info") or {})  # a JSONL row's rollout_extra is a parquet struct: a dict here
-            out.append(Prompt(ids, str(row[source_key]), rm["ground_truth"], extra, messages, row.get("agent_name")))
+            images = [im.get("bytes") for im in row[image_key]] if mm is not None else None
+            out.append(
+                Prompt(
+                    ids, str(row[source_key]), rm["ground_truth"], extra, messages, row.get("agent_name"), mm, images
+                )
+            )
     return out
 
 
@@ -291,6 +360,27 @@ def verl_locks_in(directory: Path):
         shutil.rmtree(directory, ignore_errors=True)
 
 
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def vision_token_ids(tokenizer) -> list[int]:
+    """The ids of the Qwen-VL vision placeholders in ``tokenizer``: never sampled in a response (the model's forward
+    pass would count one as an image's place and fail on the mismatch with the image features)."""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})
+
+
+def mm_batch(rows: list) -> dict:
+    """The image inputs of a batch's rows in row order (Qwen-VL models take every row's patches concatenated, and
+    one ``image_grid_thw`` line per image), or nothing for text rows."""
+    import torch
+
+    rows = [m for m in rows if m]
+    if not rows:
+        return {}
+    return {k: torch.cat([m[k] for m in rows], dim=0) for k in rows[0]}
+
+
 class GRPOTrainer:
     """One GRPO actor on CPU. Build inside :func:`process_group`.
 
@@ -347,14 +437,26 @@ class GRPOTrainer:
                 f"actor_rollout_ref.model.path {model_path}: no config.json; pass a Hugging Face model directory "
                 "(build-tiny-model makes one)"
             )
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.processor = None
+        if reads_images(model_path):  # a vision-language model: its processor makes the image rows' inputs
+            from transformers import AutoProcessor
+
+            self.processor = AutoProcessor.from_pretrained(model_path)
+            self.tokenizer = self.processor.tokenizer
+        else:
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_ids = self._eos_ids(model_path)
         torch.manual_seed(self.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if self.processor is not None:
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.use_ref = bool(actor.use_kl_loss) or bool(cfg.algorithm.use_kl_in_reward)
         self.kl_ctrl_in_reward = None  # verl's KL controller for use_kl_in_reward, built on first use
         self.ref = None
@@ -363,7 +465,8 @@ class GRPOTrainer:
 
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
-        for layer in model.model.layers:
+        layers = model.model.language_model.layers if self.processor is not None else model.model.layers
+        for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         self.model = model
@@ -372,7 +475,7 @@ class GRPOTrainer:
         from verl.utils.torch_functional import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
         from verl.workers.config.optimizer import build_optimizer
 
-        self.train_prompts = load_prompts(_as_list(cfg.data.train_files), self.tokenizer, cfg.data)
+        self.train_prompts = load_prompts(_as_list(cfg.data.train_files), self.tokenizer, cfg.data, self.processor)
         if len(self.train_prompts) < self.batch_size:
             raise UserError(
                 f"data.train_files hold {len(self.train_prompts)} usable prompts, fewer than "
@@ -389,7 +492,9 @@ class GRPOTrainer:
         wants_val = (
             self.test_freq > 0 or self.val_before_train
         )  # verl validates before training even when test_freq <= 0
-        self.val_prompts = load_prompts(val_files, self.tokenizer, cfg.data) if wants_val and val_files else []
+        self.val_prompts = (
+            load_prompts(val_files, self.tokenizer, cfg.data, self.processor) if wants_val and val_files else []
+        )
         self.total_epochs = int(cfg.trainer.total_epochs)
 
         optim_cfg = omega_conf_to_dataclass(actor.optim)
@@ -418,7 +523,7 @@ class GRPOTrainer:
             self.model,
             self.optimizer,
             self.lr_scheduler,
-            processing_class=self.tokenizer,
+            processing_class=self.processor or self.tokenizer,  # a VL model's checkpoint keeps its processor
             checkpoint_config=OmegaConf.to_container(actor.checkpoint, resolve=True),
         )
         self._saved_steps: list[int] = []  # what max_actor_ckpt_to_keep counts, as verl's manager does (see save)
@@ -581,6 +686,10 @@ class GRPOTrainer:
             kwargs.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        mm_rows = [p.mm for p in prompts for _ in range(n)]
+        kwargs.update(mm_batch(mm_rows))
+        if self.processor is not None:  # a response holding <|image_pad|> would be taken for an image's place
+            kwargs["suppress_tokens"] = vision_token_ids(self.tokenizer)
         self.model.eval()
         with torch.no_grad():
             out = self.model.generate(input_ids=input_ids, attention_mask=attn, **kwargs)
@@ -598,6 +707,7 @@ class GRPOTrainer:
             "attention_mask": torch.cat([attn, response_mask], dim=1),
             "response_mask": response_mask,
             "items": [p for p in prompts for _ in range(n)],
+            "mm": mm_rows,  # each row's image inputs (None for a text row): log_probs gives them to the model
             "uids": [str(j) for j in range(len(prompts)) for _ in range(n)],  # one group per prompt
             "num_turns": [2] * (len(prompts) * n),  # verl's single-turn agent loop: user + assistant
             "extra_fields": [{"turn_scores": [], "tool_rewards": []} for _ in range(len(prompts) * n)],  # and these
@@ -678,8 +788,12 @@ class GRPOTrainer:
 
         ids = batch["input_ids"][rows]
         attn = batch["attention_mask"][rows]
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
+        mm = mm_batch([batch["mm"][int(r)] for r in rows]) if batch.get("mm") else {}
+        if mm:  # the model places its multimodal rotary positions itself (image tokens span a grid)
+            logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **mm).logits
+        else:
+            pos = (attn.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False).logits
         r = batch["responses"].shape[1]
         logits = logits[:, -r - 1 : -1, :] / self.temperature  # verl scores with the rollout temperature
         logp = logprobs_from_logits(logits, ids[:, -r:])

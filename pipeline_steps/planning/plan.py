@@ -125,20 +125,24 @@ def _pinned_files(ds: registry.DatasetSpec, as_of: datetime | None) -> tuple[dic
 
 def _check_modalities(spec: dict, preset: str, params: dict, known: dict, used: list[str]) -> None:
     """Image rows through a text-only model would stop verl at job start (its dataset asserts a processor), after
-    the GPUs were granted: refused here, before any download. ``model.modalities`` in a preset (default text)."""
-    modalities = experiment.modalities(spec)
+    the GPUs were granted: refused here, before any download. What the model reads comes from the model
+    (:func:`experiment.model_modalities`: a local build, its config.json, the preset's declaration, known
+    architectures), and the refusal says which."""
+    model = (params.get("model") or "").strip() or None
+    revision = params.get("model_revision") or (None if model else (spec.get("model") or {}).get("revision"))
+    modalities, how = experiment.model_modalities(spec, model, revision)
     for name in used:
         ds = known.get(name)
         if ds is not None and ds.modality not in modalities:
-            model = params.get("model") or (spec.get("model") or {}).get("source") or "its model"
+            model_name = model or (spec.get("model") or {}).get("source") or "its model"
             fitting = experiment.presets_reading(ds.modality)
-            choose = f"choose a preset whose model.modalities include {ds.modality}"
+            choose = f"choose a model or preset that reads {ds.modality}s"
             if fitting:
                 choose = f"choose a preset that reads {ds.modality}s ({', '.join(fitting)})"
             raise UserError(
-                f"dataset {name!r} has {ds.modality} rows but preset {preset!r} trains {model}, a "
-                f"{'/'.join(sorted(modalities))}-only model; {choose}, or list {name!r} under prepare_datasets to "
-                "prepare it without training on it"
+                f"dataset {name!r} has {ds.modality} rows but preset {preset!r} trains {model_name}, a "
+                f"{'/'.join(sorted(modalities))}-only model ({how}); {choose}, or list {name!r} under "
+                "prepare_datasets to prepare it without training on it"
             )
 
 
@@ -254,9 +258,10 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     preset_model = spec.get("model") or {}
     if params.get("model"):  # typed in the form: a Hub repo id (or tiny), never a path on the worker
         model = str(params["model"]).strip()
-        if model != "tiny" and not MODEL_REPO_RE.match(model):
+        if model not in experiment.LOCAL_BUILDS and not MODEL_REPO_RE.match(model):
             raise UserError(
-                f"model {model!r}: expected a Hugging Face repo id such as Qwen/Qwen2.5-3B-Instruct, or tiny"
+                f"model {model!r}: expected a Hugging Face repo id such as Qwen/Qwen2.5-3B-Instruct, or one of the "
+                f"local builds {', '.join(experiment.LOCAL_BUILDS)}"
             )
         # the preset's revision belongs to the preset's model: a form model without a revision is staged at main
         model_revision = params.get("model_revision") or "main"

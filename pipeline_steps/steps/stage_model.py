@@ -6,7 +6,9 @@ SOURCE is one of
 - a local directory: staged under ``models/local/<dir name>/<revision>``;
 - ``tiny``: the project's tiny Qwen2-architecture model, built locally
   (pipeline_steps.local.tiny_model) under ``models/local/tiny/<revision>``; ``tiny-tool``: the same made able to
-  call the code tool (pipeline_steps.local.tiny_tool_model), under ``models/local/tiny-tool/<revision>``.
+  call the code tool (pipeline_steps.local.tiny_tool_model), under ``models/local/tiny-tool/<revision>``; ``tiny-vl``:
+  the tiny vision-language model (Qwen2.5-VL architecture with its processor; pipeline_steps.local.tiny_vl_model),
+  under ``models/local/tiny-vl/<revision>``.
 For local sources the revision defaults to a short hash of the files' content, so
 the same weights always land in the same place. A version that is already staged
 and verifies against its manifest is skipped (for a pinned Hub commit, without
@@ -33,10 +35,15 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REV_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+LOCAL_BUILDS = ("tiny", "tiny-tool", "tiny-vl")  # models built on this machine (pipeline_steps/local/)
 
 
 def add_arguments(p):
-    p.add_argument("--model", required=True, help="Hub repo id (org/name), a local directory, or 'tiny'")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="Hub repo id (org/name), a local directory, or a local build: 'tiny', 'tiny-tool', 'tiny-vl'",
+    )
     p.add_argument(
         "--hub-only",
         action="store_true",
@@ -111,14 +118,14 @@ def run(args):
     root = parse_uri(args.dest)
     store = open_store(args.dest)
     model = args.model.strip()
-    if model in ("tiny", "tiny-tool"):  # tiny-tool: the tiny model made able to call the code tool
-        from pipeline_steps.local import tiny_model, tiny_tool_model
+    if model in LOCAL_BUILDS:  # tiny-tool: the tiny model made able to call the code tool; tiny-vl: reads images
+        from pipeline_steps.local import tiny_model, tiny_tool_model, tiny_vl_model
 
         if args.revision:  # a named revision already staged is that model: no rebuild (the build trains a warm-up)
             uri = str(root.child(f"models/local/{model}/{_check_revision(args.revision)}"))
             if _already_staged(store, uri, None):
                 return _skipped(store, uri, args.revision, model)
-        builder = tiny_model if model == "tiny" else tiny_tool_model
+        builder = {"tiny": tiny_model, "tiny-tool": tiny_tool_model, "tiny-vl": tiny_vl_model}[model]
         with tempfile.TemporaryDirectory(prefix="tiny-model-") as tmp:
             src = builder.build_cached(settings.cache_dir(), Path(tmp))
             rev = _check_revision(args.revision) if args.revision else content_revision(src)

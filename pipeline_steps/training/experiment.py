@@ -20,6 +20,7 @@ import hashlib
 import importlib.resources
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -67,13 +68,69 @@ def check_offered(exp: Experiment) -> None:
         )
 
 
-def modalities(spec: dict) -> set[str]:
-    """What a preset's model reads: ``model.modalities``, text when unset."""
-    return set((spec.get("model") or {}).get("modalities") or ["text"])
+# What a model reads, when its config.json is not on this machine. Hub id prefix -> transformers model_type (longest
+# prefix wins); a model_type reads images when its transformers config class has a ``vision_config`` sub-config
+# (tests/unit/pipeline_steps/training/test_modalities.py checks this table against transformers' classes).
+KNOWN_ARCHITECTURES = {
+    "Qwen/Qwen3.5-": "qwen3_5",  # natively multimodal: Qwen3_5ForConditionalGeneration, a vision_config
+    "Qwen/Qwen3-VL-": "qwen3_vl",
+    "Qwen/Qwen2.5-VL-": "qwen2_5_vl",
+    "Qwen/Qwen2-VL-": "qwen2_vl",
+    "Qwen/Qwen3-": "qwen3",
+    "Qwen/Qwen2.5-": "qwen2",
+}
+IMAGE_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_vl", "qwen2_5_vl", "qwen2_vl"})
+# the models built on this machine (stage-model --model NAME; pipeline_steps/local/)
+LOCAL_BUILDS = {"tiny": ("text",), "tiny-tool": ("text",), "tiny-vl": ("text", "image")}
+
+
+def _cached_config(repo_id: str, revision: str | None) -> dict | None:
+    """The model's config.json from the Hugging Face cache on this machine, without the network; None if absent."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        # the cache the process is pointed at now (huggingface_hub reads HF_HUB_CACHE once, at its import)
+        cache = os.environ.get("HF_HUB_CACHE") or None
+        path = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision or "main")
+        if isinstance(path, str):
+            return json.loads(Path(path).read_text(encoding="utf-8"))
+    except Exception:
+        return None
+    return None
+
+
+def model_modalities(spec: dict, model: str | None = None, revision: str | None = None) -> tuple[set[str], str]:
+    """What the run's model reads, and how that is known: ``model`` (the form's) or the preset's ``model.source``.
+
+    In order: a model built locally (its builder's table); the model's ``config.json`` in the Hugging Face cache (a
+    ``vision_config`` means images); the preset's declared ``model.modalities`` (only for the preset's own model);
+    :data:`KNOWN_ARCHITECTURES`; else text only, said to be assumed."""
+    declared_for = (spec.get("model") or {}).get("source") or (spec.get("model") or {}).get("repo_id")
+    model = (model or declared_for or "").strip()
+    if model in LOCAL_BUILDS:
+        return set(LOCAL_BUILDS[model]), f"built locally as {model}"
+    config = _cached_config(model, revision) if "/" in model else None
+    if config is not None:
+        reads = {"text", "image"} if config.get("vision_config") else {"text"}
+        return reads, f"its config.json (model_type {config.get('model_type')!r})"
+    declared = (spec.get("model") or {}).get("modalities")
+    if declared and model == declared_for:
+        return set(declared), "the preset's model.modalities"
+    prefixes = sorted((p for p in KNOWN_ARCHITECTURES if model.startswith(p)), key=len, reverse=True)
+    if prefixes:
+        model_type = KNOWN_ARCHITECTURES[prefixes[0]]
+        reads = {"text", "image"} if model_type in IMAGE_MODEL_TYPES else {"text"}
+        return reads, f"known architecture {model_type}"
+    return {"text"}, "no config.json on this machine and no declared model.modalities: assumed"
+
+
+def modalities(spec: dict, model: str | None = None) -> set[str]:
+    """What a preset's model (or ``model``, the form's) reads (:func:`model_modalities`)."""
+    return model_modalities(spec, model)[0]
 
 
 def presets_reading(modality: str) -> list[str]:
-    """Presets whose ``model.modalities`` include ``modality`` (text when unset), for the fix a refusal names.
+    """Presets whose model reads ``modality`` (:func:`model_modalities`), for the fix a refusal names.
 
     Reads the YAML only; a preset that cannot be read is left out (plan reports it when it is chosen).
     """

@@ -76,6 +76,8 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
 
     tools.update(check_group_reward(cfg, backend))
     staged = check_staged(cfg, backend) if check_store else {}
+    if check_store:  # the staged files are there: image rows through verl's own dataset with the staged processor
+        tools.update(check_multimodal_data(cfg))
     return {
         "experiment": exp.name,
         "digest": exp.digest(),
@@ -626,3 +628,165 @@ def check_staged(cfg, backend: str) -> dict:
                 raise UserError(f"{key}={uri!r}: staged version has no config.json, so it is not a Hugging Face model")
             staged.setdefault(key, []).append(version)
     return staged
+
+
+# -- image rows through verl's RLHFDataset with the staged processor -------------------------------------------------
+MM_SAMPLE_ROWS = 64  # rows of each data file put through verl's dataset (its filter runs the processor on every one)
+PROCESSOR_FILES = re.compile(
+    r"^(config\.json|generation_config\.json|preprocessor_config\.json|processor_config\.json|video_preprocessor"
+    r"_config\.json|chat_template\.(json|jinja)|tokenizer(_config)?\.json|special_tokens_map\.json|added_tokens\.json"
+    r"|vocab\.json|merges\.txt|tokenizer\.model)$"
+)
+
+
+def _local_copy(uri: str, rels: list[str], dest: Path) -> Path:
+    """``uri`` (a store URI or a local path) as a local directory holding ``rels`` (read from the store)."""
+    if "://" not in uri:
+        return Path(os.path.expanduser(uri))
+    from pipeline_steps.store import open_store
+
+    store = open_store(uri)
+    dest.mkdir(parents=True, exist_ok=True)
+    for rel in rels:
+        data = store.read_bytes(f"{uri.rstrip('/')}/{rel}" if rel else uri)
+        if data is None:
+            raise UserError(f"{uri}/{rel}: not readable from the store; stage it again")
+        target = dest / (rel or Path(uri).name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return dest
+
+
+def _image_rows(path: Path, image_key: str, limit: int):
+    """The first ``limit`` rows of a parquet file if any of them has images under ``image_key``, else None."""
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception:  # not parquet: not this check's business (verl's loader and the store check say so)
+        return None
+    if image_key not in pf.schema_arrow.names:
+        return None
+    rows = []
+    for batch in pf.iter_batches(batch_size=limit):
+        rows.extend(batch.to_pylist())
+        if len(rows) >= limit:
+            break
+    rows = rows[:limit]
+    return rows if any(r.get(image_key) for r in rows) else None
+
+
+def _row_problem(dataset, row: dict, max_len: int) -> str | None:
+    """Why verl's prompt-length filter would drop ``row``: the processing error it swallows, or the length."""
+    import copy as copy_mod
+
+    try:
+        messages = dataset._build_messages(copy_mod.deepcopy(row), key=dataset.prompt_key)
+        raw = dataset.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        images, videos, audios = dataset._process_multi_modal_info(messages, dataset.image_patch_size, dataset.config)
+        from verl.utils.tokenizer import build_multimodal_processor_inputs
+
+        ids = build_multimodal_processor_inputs(
+            dataset.processor,
+            text=[raw],
+            images=images,
+            videos=videos,
+            audio=audios,
+            mm_processor_kwargs=dataset.mm_processor_kwargs,
+        )["input_ids"][0]
+    except Exception as exc:
+        return f"processing failed ({exc.__class__.__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
+    return f"{len(ids)} tokens > data.max_prompt_length={max_len}" if len(ids) > max_len else None
+
+
+def check_multimodal_data(cfg) -> dict:
+    """Image rows put through verl's own ``RLHFDataset`` with the staged model's processor, as the cluster's job will.
+
+    verl hides two failures there: ``hf_processor`` returns None on any error with only a warning (the job then stops
+    at "processor is needed to process multimodal data", or trains without the images), and its prompt-length filter
+    drops every row whose processing fails as if it were too long, silently. Both are refused here in one line naming
+    the cause. Only the processor's files and the first :data:`MM_SAMPLE_ROWS` rows of each file are read."""
+    import tempfile
+
+    from omegaconf import OmegaConf
+
+    image_key = str(OmegaConf.select(cfg, "data.image_key") or "images")
+    model_uri = _values(cfg, "actor_rollout_ref.model.path")
+    files = [(key, uri) for key in DATA_KEYS for uri in _values(cfg, key)]
+    if not model_uri or not files:
+        return {}
+    with tempfile.TemporaryDirectory(prefix="preflight-mm-") as tmp:
+        samples = []
+        for i, (key, uri) in enumerate(files):
+            local = _local_copy(uri, [""], Path(tmp) / f"data{i}")
+            path = local if local.is_file() else local / Path(uri).name
+            rows = _image_rows(path, image_key, MM_SAMPLE_ROWS) if path.is_file() else None
+            if rows:
+                samples.append((key, uri, rows))
+        if not samples:
+            return {}
+        uri = model_uri[0]
+        if "://" in uri:
+            from pipeline_steps.store import open_store
+
+            found = _find_version(open_store(uri), uri)
+            names = [e.get("path") for e in (found[1].get("files", []) if found else [])]
+            model_dir = _local_copy(uri, [n for n in names if PROCESSOR_FILES.match(n or "")], Path(tmp) / "model")
+        else:
+            model_dir = _local_copy(uri, [], Path(tmp))
+        return _check_rows_through_rlhfdataset(cfg, str(model_dir), uri, samples, Path(tmp))
+
+
+def _check_rows_through_rlhfdataset(cfg, model_dir: str, model_uri: str, samples, tmp: Path) -> dict:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+
+    with _verl_quiet():
+        from verl.utils import hf_processor, hf_tokenizer
+        from verl.utils.dataset.rl_dataset import RLHFDataset
+
+        trust = bool(OmegaConf.select(cfg, "actor_rollout_ref.model.trust_remote_code") or False)
+        processor = hf_processor(model_dir, trust_remote_code=trust)
+    key0, uri0, _ = samples[0]
+    if processor is None:  # verl said only "Failed to create processor" (a warning) or nothing (a text tokenizer)
+        try:
+            from transformers import AutoProcessor
+
+            got = AutoProcessor.from_pretrained(model_dir, trust_remote_code=trust)
+            cause = f"it loads as {type(got).__name__}, a text tokenizer with no image processor"
+        except Exception as exc:
+            cause = f"{exc.__class__.__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        raise UserError(
+            f"actor_rollout_ref.model.path={model_uri}: its processor did not load ({cause}), so verl's hf_processor "
+            f"returns None and the image rows of {key0}={uri0} cannot reach the model; stage a model whose "
+            "preprocessor_config.json and processor files load with transformers' AutoProcessor"
+        )
+    tokenizer = hf_tokenizer(model_dir, trust_remote_code=trust)
+    data_cfg = OmegaConf.merge(cfg.data, {"filter_overlong_prompts_workers": None, "cache_dir": str(tmp / "cache")})
+    max_len = int(data_cfg.get("max_prompt_length", 1024))
+    checked = {}
+    for n, (key, uri, rows) in enumerate(samples):
+        path = tmp / f"sample{n}.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        with _verl_quiet():
+            dataset = RLHFDataset(data_files=[str(path)], tokenizer=tokenizer, config=data_cfg, processor=processor)
+        if len(dataset) < len(rows):
+            lost = len(rows) - len(dataset)
+            first = next(
+                ((i, why) for i, r in enumerate(rows) if (why := _row_problem(dataset, r, max_len)) is not None),
+                (0, "cause not found"),
+            )
+            raise UserError(
+                f"{key}={uri}: verl's prompt-length filter (data.filter_overlong_prompts) drops {lost} of the first "
+                f"{len(rows)} rows; row {first[0]}: {first[1]}"
+            )
+        checked[key] = len(rows)
+    return {"multimodal_rows_checked": checked, "processor": type(processor).__name__}
+
+
+@contextlib.contextmanager
+def _verl_quiet():
+    """verl's dataset prints progress and tracebacks to stdout: kept out of the step's one-line JSON output."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield

@@ -31,3 +31,11 @@ def tiny_model(tmp_path_factory):
     # without the format warm-up: the random-weight model the trainer and step tests were written against (its
     # responses vary in form, which their rewards rely on); tests/e2e/test_learning.py builds the warmed-up default
     return tiny_model.build(tmp_path_factory.mktemp("tiny") / "model", format_warmup_steps=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_model(tmp_path_factory):
+    """The tiny vision-language model (random Qwen2.5-VL with its processor), as stage-model builds ``tiny-vl``."""
+    from pipeline_steps.local import tiny_vl_model
+
+    return tiny_vl_model.build(tmp_path_factory.mktemp("tiny-vl") / "model")

@@ -1,5 +1,6 @@
 """Run planning: revisions as of a date (from the fixture cache's dated revision index), pins, smoke mode, overrides."""
 
+import re
 from datetime import datetime, timezone
 
 import pytest
@@ -145,8 +146,10 @@ def test_image_rows_for_a_text_only_model_are_refused_before_any_download(params
     msg = str(err.value)
     assert "\n" not in msg and "'geometry3k'" in msg and "Qwen/Qwen2.5-3B-Instruct" in msg and "text-only" in msg
     assert "prepare_datasets" in msg
-    # the fix names the presets that read images (issue 30)
-    assert "geo3k_qwen2_5_vl_7b" in msg and "geo3k_qwen2_5_vl_3b" in msg and "local_tiny" not in msg
+    # the fix names the presets that read images (issue 30), from their models (issue 47: gspo's Qwen3.5 and the
+    # tiny VL model read images; the text-only local_tiny does not)
+    named = set(re.search(r"reads images \(([^)]*)\)", msg).group(1).split(", "))
+    assert named == {"geo3k_qwen2_5_vl_7b", "geo3k_qwen2_5_vl_3b", "gspo", "local_tiny_vl"}
     # preparing it (no training on it) stays possible
     run = plan.plan({"experiment": "local_tiny", "prepare_datasets": ["geometry3k"]}, None, "r", "d")
     assert {d["dataset"]: d["role"] for d in run["datasets"]}["geometry3k"] == "prepare"

@@ -13,6 +13,7 @@ PRESETS = [
     "local_tiny_tool_agent",
     "local_tiny_custom_rollout",
     "local_arithmetic",
+    "local_tiny_vl",
     "local_tool_learning",
     "gsm8k_qwen2_5_3b",
     "gsm8k_tool_agent_qwen2_5_3b",

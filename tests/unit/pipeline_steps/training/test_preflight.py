@@ -42,7 +42,9 @@ def test_verl_s_prints_are_info_records_not_stderr(capfd, caplog):
 
 
 @pytest.mark.parametrize(
-    "name", ["local_tiny", "local_tiny_tool_agent", "local_tiny_custom_rollout", "local_arithmetic"] + CLUSTER_PRESETS
+    "name",
+    ["local_tiny", "local_tiny_tool_agent", "local_tiny_custom_rollout", "local_arithmetic", "local_tiny_vl"]
+    + CLUSTER_PRESETS,
 )
 def test_every_preset_passes(name):
     out = check(name)
