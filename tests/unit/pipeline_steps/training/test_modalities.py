@@ -73,10 +73,15 @@ def test_plan_takes_geometry3k_for_gspo_and_refuses_it_for_a_text_only_model_in_
         plan.plan({"experiment": "geo3k_qwen2_5_vl_3b", "model": "Qwen/Qwen2.5-3B-Instruct", **base}, None, "r", "d")
 
 
-def test_local_tiny_vl_plans_geometry3k_on_the_local_backend(offline_hub, monkeypatch, tmp_path):
+def test_local_tiny_vl_is_refused_by_plan_until_evaluate_reads_images(offline_hub, monkeypatch, tmp_path):
+    """A DAG run of local_tiny_vl would train and then fail at evaluate (its CPU generator takes no image rows yet,
+    issue 47): plan refuses it in one line; its pixel limits are the preset's, for train-local and pre-flight."""
+    from pipeline_steps.errors import UserError
+    from pipeline_steps.training import experiment
+
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
-    run = plan.plan({"experiment": "local_tiny_vl"}, None, "r", "d")
-    assert run["backend"] == "local" and run["model"]["carry"]["model"] == "tiny-vl"
-    roles = {d["dataset"]: d["role"] for d in run["datasets"]}
-    assert roles == {"geometry3k": "train"}
-    assert run["evaluation"]["mm_processor_kwargs"] == {"min_pixels": 3136, "max_pixels": 12544}
+    with pytest.raises(UserError, match="not offered"):
+        plan.plan({"experiment": "local_tiny_vl"}, None, "r", "d")
+    preset = experiment.read("local_tiny_vl")
+    assert preset.spec["model"]["source"] == "tiny-vl"
+    assert experiment.mm_processor_kwargs(preset.verl) == {"min_pixels": 3136, "max_pixels": 12544}
