@@ -87,14 +87,21 @@ def resolve_splits(spec: registry.DatasetSpec, root: Path) -> dict[str, list[str
     import datasets
 
     # the store's bookkeeping beside a version's files is not data (its two JSON files outvote a lone parquet file
-    # in datasets' choice of format): datasets sees the snapshot without it, through links to the rest
+    # in datasets' choice of format): datasets sees the snapshot without it, as a tree of real directories and links
+    # to each other file (datasets' file search does not descend into a linked directory)
     entries = list(root.iterdir())
     kept = [p for p in entries if p.name not in BOOKKEEPING]
     with tempfile.TemporaryDirectory(prefix="snapshot-view-") as view:
         base = root if len(kept) == len(entries) else Path(view)
         if base != root:
-            for p in kept:
-                (base / p.name).symlink_to(p.resolve(), target_is_directory=p.is_dir())
+            for top in kept:
+                for p in [top, *sorted(top.rglob("*"))] if top.is_dir() else [top]:
+                    target = base / p.relative_to(root)
+                    if p.is_dir():
+                        target.mkdir(parents=True, exist_ok=True)
+                    else:
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.symlink_to(p.resolve())
         try:
             builder = datasets.load_dataset_builder(str(base), data_dir=spec.config)
         except (FileNotFoundError, ValueError, datasets.exceptions.DataFilesNotFoundError) as exc:

@@ -120,3 +120,67 @@ def test_the_connections_token_is_sent_to_the_hub_and_never_logged(tmp_path, mon
     log = "".join(capfd.readouterr())  # the task log, as the operator wrote it
     assert "running: python -m pipeline_steps download" in log and "503 Service Unavailable" in log  # read, not empty
     assert secret not in log and secret not in str(failed.value)
+
+
+@pytest.mark.slow  # five datasets through three steps as subprocesses (~30 s of CPU)
+@pytest.mark.parametrize("kind", ["file", "oss"])
+def test_every_builtin_dataset_is_handed_from_step_to_step_through_the_store_alone(
+    kind, offline_hub, tmp_path, request
+):
+    """Tasks share nothing but the store (issue 45): each step runs as a user runs it, with a work directory of its
+    own that the next step never sees; the snapshot and the preprocessed output reach the next step through the
+    store only (a ``file://`` store, whose versions carry the store's bookkeeping files beside the data, and the OSS
+    stand-in). Before, preprocess read the snapshot from download's work directory; dapo_math's nested data directory
+    and aime2024's lone parquet file each broke a first attempt at reading a snapshot in place."""
+    env = {}
+    if kind == "file":
+        store = f"file://{tmp_path / 'store'}"
+    else:
+        env = request.getfixturevalue("oss_server").env()
+        store = f"oss://test-bucket/{tmp_path.name}"
+    for name in ("gsm8k", "dapo_math", "geometry3k", "aime2024", "arithmetic"):
+        work = [tmp_path / name / f"task{i}" for i in range(3)]  # a fresh disk per task
+        rc, down, err = run_step(
+            "download",
+            "--dataset",
+            name,
+            "--dest",
+            work[0],
+            "--store-dest",
+            f"{store}/snapshots",
+            env=env,
+            cwd=tmp_path,
+        )
+        assert rc == 0, err
+        assert down["path"] == down["snapshot_uri"] == f"{store}/snapshots/{name}/{down['commit']}"
+        out = f"{store}/cache/processed/{name}/{down['commit']}/default"
+        rc, pre, err = run_step(
+            "preprocess",
+            "--dataset",
+            name,
+            "--input",
+            down["path"],
+            "--output",
+            out,
+            env={**env, "PIPELINE_HOME": str(work[1])},
+            cwd=tmp_path,
+        )
+        assert rc == 0, f"{name}: {err}"
+        assert pre["output"] == out and pre["rows_out"] > 0 and all(u.startswith(out) for u in pre["splits"].values())
+        dest = f"{store}/datasets/{name}/{down['commit']}/{pre['content_hash'][:16]}"
+        rc, up, err = run_step(
+            "upload", "--src", pre["output"], "--dest", dest, env={**env, "PIPELINE_HOME": str(work[2])}, cwd=tmp_path
+        )
+        assert rc == 0, f"{name}: {err}"
+        assert up["files"] >= 2  # stats.json and at least one split
+    # an upstream output that is not in the store: transient (exit 1, retried), not bad input
+    rc, _, err = run_step(
+        "upload",
+        "--src",
+        f"{store}/cache/processed/nothing/here",
+        "--dest",
+        f"{store}/datasets/x/y",
+        env={**env, "PIPELINE_HOME": str(tmp_path / "empty")},
+        cwd=tmp_path,
+    )
+    assert rc == 1 and "upstream task's output is not in the store" in err, err
