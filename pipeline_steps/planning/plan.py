@@ -480,10 +480,15 @@ def _dataset_template(item: dict, step: str) -> list[str]:
 
 
 def download_kwargs(item: dict) -> dict:
-    """The mapped download task's arguments: its request, and the store it commits the snapshot to (its
-    connection's credentials go to the step, as for every step that reads or writes the store; a JSONL store file
-    is read with the same connection)."""
-    return {"request": download_request(item), "store_uri": item["store"]}
+    """The mapped download task's arguments: its request, and the store whose connection's credentials the step gets
+    (as every step that reads or writes the store): the run's store, which the snapshot is committed to, unless that
+    is a ``file://`` store (no credentials) and a JSONL file is read from a bucket, which then needs them."""
+    stored = [u for u in (item.get("files") or {}).values() if not u.startswith("hf://")]
+    store = item["store"]
+    return {
+        "request": download_request(item),
+        "store_uri": stored[0] if stored and store.startswith("file://") else store,
+    }
 
 
 def preprocess_request(done: dict) -> dict:

@@ -80,7 +80,7 @@ def test_a_failing_check_fails_the_task_with_the_checklist_in_its_log(dag, clust
     monkeypatch.setattr(type(task), "log", property(lambda self: logger))  # the task log, as caplog records
     with caplog.at_level(logging.INFO, logger="verl_doctor.test"), pytest.raises(AirflowFailException) as failed:
         task.execute({"ti": None})
-    assert str(failed.value).startswith("step doctor: 1 of 22 checks failed; first: KubeRay operator 1.7.x: ")
+    assert str(failed.value).startswith("step doctor: 1 of 19 checks failed; first: KubeRay operator 1.7.x: ")
     log = [r.getMessage() for r in caplog.records]
     assert "[ok] KubeRay RayJob CRD: rayjobs.ray.io serves v1" in log
     assert (

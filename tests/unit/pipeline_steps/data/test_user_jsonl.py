@@ -167,7 +167,7 @@ def test_plan_takes_the_form_files_as_a_train_set_with_validation(offline_hub, m
     # unpinned Hub files are pinned to the newest commit at the logical date, as registry datasets are
     assert chat["files"] == {"train": f"{HUB}@{v1}/data/train.jsonl", "validation": f"{HUB}@{v1}/data/validation.jsonl"}
     request = plan.download_kwargs(chat)
-    assert request["store_uri"] == ""  # nothing to read from a store
+    assert request["store_uri"] == run["store"]  # the snapshot is committed to the run's store (issue 45)
     argv = request["request"]["args"]
     assert argv[argv.index("--train-file") + 1] == f"{HUB}@{v1}/data/train.jsonl" and "--revision" not in argv
 
