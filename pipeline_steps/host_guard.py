@@ -54,25 +54,26 @@ class LoopbackHostMiddleware:
         server = scope.get("server")
         if server and server[0] and not is_loopback_address(str(server[0])):
             return await self.app(scope, receive, send)  # reached through a real interface: not a rebinding case
-        host = None
-        for k, v in scope.get("headers") or ():
-            if k.lower() == b"host":
-                host = v.decode("latin-1")
-                break
+        raw = header(scope, b"host")
+        host = None if raw is None else raw.decode("latin-1")
         if is_loopback_host(host):
             return await self.app(scope, receive, send)
-        body = (refusal(host) + "\n").encode()
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 403,
-                "headers": [
-                    (b"content-type", b"text/plain; charset=utf-8"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 403, (refusal(host) + "\n").encode(), b"text/plain; charset=utf-8")
+
+
+def header(scope, name: bytes) -> bytes | None:
+    """An ASGI request's header ``name`` (lower case), its first value; None when absent."""
+    for k, v in scope.get("headers") or ():
+        if k.lower() == name:
+            return v
+    return None
+
+
+async def send_error(send, status: int, body: bytes, content_type: bytes, extra_headers=()) -> None:
+    """An ASGI middleware's own answer: ``status`` with ``body``, sent instead of calling the app."""
+    headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

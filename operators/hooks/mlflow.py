@@ -18,10 +18,6 @@ a value in a manifest.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import tempfile
 from functools import cached_property
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -29,6 +25,7 @@ from urllib.parse import urlsplit
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
+from operators.hooks import job_credentials
 from pipeline_steps import settings
 
 URI_ENV = "MLFLOW_TRACKING_URI"
@@ -131,15 +128,7 @@ class MlflowHook(BaseHook):
         :func:`pipeline_steps.tracking_run.load_credentials`. None when there are no credentials."""
         if not self.credentials:
             return None
-        d = _credentials_dir()
-        d.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(d, 0o700)
-        path = d / f"{name}.json"
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".cred-")  # created 0600
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.credentials, f)
-        os.replace(tmp, path)
-        return path
+        return job_credentials.write("mlflow", name, self.credentials)
 
     def cluster_settings(self, cluster: dict) -> dict:
         """The preset's ``cluster`` with the connection's server in it: ``MLFLOW_TRACKING_URI`` in ``cluster.env``
@@ -175,14 +164,10 @@ class MlflowHook(BaseHook):
 
 
 def _credentials_dir() -> Path:
-    """The worker user's directory for them, one per Airflow deployment (its home): a file is named by the job's
-    submission name, which two deployments on one machine running the same DAG run id share."""
-    from airflow.configuration import get_airflow_home
-
-    deployment = hashlib.sha256(str(Path(get_airflow_home()).resolve()).encode()).hexdigest()[:8]
-    return Path(tempfile.gettempdir()) / f"verl-pipeline-mlflow-{os.getuid()}-{deployment}"
+    """The worker user's directory for a local job's MLflow credentials files (one per Airflow deployment)."""
+    return job_credentials.directory("mlflow")
 
 
 def remove_credentials_file(name: str) -> None:
     """Remove the file :meth:`MlflowHook.credentials_file` wrote for ``name`` (if any): the job is over."""
-    (_credentials_dir() / f"{name}.json").unlink(missing_ok=True)
+    job_credentials.remove("mlflow", name)

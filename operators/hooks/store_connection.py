@@ -18,7 +18,6 @@ connection id in its errors (``PIPELINE_STORE_CONN_ID``) and never the secret.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -146,37 +145,18 @@ def store_environment(conn_id: str | None, uri: str):
 
 
 def store_credentials_file(conn_id: str | None, uri: str, name: str) -> str | None:
-    """The store connection's environment in a file only the worker's user reads, for a local Ray job that reads and
-    writes the store itself (the Ray dashboard shows a job's environment, so credentials cannot travel there); the
-    job loads it with :func:`pipeline_steps.store.load_credentials_file`. None for a ``file://`` store or when the
-    connection holds nothing."""
-    import tempfile
+    """The store connection's environment in a file only the worker's user reads (:mod:`operators.hooks.
+    job_credentials`), for a local Ray job that reads and writes the store itself; the job loads it with
+    :func:`pipeline_steps.store.load_credentials_file`. None for a ``file://`` store or when the connection holds
+    nothing."""
+    from operators.hooks import job_credentials
 
     env = {k: v for k, v in store_env(conn_id, uri).items() if k != "PIPELINE_STORE_CONN_ID"}
-    if not env:
-        return None
-    d = _credentials_dir()
-    d.mkdir(mode=0o700, exist_ok=True)
-    os.chmod(d, 0o700)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".cred-")  # created 0600
-    with os.fdopen(fd, "w") as f:
-        json.dump(env, f)
-    path = d / f"{name}.json"
-    os.replace(tmp, path)
-    return str(path)
+    return str(job_credentials.write("store", name, env)) if env else None
 
 
 def remove_store_credentials_file(name: str) -> None:
     """Remove the file :func:`store_credentials_file` wrote for ``name`` (if any): the job is over."""
-    (_credentials_dir() / f"{name}.json").unlink(missing_ok=True)
+    from operators.hooks import job_credentials
 
-
-def _credentials_dir():
-    """The worker user's directory for them, one per Airflow deployment (its home)."""
-    import tempfile
-    from pathlib import Path
-
-    from airflow.configuration import get_airflow_home
-
-    deployment = hashlib.sha256(str(Path(get_airflow_home()).resolve()).encode()).hexdigest()[:8]
-    return Path(tempfile.gettempdir()) / f"verl-pipeline-store-{os.getuid()}-{deployment}"
+    job_credentials.remove("store", name)

@@ -152,3 +152,31 @@ def figures_of(results: dict) -> dict | None:
     return answer_figures(
         [{"ground_truth": p["ground_truth"], "avg": p["avg@k"], "maj_answer": p.get("maj_answer")} for p in problems]
     )
+
+
+def problem_record(pid: str, index, data_source: str, ground_truth: str, samples: Sequence[dict]) -> dict:
+    """One problem of ``results.json``: its scored samples (``answer``, ``correct``, ``score``) and their figures."""
+    m = problem_metrics([x["answer"] for x in samples], [x["correct"] for x in samples])
+    return {
+        "id": pid,
+        "index": index,
+        "data_source": data_source,
+        "ground_truth": ground_truth,
+        "samples": list(samples),
+        "n": m["n"],
+        "correct": m["correct"],
+        "avg@k": m["avg"],
+        "pass@k": m["pass"],
+        "maj@k": m["maj"],
+        "maj_answer": m["maj_answer"],
+        "maj_tied": m["maj_tied"],
+    }
+
+
+def results_of(problems: list[dict]) -> dict:
+    """``{"overall", "problems"}`` of ``results.json`` from its problem records (:func:`problem_record`)."""
+    overall = aggregate([{"n": p["n"], "avg": p["avg@k"], "pass": p["pass@k"], "maj": p["maj@k"]} for p in problems])
+    overall["answers"] = answer_figures(
+        [{"ground_truth": p["ground_truth"], "avg": p["avg@k"], "maj_answer": p["maj_answer"]} for p in problems]
+    )
+    return {"overall": overall, "problems": problems}

@@ -349,30 +349,9 @@ def score(rows: list[dict], generations: list[list[str]]) -> dict:
         gt = str(row["reward_model"]["ground_truth"])
         extra = row.get("extra_info") or {}
         samples = [score_sample(row["data_source"], t, gt, extra) for t in texts]
-        m = eval_metrics.problem_metrics([x["answer"] for x in samples], [x["correct"] for x in samples])
-        problems.append(
-            {
-                "id": str(extra.get("id", extra.get("index", i))),
-                "index": extra.get("index", i),
-                "data_source": row["data_source"],
-                "ground_truth": gt,
-                "samples": samples,
-                "n": m["n"],
-                "correct": m["correct"],
-                "avg@k": m["avg"],
-                "pass@k": m["pass"],
-                "maj@k": m["maj"],
-                "maj_answer": m["maj_answer"],
-                "maj_tied": m["maj_tied"],
-            }
-        )
-    overall = eval_metrics.aggregate(
-        [{"n": p["n"], "avg": p["avg@k"], "pass": p["pass@k"], "maj": p["maj@k"]} for p in problems]
-    )
-    overall["answers"] = eval_metrics.answer_figures(
-        [{"ground_truth": p["ground_truth"], "avg": p["avg@k"], "maj_answer": p["maj_answer"]} for p in problems]
-    )
-    return {"overall": overall, "problems": problems}
+        pid = str(extra.get("id", extra.get("index", i)))
+        problems.append(eval_metrics.problem_record(pid, extra.get("index", i), row["data_source"], gt, samples))
+    return eval_metrics.results_of(problems)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import hmac
 import os
 import sys
 
+from pipeline_steps.host_guard import header, send_error
 from pipeline_steps.tools.code_sandbox import format_execution
 
 TOKEN_ENV = "MCP_SERVER_TOKEN"  # the bearer token clients must send (or --token-file)
@@ -36,26 +37,12 @@ class BearerTokenMiddleware:
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http":
             return await self.app(scope, receive, send)
-        sent = b""
-        for k, v in scope.get("headers") or ():
-            if k.lower() == b"authorization":
-                sent = v
-                break
-        if hmac.compare_digest(sent, self.expected):
+        if hmac.compare_digest(header(scope, b"authorization") or b"", self.expected):
             return await self.app(scope, receive, send)
         body = b'{"error": "unauthorized: send Authorization: Bearer <the MCP server token>"}\n'
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b'Bearer realm="mcp-code-server"'),
-                ],
-            }
+        await send_error(
+            send, 401, body, b"application/json", [(b"www-authenticate", b'Bearer realm="mcp-code-server"')]
         )
-        await send({"type": "http.response.body", "body": body})
 
 
 def build(host: str, port: int, template: str, exec_timeout: float, max_chars: int):

@@ -105,32 +105,11 @@ def hostile_results(port: int, who: str) -> dict:
         gt = tick(f"{who}-gt{i}", port) if i == 0 else payload(f"{who}-gt{i}", port)
         answers = [tick(f"{who}-ans{i}", port)] * 2 + [gt]
         correct = [False, False, True]
-        m = eval_metrics.problem_metrics(answers, correct)
-        problems.append(
-            {
-                "id": payload(f"{who}-pid{i}", port),
-                "index": i,
-                "data_source": payload(f"{who}-source", port, one_line=True),
-                "ground_truth": gt,
-                "samples": [{"answer": a, "correct": c, "score": float(c)} for a, c in zip(answers, correct)],
-                "n": m["n"],
-                "correct": m["correct"],
-                "avg@k": m["avg"],
-                "pass@k": m["pass"],
-                "maj@k": m["maj"],
-                "maj_answer": m["maj_answer"],
-                "maj_tied": m["maj_tied"],
-            }
-        )
-    overall = eval_metrics.aggregate(
-        [{"n": p["n"], "avg": p["avg@k"], "pass": p["pass@k"], "maj": p["maj@k"]} for p in problems]
-    )
-    overall["answers"] = eval_metrics.answer_figures(
-        [{"ground_truth": p["ground_truth"], "avg": p["avg@k"], "maj_answer": p["maj_answer"]} for p in problems]
-    )
+        samples = [{"answer": a, "correct": c, "score": float(c)} for a, c in zip(answers, correct)]
+        pid, source = payload(f"{who}-pid{i}", port), payload(f"{who}-source", port, one_line=True)
+        problems.append(eval_metrics.problem_record(pid, i, source, gt, samples))
     return {
-        "overall": overall,
-        "problems": problems,
+        **eval_metrics.results_of(problems),
         "model": {"path": payload(f"{who}-modelpath", port), "step": 1, "content_sha256": "m" * 64},
         "eval_set": {"name": payload(f"{who}-evalset", port), "sha256": payload(f"{who}-evalsha", port)},
         "sampling": {"k": 3, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 8},

@@ -283,6 +283,23 @@ def checkov_exe() -> Path:
     return exe
 
 
+def run_checkov(folder, frameworks: list[str], select: str, checks, timeout: int, sca_scan: bool = True):
+    """checkov's JSON report over ``folder`` (``select``: ``--check`` or ``--skip-check`` with ``checks``; ``{}`` when
+    it reports nothing); its download of Bridgecrew's mappings is off (no network here)."""
+    env = {**os.environ, "BC_SKIP_MAPPING": "TRUE"}
+    if not sca_scan:
+        env["CHECKOV_RUN_SCA_PACKAGE_SCAN_V2"] = "false"
+    p = subprocess.run(
+        [str(checkov_exe()), "-d", str(folder), "--framework", *frameworks, "-o", "json", "--quiet", "--compact"]
+        + ["--skip-download", select, ",".join(sorted(checks))],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return json.loads(p.stdout) if p.stdout.strip() else {}
+
+
 def test_checkov(corpus):
     folder = corpus["tmp"] / "checkov"
     files = write_all({**corpus["objects"], **{f"pod:{k}": v for k, v in corpus["pods"].items()}}, folder)
@@ -290,29 +307,10 @@ def test_checkov(corpus):
         target = folder / dockerfile.name.replace("Dockerfile.", "") / "Dockerfile"
         target.parent.mkdir()
         shutil.copy(dockerfile, target)
-    p = subprocess.run(
-        [
-            str(checkov_exe()),
-            "-d",
-            str(folder),
-            "--framework",
-            "kubernetes",
-            "dockerfile",
-            "-o",
-            "json",
-            "--quiet",
-            "--compact",
-            "--skip-download",
-            "--skip-check",
-            ",".join(sorted(CHECKOV_SKIPS)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"},
+    reports = run_checkov(
+        folder, ["kubernetes", "dockerfile"], "--skip-check", CHECKOV_SKIPS, timeout=900, sca_scan=False
     )
-    assert p.stdout.strip(), p.stderr[-3000:]
-    reports = json.loads(p.stdout)
+    assert reports, "checkov reported nothing"
     reports = reports if isinstance(reports, list) else [reports]
     passed = failed = skipped = 0
     failures = []
@@ -331,27 +329,8 @@ def test_checkov(corpus):
     sandbox = {k: v for k, v in corpus["pods"].items() if k.startswith("sandboxset:")}
     sandbox_dir = corpus["tmp"] / "checkov-sandbox"
     write_all(sandbox, sandbox_dir)
-    q = subprocess.run(
-        [
-            str(checkov_exe()),
-            "-d",
-            str(sandbox_dir),
-            "--framework",
-            "kubernetes",
-            "-o",
-            "json",
-            "--quiet",
-            "--compact",
-            "--skip-download",
-            "--check",
-            ",".join(sorted(RAY_ONLY)),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "BC_SKIP_MAPPING": "TRUE"},
-    )
-    sandbox_report = json.loads(q.stdout) if q.stdout.strip() else {}
+    sandbox_report = run_checkov(sandbox_dir, ["kubernetes"], "--check", RAY_ONLY, timeout=600)
+
     for check in (sandbox_report.get("results") or {}).get("failed_checks") or []:
         ray_skipped_on_sandbox.append(f"{check['check_id']} {check['check_name']}")
     print(
