@@ -31,18 +31,23 @@ TREES = ("dags", "operators", "pipeline_steps")
 MAY_IMPORT = {
     "data": {"store"},
     "planning": {"training", "data", "store"},
-    "training": {"data", "store", "tools", "rewards"},
-    "local": {"training", "data", "evaluation", "sandbox", "tools"},
+    "training": {"data", "store", "tools", "rewards", "planning"},
+    "local": {"training", "data", "evaluation", "sandbox", "tools", "planning"},
     "sandbox": set(),
     "tools": set(),
     "rewards": {"tools"},
     "rollouts": {"tools"},
-    "evaluation": set(),
+    "evaluation": {"planning"},
     "store": set(),
     "diagnostics": {"training", "store", "tools"},
 }
-# Packages that may take only some modules of another (none today: training no longer reads planning's form).
-ONLY_MODULES: dict[tuple[str, str], set[str]] = {}
+# Packages that may take only some modules of another: a run's locations (planning/layout.py, standard library only)
+# are read by the code that writes and reads the run directory.
+ONLY_MODULES: dict[tuple[str, str], set[str]] = {
+    ("training", "planning"): {"pipeline_steps.planning.layout"},
+    ("evaluation", "planning"): {"pipeline_steps.planning.layout"},
+    ("local", "planning"): {"pipeline_steps.planning.layout"},
+}
 # Imports a shared module makes inside a function, with the reason (they stay out of the shared modules' import time).
 SHARED_LAZY = {
     ("pipeline_steps/uris.py", "pipeline_steps.store"): "local_path checks a file:// URI with the store's parser",
