@@ -27,10 +27,10 @@ from collections.abc import Sequence
 
 from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-from operators.backends import KubeRayJobs, Polling, complete
+from operators.backends import complete
 from operators.failures import JobFailed, user_errors
 from operators.hooks.store_connection import store_environment
-from operators.links import RayDashboardLink
+from operators.ray_job import RayJobBaseOperator, normalize_overrides
 from operators.step import PipelineStepOperator
 
 ENTRY = ["python3", "-m", "pipeline_steps.cluster_entry"]
@@ -113,7 +113,7 @@ def single_gpu_worker(body: dict) -> dict:
 
 
 # -- operator ----------------------------------------------------------------------------------------------
-class PipelineStepJobOperator(PipelineStepOperator):
+class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
     """Run one pipeline step in the worker (``local``) or as a KubeRay RayJob (``kuberay``).
 
     :param step: step name, as in ``python -m pipeline_steps --help``.
@@ -136,13 +136,9 @@ class PipelineStepJobOperator(PipelineStepOperator):
     :param summary_dir: store URI (on a bucket mount) where the job writes its summary; default
         ``<store_uri>/tmp/step-summaries``.
     :param store_uri: store root (as for PipelineStepOperator); also the default ``summary_dir``'s root.
-    :param namespace: kuberay backend: namespace (default: the Kubernetes connection's, then ``default``).
-    :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
-    :param cluster_context: kuberay backend: kube config context.
-    :param poll_interval: seconds between polls of the RayJob.
-    :param log_tail_lines: lines of the job's log to show.
-    :param dashboard_url_template: Ray dashboard link (see :class:`operators.backends.KubeRayJobs`).
-    :param kwargs: :class:`operators.step.PipelineStepOperator` options (``store_conn_id``, ``hf_conn_id``,
+    :param kwargs: :class:`operators.ray_job.RayJobBaseOperator`'s (``namespace``, ``kubernetes_conn_id``,
+        ``cluster_context``, ``poll_interval``, ``log_tail_lines``, ``dashboard_url_template``),
+        :class:`operators.step.PipelineStepOperator`'s (``store_conn_id``, ``hf_conn_id``, ``mlflow_conn_id``,
         ``summary_key``, ``skip_unless``) and ``BaseOperator``'s.
     """
 
@@ -157,7 +153,6 @@ class PipelineStepJobOperator(PipelineStepOperator):
         "summary_dir",
     )
     template_fields_renderers = {"request": "json"}
-    operator_extra_links = (RayDashboardLink(),)
     ui_color = "#e3f2e8"
 
     def __init__(
@@ -174,20 +169,10 @@ class PipelineStepJobOperator(PipelineStepOperator):
         gpu: bool | None = None,
         cpu_head_resources: dict | None = None,
         summary_dir: str | None = None,
-        namespace: str | None = None,
-        kubernetes_conn_id: str | None = "kubernetes_default",
-        cluster_context: str | None = None,
-        poll_interval: float = 30.0,
-        log_tail_lines: int = 20,
-        dashboard_url_template: str = "http://{dashboard_url}",
         **kwargs,
     ):
-        super().__init__(step=step, **kwargs)
-        self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context
-        self.poll_interval, self.log_tail_lines = poll_interval, log_tail_lines
-        self.dashboard_url_template = dashboard_url_template
-        self.rayjob: dict | None = None
-        self.plan, self.backend, self.experiment, self.overrides = plan, backend, experiment, overrides
+        super().__init__(step=step, plan=plan, **kwargs)
+        self.backend, self.experiment, self.overrides = backend, experiment, overrides
         self.uri_args, self.output_args, self.job_kind = tuple(uri_args), tuple(output_args), job_kind or step
         self._published: list[str] = []  # local backend on a cloud store: the output URIs to upload at the end
         self.gpu = self.job_kind in GPU_KINDS if gpu is None else gpu
@@ -199,7 +184,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
         from pipeline_steps.constants import resolve_backend
 
         if self.plan:
-            return self.plan["backend"]
+            return super()._backend()
         try:
             return resolve_backend(self.backend, self._experiment().spec.get("backend") if self.experiment else None)
         except ValueError as exc:
@@ -246,19 +231,17 @@ class PipelineStepJobOperator(PipelineStepOperator):
         return super().finish(context, summary)
 
     # -- kuberay ----------------------------------------------------------------------------------------
-    def _experiment(self):
-        from operators.train import normalize_overrides
+    def _experiment(self, derived: dict | None = None):
         from pipeline_steps.training import experiment
 
         if self.plan:  # the preset the plan read, and its overrides
-            with user_errors():
-                return experiment.from_plan(self.plan)
+            return super()._experiment(derived)
         if not self.experiment:
             raise AirflowFailException(
                 f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)"
             )
         with user_errors():
-            return experiment.load(self.experiment, normalize_overrides(self.overrides))
+            return experiment.load(self.experiment, normalize_overrides(self.overrides), derived=derived)
 
     def _summary_dir(self) -> str:
         root = self.summary_dir or (f"{str(self.store_uri).rstrip('/')}/tmp/step-summaries" if self.store_uri else "")
@@ -277,28 +260,11 @@ class PipelineStepJobOperator(PipelineStepOperator):
         pod_summary = to_pod_arg(self.summary_uri(attempt_name), "summary_dir", self._entry["mounts"])
         return [*ENTRY, "--summary-file", pod_summary, "--", self.step, *self._entry["args"]]
 
-    def _kuberay(self) -> KubeRayJobs:
-        return KubeRayJobs(
-            self.log,
-            conn_id=self.kubernetes_conn_id,
-            cluster_context=self.cluster_context,
-            namespace=self.namespace,
-            dashboard_url_template=self.dashboard_url_template,
-            polling=Polling(self.poll_interval, self.log_tail_lines),  # a step reports no training progress
-        )
-
     def _submit_kuberay(self, context):
-        from pipeline_steps import tracking_run
         from pipeline_steps.training.rayjob_manifest import build_rayjob, join_argv, rayjob_name
 
         exp = self._experiment()
-        cluster = exp.spec.get("cluster") or {}
-        if self.mlflow_conn_id and "mlflow" in tracking_run.loggers(exp.verl.get("trainer.logger")):
-            from operators.hooks.mlflow import MlflowHook
-
-            cluster = MlflowHook(self.mlflow_conn_id).cluster_settings(cluster)  # URI plain, credentials by reference
-        dag_id = self.dag_id if self.has_dag() else "adhoc"
-        ids = {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
+        ids = self._ids(context)
         mounts = self._mounts(exp)
         jobs = self._kuberay()
         with user_errors(f"step {self.step}: render RayJob"):
@@ -311,7 +277,7 @@ class PipelineStepJobOperator(PipelineStepOperator):
                 mounts=mounts,
                 entrypoint=self._entrypoint(base),
                 job_kind=self.job_kind,
-                cluster=cluster,
+                cluster=self._cluster(exp),
                 **ids,
             )
         head = self.cpu_head_resources or (exp.spec.get("cluster") or {}).get("export")
@@ -388,6 +354,6 @@ class PipelineStepJobOperator(PipelineStepOperator):
 
     def on_kill(self) -> None:
         if self.rayjob:
-            self._kuberay().kill(self.rayjob)
+            RayJobBaseOperator.on_kill(self)
         else:
-            super().on_kill()
+            PipelineStepOperator.on_kill(self)

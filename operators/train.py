@@ -23,33 +23,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
-from operators.backends import KubeRayJobs, LocalRayJobs, Polling, complete, submission_base, training_result
+from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base, training_result
 from operators.failures import user_errors
 from operators.hooks.store_connection import store_environment
-from operators.links import RayDashboardLink
+from operators.ray_job import RayJobBaseOperator, normalize_overrides
 
-
-def normalize_overrides(value) -> list[str]:
-    """Overrides as typed in the trigger form: a list, a JSON list, or one ``KEY=VALUE`` per line."""
-    if value is None or value == "":
-        return []
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                raise AirflowFailException(
-                    f"overrides {text[:80]!r}: not a JSON list; pass one KEY=VALUE per line or a JSON list"
-                ) from None
-        else:
-            value = [line.strip() for line in text.splitlines() if line.strip()]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise AirflowFailException("overrides: expected a list of KEY=VALUE strings")
-    return list(value)
+__all__ = ["GRPOTrainOperator", "as_list", "local_tracking_env", "normalize_overrides"]
 
 
 def as_list(value) -> list[str]:
@@ -74,18 +55,13 @@ def as_list(value) -> list[str]:
     return [str(v) for v in value]
 
 
-class GRPOTrainOperator(BaseOperator):
+class GRPOTrainOperator(RayJobBaseOperator):
     """Pre-flight, then GRPO training with verl on the local Ray backend or as a KubeRay RayJob.
 
     :param plan: the run's plan (:func:`pipeline_steps.planning.plan.plan`, the ``plan`` task's XCom): the preset as
-        read, the backend and the overrides come from it (no preset is read again); ``experiment``, ``overrides``
-        and ``backend`` are then not used.
-    :param experiment: without a plan: preset name (``pipeline_steps/training/presets/NAME.yaml``, or a deployment's
-        ``$PIPELINE_PRESETS_DIR``) or a preset file.
-    :param overrides: verl Hydra overrides (``KEY=VALUE``): a list, a JSON list, or one per line.
-        Untrusted: checked by :mod:`pipeline_steps.training.overrides`, and they only ever travel as single argv
-        items (local) or shell-quoted arguments (RayJob).
-    :param backend: ``"local"`` or ``"kuberay"``; default: ``local`` when the preset says so, else ``kuberay``.
+        read, the backend and the overrides come from it (no preset is read again). Overrides are untrusted:
+        checked by :mod:`pipeline_steps.training.overrides`, and they only ever travel as single argv items (local)
+        or shell-quoted arguments (RayJob).
     :param train_files: verl-schema parquet files (store URIs or, for the local backend, paths).
     :param val_files: validation parquet files.
     :param model_path: the staged model (store URI or local directory).
@@ -94,22 +70,16 @@ class GRPOTrainOperator(BaseOperator):
     :param check_store: pre-flight also checks that data and model are staged (manifests present).
     :param store_conn_id: the store connection: the worker reads the store with it (pre-flight, progress,
         the local backend's mirror of a cloud store; see :mod:`pipeline_steps.store.mirror`).
-    :param namespace: kuberay backend: namespace (default: the Kubernetes connection's, then ``default``).
-    :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
-    :param cluster_context: kuberay backend: kube config context.
-    :param poll_interval: seconds between polls of the job.
-    :param log_tail_lines: lines of the job's log to show.
-    :param dashboard_url_template: Ray dashboard link for KubeRay (see :class:`operators.backends.KubeRayJobs`).
     :param mlflow_conn_id: a team's MLflow server (:class:`operators.hooks.mlflow.MlflowHook`), used when the
         preset's ``trainer.logger`` has mlflow and the connection exists: the local job logs there instead of the
         embedded server; the RayJob gets its URI and its credentials by Secret reference.
+    :param kwargs: :class:`operators.ray_job.RayJobBaseOperator`'s (``namespace``, ``kubernetes_conn_id``,
+        ``cluster_context``, ``poll_interval``, ``log_tail_lines``, ``dashboard_url_template``) and
+        ``BaseOperator``'s.
     """
 
     template_fields: Sequence[str] = (
         "plan",
-        "experiment",
-        "overrides",
-        "backend",
         "train_files",
         "val_files",
         "model_path",
@@ -117,16 +87,12 @@ class GRPOTrainOperator(BaseOperator):
         "namespace",
         "ray_address",
     )
-    operator_extra_links = (RayDashboardLink(),)
     ui_color = "#e8f4fd"
 
     def __init__(
         self,
         *,
-        plan: dict | None = None,
-        experiment: str | None = None,
-        overrides=(),
-        backend: str | None = None,
+        plan: dict,
         train_files=(),
         val_files=(),
         model_path: str,
@@ -134,26 +100,13 @@ class GRPOTrainOperator(BaseOperator):
         ray_address: str | None = None,
         check_store: bool = True,
         store_conn_id: str | None = None,
-        namespace: str | None = None,
-        kubernetes_conn_id: str | None = "kubernetes_default",
-        cluster_context: str | None = None,
-        poll_interval: float = 30.0,
-        log_tail_lines: int = 20,
-        dashboard_url_template: str = "http://{dashboard_url}",
         mlflow_conn_id: str | None = "mlflow_default",
         **kwargs,
     ):
-        super().__init__(**kwargs)
-        self.mlflow_conn_id = mlflow_conn_id
-        self.plan = plan
-        self.experiment, self.overrides, self.backend = experiment, overrides, backend
+        super().__init__(plan=plan, **kwargs)
+        self.store_conn_id, self.mlflow_conn_id = store_conn_id, mlflow_conn_id
         self.train_files, self.val_files, self.model_path = train_files, val_files, model_path
         self.run_dir, self.ray_address, self.check_store = run_dir, ray_address, check_store
-        self.store_conn_id = store_conn_id
-        self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context
-        self.poll_interval, self.log_tail_lines = poll_interval, log_tail_lines
-        self.dashboard_url_template = dashboard_url_template
-        self.rayjob: dict | None = None
         self._local: LocalRayJobs | None = None
 
     @property
@@ -164,53 +117,20 @@ class GRPOTrainOperator(BaseOperator):
     def metrics_uri(self) -> str:
         return f"{str(self.run_dir).rstrip('/')}/metrics.jsonl"
 
-    def _polling(self, metrics_uri: str) -> Polling:
-        return Polling(self.poll_interval, self.log_tail_lines, metrics_uri, self.store_conn_id)
-
-    def _kuberay(self) -> KubeRayJobs:
-        return KubeRayJobs(
-            self.log,
-            conn_id=self.kubernetes_conn_id,
-            cluster_context=self.cluster_context,
-            namespace=self.namespace,
-            dashboard_url_template=self.dashboard_url_template,
-            polling=self._polling(self.metrics_uri),
-        )
+    def _kuberay(self, metrics_uri: str | None = None) -> KubeRayJobs:
+        return super()._kuberay(metrics_uri or self.metrics_uri)
 
     def _load(self, backend: str):
         """The experiment with the pipeline's derived keys and the user's overrides (user wins)."""
-        from pipeline_steps.training import experiment
-
         derived = {
             "data.train_files": as_list(self.train_files),
             "data.val_files": as_list(self.val_files),
             "actor_rollout_ref.model.path": str(self.model_path),
             "trainer.default_local_dir": self.checkpoint_uri,
         }
-        with user_errors():
-            if self.plan:  # the preset the plan read, and its overrides
-                exp = experiment.from_plan(self.plan, derived)
-            else:
-                exp = experiment.load(self.experiment, normalize_overrides(self.overrides), derived=derived)
+        exp = self._experiment(derived)  # the preset the plan read, and its overrides
         exp.spec["backend"] = "local" if backend == "local" else "cluster"
         return exp
-
-    def _backend(self) -> str:
-        from pipeline_steps.constants import resolve_backend
-        from pipeline_steps.training import experiment
-
-        if self.plan:
-            return self.plan["backend"]
-        try:
-            preset = experiment.load(self.experiment).spec.get("backend")
-            return resolve_backend(self.backend, preset)
-        except Exception as exc:
-            raise AirflowFailException(str(exc).splitlines()[0]) from None
-
-    def _ids(self, context) -> dict:
-        """dag id, run id and task id: what makes the job's name and Ray submission id deterministic."""
-        dag_id = self.dag_id if self.has_dag() else "adhoc"
-        return {"dag_id": dag_id, "run_id": str(context.get("run_id") or "adhoc"), "task_id": self.task_id}
 
     def execute(self, context):
         from pipeline_steps.training.preflight_checks import preflight
@@ -262,21 +182,16 @@ class GRPOTrainOperator(BaseOperator):
         }
 
     def _submit_kuberay(self, context, exp):
-        from operators.hooks.mlflow import MlflowHook
-        from pipeline_steps import tracking_run
         from pipeline_steps.training.mounts import MountMap
         from pipeline_steps.training.rayjob_manifest import build_rayjob
 
-        cluster = exp.spec.get("cluster") or {}
-        if "mlflow" in tracking_run.loggers(exp.verl.get("trainer.logger")):  # a team server from the connection
-            cluster = MlflowHook(self.mlflow_conn_id).cluster_settings(cluster)
         jobs = self._kuberay()
         with user_errors("render RayJob"):
             body = build_rayjob(
                 exp,
                 namespace=jobs.namespace_for(),
                 mounts=MountMap.for_experiment(exp.spec),
-                cluster=cluster,
+                cluster=self._cluster(exp),
                 **self._ids(context),
             )
         self.rayjob = body
@@ -289,6 +204,7 @@ class GRPOTrainOperator(BaseOperator):
         file only this user reads; a job on another machine uses its own environment)."""
         from operators.hooks.store_connection import store_credentials_file
         from pipeline_steps.local import ray_cluster
+        from pipeline_steps.planning import plan as planning
         from pipeline_steps.store import mirror
 
         run_dir = str(self.run_dir).rstrip("/")
@@ -298,19 +214,8 @@ class GRPOTrainOperator(BaseOperator):
             "model_path": str(self.model_path),
             "output_dir": run_dir,
         }
-        if self.plan:  # the argv the plan recorded, with the store URIs filled in
-            from pipeline_steps.planning import plan as planning
-
-            with user_errors():
-                argv = planning.train_local_argv(self.plan, {**facts, "plan_file": f"{run_dir}/{planning.PLAN_FILE}"})
-        else:
-            argv = ["train-local", "--experiment", self.experiment]
-            # "--override=K=V" keeps a value that starts with '-' from being read as an option
-            argv += [f"--override={o}" for o in self._overrides()]
-            argv += ["--train-files", *facts["train_files"]]
-            if facts["val_files"]:
-                argv += ["--val-files", *facts["val_files"]]
-            argv += ["--model-path", facts["model_path"], "--output-dir", run_dir]
+        with user_errors():  # the argv the plan recorded, with the store URIs filled in
+            argv = planning.train_local_argv(self.plan, {**facts, "plan_file": f"{run_dir}/{planning.PLAN_FILE}"})
         # progress is read where a job on this machine writes it (a job elsewhere: its final result still counts)
         progress_uri = str(mirror.local_for(run_dir) / "metrics.jsonl")
         env = {"TOKENIZERS_PARALLELISM": "false"}
@@ -325,14 +230,11 @@ class GRPOTrainOperator(BaseOperator):
         self._local = LocalRayJobs(self.log, ray_address=self.ray_address, polling=self._polling(progress_uri))
         return self._local.submit(context, base, ray_cluster.job_argv(None, *argv), env)
 
-    def _overrides(self) -> list[str]:
-        return list(self.plan["overrides"]) if self.plan else normalize_overrides(self.overrides)
-
     def on_kill(self) -> None:
         if self._local is not None:
             self._local.kill()
         else:
-            self._kuberay().kill(self.rayjob)
+            super().on_kill()
 
 
 def local_tracking_env(exp, mlflow_conn_id: str | None = None, job: str = "job") -> dict[str, str]:

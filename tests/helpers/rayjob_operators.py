@@ -73,12 +73,35 @@ def job_name(dag_id: str, attempt: int = 0) -> str:
     return attempt_body({"metadata": {"name": base}}, base, attempt)["metadata"]["name"]
 
 
+def train_plan(
+    experiment: str, backend: str, store: str, overrides=(), run_dir: str | None = None, save: bool = False
+) -> dict:
+    """The run's plan as the plan task makes it (the preset read once, the backend resolved), for a train operator.
+
+    :param overrides: appended to the plan's overrides as the plan holds them, without the form's table check (a
+        test hands the operator what pre-flight must refuse, or a test-only reward function)
+    :param run_dir: the run directory the plan names (default: the plan's own, below ``store``)
+    :param save: write ``plan.json`` there (the local backend's ``train-local`` reads the run's plan from it)
+    """
+    from pipeline_steps.planning.plan import plan as make_plan
+    from pipeline_steps.planning.plan import save as save_plan
+
+    params = {"experiment": experiment, "backend": backend, "store_uri": store}
+    run = make_plan(params, None, RUN_ID, "tests")
+    run["overrides"] = [*run["overrides"], *overrides]
+    if run_dir:
+        run["run_dir"] = str(run_dir).rstrip("/")
+    if save:
+        save_plan(run)
+    return run
+
+
 def make_op(dag_id: str, **kw) -> GRPOTrainOperator:
-    """The train task of DAG ``dag_id`` on the kuberay backend, polling fast."""
+    """The train task of DAG ``dag_id`` on the kuberay backend, polling fast (its plan made by :func:`train_plan`;
+    ``overrides=`` are added to it)."""
     args = dict(
         task_id="train",
-        experiment=PRESET,
-        backend="kuberay",
+        plan=train_plan(PRESET, "kuberay", BUCKET, kw.pop("overrides", ()), RUN_DIR),
         namespace=NS,
         train_files=[f"{BUCKET}/datasets/gsm8k/train.parquet"],
         val_files=[f"{BUCKET}/datasets/gsm8k/test.parquet"],

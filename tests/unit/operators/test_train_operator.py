@@ -27,7 +27,7 @@ from operators.failures import JobFailed
 from operators.train import GRPOTrainOperator, normalize_overrides
 from tests.helpers.deferral import deferred, run_trigger
 from tests.helpers.operator_runs import RUN_ID, write_parquet
-from tests.helpers.rayjob_operators import read_through_mounts
+from tests.helpers.rayjob_operators import read_through_mounts, train_plan
 
 REWARD = """\
 from pathlib import Path
@@ -54,15 +54,14 @@ def test_normalize_overrides_accepts_form_shapes_and_rejects_others():
 
 def test_bad_override_fails_in_preflight_without_retry(tmp_path, tiny_model):
     train = write_parquet(tmp_path / "train.parquet")
+    run = train_plan("local_tiny", "local", f"file://{tmp_path}/store", ["actor_rollout_ref.actor.optim.lrr=1e-6"])
     with DAG("t_preflight", schedule=None):
         op = GRPOTrainOperator(
             task_id="train",
-            experiment="local_tiny",
-            backend="local",
+            plan=run,
             train_files=[str(train)],
             model_path=str(tiny_model),
             run_dir=str(tmp_path / "run"),
-            overrides=["actor_rollout_ref.actor.optim.lrr=1e-6"],
         )
     with pytest.raises(AirflowFailException, match=r"pre-flight: .*actor_rollout_ref\.actor\.optim\.lrr"):
         op.execute({"run_id": RUN_ID})
@@ -91,22 +90,19 @@ def test_local_backend_trains_fails_then_retry_resumes_from_checkpoint(
     reward.write_text(
         REWARD.format(fail=str(fail), tracker=str(run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"))
     )
-    overrides = "\n".join(
-        [
-            f"reward.custom_reward_function.path={reward}",
-            "reward.custom_reward_function.name=compute_score",
-            "trainer.total_training_steps=3",
-            "actor_rollout_ref.rollout.n=2",
-        ]
-    )
+    overrides = [
+        f"reward.custom_reward_function.path={reward}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.total_training_steps=3",
+        "actor_rollout_ref.rollout.n=2",
+    ]
+    run = train_plan("local_tiny", "local", f"file://{tmp_path}/store", overrides, f"file://{run_dir}", save=True)
 
     def make_op():
         with DAG("t_local", schedule=None):
             return GRPOTrainOperator(
                 task_id="train",
-                experiment="local_tiny",
-                backend="local",
-                overrides=overrides,
+                plan=run,
                 train_files=[str(train)],
                 model_path=str(tiny_model),
                 run_dir=f"file://{run_dir}",
@@ -201,14 +197,15 @@ def test_kuberay_backend_renders_fails_and_retry_resumes_same_checkpoint_dir(k8s
         metrics_file=metrics,
     )
 
+    overrides = ["trainer.total_training_steps=2", "trainer.experiment_name=x'; echo $(id) `id`\n"]
+    run = train_plan("gsm8k_qwen2_5_3b", "kuberay", "gs://verl-bucket", overrides, run_dir)
+
     def make_op():
         with DAG("t_kuberay", schedule=None):
             return GRPOTrainOperator(
                 task_id="train",
-                experiment="gsm8k_qwen2_5_3b",
-                backend="kuberay",
+                plan=run,
                 namespace="training",
-                overrides=["trainer.total_training_steps=2", "trainer.experiment_name=x'; echo $(id) `id`\n"],
                 train_files=["gs://verl-bucket/datasets/gsm8k/train.parquet"],
                 val_files=["gs://verl-bucket/datasets/gsm8k/test.parquet"],
                 model_path="gs://verl-bucket/models/Qwen/Qwen2.5-3B-Instruct/main",
@@ -267,11 +264,11 @@ def test_kuberay_train_honours_the_presets_cluster_mounts_as_plan_does(k8s_api, 
     monkeypatch.setenv(experiment.PRESETS_ENV, str(presets))
     monkeypatch.delenv("PIPELINE_MOUNTS", raising=False)
     monkeypatch.setenv("PIPELINE_TRAIN_IMAGE", "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
+    run = train_plan("team_gsm8k", "kuberay", "gs://team-bucket", run_dir="gs://team-bucket/runs/gsm8k/run1")
     with DAG("t_mounts", schedule=None):
         op = GRPOTrainOperator(
             task_id="train",
-            experiment="team_gsm8k",
-            backend="kuberay",
+            plan=run,
             namespace="training",
             train_files=["gs://team-bucket/datasets/gsm8k/train.parquet"],
             val_files=["gs://team-bucket/datasets/gsm8k/test.parquet"],

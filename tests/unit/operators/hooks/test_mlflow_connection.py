@@ -28,7 +28,7 @@ from operators.hooks.mlflow import MlflowHook
 from operators.train import GRPOTrainOperator
 from tests.helpers.deferral import deferred, run_trigger
 from tests.helpers.operator_runs import RUN_ID, write_parquet
-from tests.helpers.rayjob_operators import read_through_mounts
+from tests.helpers.rayjob_operators import read_through_mounts, train_plan
 
 PASSWORD = "pw-Must-Not-Leak-7f3a9c"  # found nowhere but in the connection and the credentials file
 CONN = "AIRFLOW_CONN_MLFLOW_DEFAULT"
@@ -169,8 +169,7 @@ def test_the_rayjob_gets_the_uri_plain_and_the_credentials_by_secret_reference(
         else:
             op = GRPOTrainOperator(
                 task_id="train",
-                experiment="gsm8k_qwen2_5_3b",
-                backend="kuberay",
+                plan=train_plan("gsm8k_qwen2_5_3b", "kuberay", "gs://verl-bucket", run_dir=run_dir),
                 namespace="training",
                 train_files=["gs://verl-bucket/datasets/gsm8k/train.parquet"],
                 model_path="gs://verl-bucket/models/Qwen/Qwen2.5-3B-Instruct/main",
@@ -299,9 +298,14 @@ def test_local_backend_logs_to_the_connections_server_with_its_credentials(
     with DAG("t_conn_local", schedule=None):
         op = GRPOTrainOperator(
             task_id="train",
-            experiment="local_tiny",  # trainer.logger has mlflow
-            backend="local",
-            overrides=["trainer.total_training_steps=1", "actor_rollout_ref.rollout.n=2"],
+            plan=train_plan(  # local_tiny: trainer.logger has mlflow
+                "local_tiny",
+                "local",
+                f"file://{tmp_path}/store",
+                ["trainer.total_training_steps=1", "actor_rollout_ref.rollout.n=2"],
+                f"file://{run_dir}",
+                save=True,
+            ),
             train_files=[str(write_parquet(tmp_path / "train.parquet"))],
             model_path=str(tiny_model),
             run_dir=f"file://{run_dir}",

@@ -224,7 +224,7 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
     from pipeline_steps.training.rayjob_manifest import rayjob_name
     from tests.helpers.deferral import deferred, run_trigger
     from tests.helpers.k8s_api_stand_in import SUCCESS
-    from tests.helpers.rayjob_operators import read_through_mounts
+    from tests.helpers.rayjob_operators import read_through_mounts, train_plan
 
     _login(monkeypatch, server_dir)  # the pod's MLflow client, and this process's reading the run back
     monkeypatch.setenv("AIRFLOW_CONN_MLFLOW_DEFAULT", json.dumps({"conn_type": "http", "host": server}))
@@ -237,10 +237,10 @@ def test_the_kuberay_train_task_reads_the_record_into_its_xcom_and_the_report_sh
     with DAG("t_record", schedule=None):
         op = GRPOTrainOperator(
             task_id="train",
-            experiment="gsm8k_qwen2_5_3b",  # trainer.logger has mlflow
-            backend="kuberay",
+            plan=train_plan(  # gsm8k_qwen2_5_3b: trainer.logger has mlflow
+                "gsm8k_qwen2_5_3b", "kuberay", "gs://verl-bucket", ["trainer.experiment_name=cluster-xcom"], run_dir
+            ),
             namespace="training",
-            overrides=["trainer.experiment_name=cluster-xcom"],
             train_files=["gs://verl-bucket/datasets/gsm8k/train.parquet"],
             model_path="gs://verl-bucket/models/Qwen/Qwen2.5-3B-Instruct/main",
             run_dir=run_dir,
