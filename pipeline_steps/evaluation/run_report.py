@@ -6,7 +6,7 @@ Inputs, read from the run directory, each optional: a missing one is shown as "n
 * ``metrics.jsonl``: verl's ``FileLogger`` lines, ``{"step": N, "data": {"critic/score/mean": x, ...}}``
   (the same shape from the cluster's verl and from :mod:`pipeline_steps.local.grpo_cpu`). A line that is not such
   an object is skipped and counted; when a step appears twice (a resumed run) the later line wins.
-* ``eval/results.json`` and ``eval/base_results.json`` (:mod:`pipeline_steps.steps.evaluate`).
+* ``eval/results.json`` and ``eval/base_results.json`` (the evaluate step: :mod:`pipeline_steps.evaluation.eval_run`).
 * ``lineage.json`` (shape at the top of :mod:`pipeline_steps.evaluation.model_card`).
 * ``train_summary.json`` (:mod:`pipeline_steps.steps.train_local`); without it (a cluster run) the MLflow run's
   record ``checkpoints/mlflow_run.json`` (:mod:`pipeline_steps.training.verl_main`).

@@ -77,32 +77,11 @@ class Prompt:
 
 
 def image_prompt(row: dict, messages: list, processor, data_cfg) -> tuple[list[int], dict]:
-    """An image row's prompt ids and processor outputs, made by verl's own code as its cluster path makes them:
-    ``RLHFDataset._build_messages`` (each ``<image>`` an image entry), the chat template, ``qwen_vl_utils``' fetch and
-    resize (``_process_multi_modal_info``) and ``build_multimodal_processor_inputs`` with
-    ``data.mm_processor_kwargs``."""
-    import copy
+    """An image row's prompt ids and processor outputs, made by verl's own code as its cluster path makes them
+    (:func:`pipeline_steps.evaluation.generation.image_inputs`, which the evaluate step's CPU generator uses too)."""
+    from pipeline_steps.evaluation.generation import image_inputs
 
-    from omegaconf import OmegaConf
-    from verl.utils.dataset.rl_dataset import RLHFDataset
-    from verl.utils.tokenizer import build_multimodal_processor_inputs
-
-    image_key = data_cfg.get("image_key", "images")
-    helper = RLHFDataset.__new__(RLHFDataset)  # the methods only read these attributes
-    helper.processor, helper.image_key, helper.video_key, helper.audio_key = processor, image_key, "videos", "audios"
-    chat = helper._build_messages(
-        {"prompt": copy.deepcopy(messages), image_key: copy.deepcopy(row[image_key])}, "prompt"
-    )
-    text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    patch = data_cfg.get("image_patch_size") or getattr(processor.image_processor, "patch_size", 14)
-    images, videos, audios = RLHFDataset._process_multi_modal_info(chat, patch, data_cfg)
-    mm_kwargs = data_cfg.get("mm_processor_kwargs") or {}
-    mm_kwargs = OmegaConf.to_container(mm_kwargs, resolve=True) if OmegaConf.is_config(mm_kwargs) else dict(mm_kwargs)
-    enc = build_multimodal_processor_inputs(
-        processor, text=[text], images=images, videos=videos, audio=audios, mm_processor_kwargs=mm_kwargs
-    )
-    mm = {k: enc[k] for k in ("pixel_values", "image_grid_thw") if k in enc}
-    return enc["input_ids"][0].tolist(), mm
+    return image_inputs(row, messages, processor, data_cfg)
 
 
 def reads_images(model_path) -> bool:

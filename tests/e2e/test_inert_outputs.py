@@ -322,10 +322,10 @@ def test_model_card_from_hostile_fixtures_is_inert_when_rendered_with_html(tmp_p
 
 
 def test_results_md_from_hostile_fixtures_is_inert_when_rendered_with_html(tmp_path, trap, browser):
-    from pipeline_steps.steps import evaluate
+    from pipeline_steps.evaluation import results_page
 
     port = trap["port"]
-    text = evaluate.markdown(hostile_results(port, "model"), hostile_results(port, "base"))
+    text = results_page.render(hostile_results(port, "model"), hostile_results(port, "base"))
     seen = open_page(browser, render_markdown(text, tmp_path / "results.html"), trap)
     assert_inert(seen, set())
     assert len(seen["headings"]) == 1, seen["headings"]  # the page's own title, nothing forged

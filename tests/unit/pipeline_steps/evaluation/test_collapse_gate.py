@@ -1,6 +1,6 @@
 """The collapse check: a model that learned only the prior is refused, whatever its avg@k; a varied, correct one passes.
 
-Real scoring: responses in GSM8K's ``#### N`` form are scored by evaluate's own ``score`` (verl's GSM8K reward) on an
+Real scoring: responses in GSM8K's ``#### N`` form are scored by ``scoring.score`` (verl's GSM8K reward) on an
 evaluation set whose answers are skewed the way the old demo's were (30% of the answers are 9). The untuned baseline
 is the best constant answer: always answering 9 scores 30%, which beats a base model that guesses uniformly (10%), so
 a gate that only compares avg@k with the base promotes it.
@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import random
 
-from pipeline_steps.evaluation import metrics, promotion
+from pipeline_steps.evaluation import metrics, promotion, scoring
 from pipeline_steps.evaluation.model_card import eval_table
-from pipeline_steps.steps import evaluate
 
 K = 4
 # 100 problems: 30 answers are 9, the other 70 spread over 0..8
@@ -24,7 +23,7 @@ def _results(responses_for) -> dict:
         {"data_source": "openai/gsm8k", "reward_model": {"ground_truth": gt}, "extra_info": {"index": i}}
         for i, gt in enumerate(TRUTHS)
     ]
-    res = evaluate.score(rows, [responses_for(i, gt) for i, gt in enumerate(TRUTHS)])
+    res = scoring.score(rows, [responses_for(i, gt) for i, gt in enumerate(TRUTHS)])
     res.update(
         eval_set={"sha256": "e" * 64, "name": "skewed"},
         sampling={"k": K, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 4, "max_problems": 0},

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pipeline_steps.evaluation import metrics as em
-from pipeline_steps.steps.evaluate import score, score_sample
+from pipeline_steps.evaluation.scoring import score, score_sample
 
 
 def comb_pass_at_k(n, c, k):

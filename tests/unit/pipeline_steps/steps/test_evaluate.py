@@ -1,7 +1,8 @@
 """Evaluate runs for real: transformers generation on CPU with the tiny model, scoring by verl's
 ``default_compute_score`` (AIME rows -> math_dapo), on an AIME-shaped parquet built here with pyarrow.
-Also a real verl FSDP checkpoint as ``--model`` (merged by verl's merger). The vLLM generator is
-not exercised (no GPU and no vLLM here).
+Also a real verl FSDP checkpoint as ``--model`` (merged by verl's merger), and geometry3k's figures read by the
+tiny vision-language model. The vLLM generator is not exercised (no GPU and no vLLM here). The engine's own tests are
+in tests/unit/pipeline_steps/evaluation/ (test_generation.py, test_scoring.py, test_figures.py).
 """
 
 import json
@@ -12,7 +13,7 @@ import pytest
 
 from pipeline_steps import cli
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
-from pipeline_steps.steps import evaluate
+from pipeline_steps.evaluation import generation
 from tests.helpers import fsdp_checkpoint
 
 K, TOKENS = 3, 6
@@ -74,8 +75,8 @@ def test_evaluate_tiny_model_for_real_with_cached_base(tiny_model, aime, tmp_pat
     from verl.utils.reward_score import default_compute_score
 
     calls = []
-    real = evaluate.GENERATORS["hf"]
-    monkeypatch.setitem(evaluate.GENERATORS, "hf", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    real = generation.GENERATORS["hf"]
+    monkeypatch.setitem(generation.GENERATORS, "hf", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
     cache = tmp_path / "base-cache"
     code, s, err = run_cli(
         eval_args(tiny_model, aime, tmp_path / "out", "--base-model", tiny_model, "--baseline-cache", cache), capsys
@@ -127,8 +128,8 @@ def test_the_base_cache_misses_when_the_model_the_set_or_the_sampling_changes(
     import shutil
 
     calls = []
-    real = evaluate.GENERATORS["hf"]
-    monkeypatch.setitem(evaluate.GENERATORS, "hf", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
+    real = generation.GENERATORS["hf"]
+    monkeypatch.setitem(generation.GENERATORS, "hf", lambda *a, **kw: calls.append(a[0]) or real(*a, **kw))
     cache = tmp_path / "cache"
     other_model = tmp_path / "other-model"
     shutil.copytree(tiny_model, other_model)
@@ -251,10 +252,10 @@ def test_gain_over_the_base_is_measured_not_assumed(tiny_model, aime, tmp_path, 
     shutil.copytree(tiny_model, trained)
     (trained / "trained.txt").write_text("a different model directory (its content hash differs)\n")
 
-    def generate(model_dir, prompts, s, batch_size=0):
+    def generate(model_dir, rows, s, batch_size=0):
         out = []
-        for p, prompt in enumerate(prompts):
-            i = int(prompt[-1]["content"].split("Find ", 1)[1].split(" +", 1)[0])
+        for p, row in enumerate(rows):
+            i = int(row["prompt"][-1]["content"].split("Find ", 1)[1].split(" +", 1)[0])
             right = [f"Answer: {2 * i}"] * s["k"]
             wrong = [f"Answer: {2 * i + 1}"] * s["k"]
             if model_dir.name == "trained":
@@ -263,7 +264,7 @@ def test_gain_over_the_base_is_measured_not_assumed(tiny_model, aime, tmp_path, 
                 out.append(right[:1] + wrong[1:] if p == 0 else wrong)
         return out
 
-    monkeypatch.setitem(evaluate.GENERATORS, "hf", generate)
+    monkeypatch.setitem(generation.GENERATORS, "hf", generate)
     code, s, err = run_cli(eval_args(trained, aime, tmp_path / "out", "--base-model", tiny_model), capsys)
     assert code == 0, err
     res = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -275,78 +276,13 @@ def test_gain_over_the_base_is_measured_not_assumed(tiny_model, aime, tmp_path, 
     assert res["overall"]["maj@k"] == pytest.approx(1.0) and res["base"]["overall"]["maj@k"] == pytest.approx(0.0)
 
 
-# -- geometry3k (issue 30): images to vLLM as chat parts, verl's geo3k scorer --------------------------------------
-
-
-def png(width=40, height=30, color="white") -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def geo3k_rows(n=2):
-    """Rows as the pipeline's geometry3k preprocessor writes them (problem with one <image>, the image's bytes)."""
-    from pipeline_steps.data.preprocessors import geometry3k
-
-    raw = [
-        {"problem": f"<image>Find x if the angle is {30 + i}.", "answer": str(30 + i), "images": [{"bytes": png()}]}
-        for i in range(n)
-    ]
-    return [geometry3k.convert_row(r, "test", i, geometry3k.DATA_SOURCE) for i, r in enumerate(raw)]
-
-
-def test_image_placeholders_become_the_rows_images_as_vllm_chat_parts():
-    import base64
-
-    row = geo3k_rows(1)[0]
-    row["images"][0]["bytes"] = png(color="red")
-    (message,) = evaluate.chat_messages(row)
-    assert message["role"] == "user"
-    image, text = message["content"]  # "<image>Find x ..." -> the image first, then the text, as verl splits it
-    assert image["type"] == "image_url" and text["type"] == "text" and text["text"].startswith("Find x")
-    head, data = image["image_url"]["url"].split(",", 1)
-    assert head == "data:image/png;base64" and base64.b64decode(data) == row["images"][0]["bytes"]
-    assert "<image>" not in json.dumps(message)
-    # text rows (AIME stays available to a VL preset) keep their plain prompt
-    assert evaluate.chat_messages(aime_rows(1)[0]) == aime_rows(1)[0]["prompt"]
-    # a placeholder without its image is refused in one line
-    row["prompt"][0]["content"] += " <image>"
-    with pytest.raises(evaluate.UserError, match="more <image> than images"):
-        evaluate.chat_messages(row)
-
-
-def test_geometry3k_is_scored_by_verls_geo3k_scorer_and_a_well_formed_wrong_answer_is_wrong():
-    """verl's geo3k score is 0.9 x accuracy + 0.1 x format: 'correct' must be the accuracy, not score > 0."""
-    from verl.utils.reward_score import default_compute_score
-
-    right, wrong, bare = "<think>sum</think> \\boxed{31}", "<think>sum</think> \\boxed{32}", "x is \\boxed{31}"
-    assert default_compute_score("hiyouga/geometry3k", wrong, "31") == pytest.approx(0.1)  # the library's own
-    got = {t: evaluate.score_sample("hiyouga/geometry3k", t, "31") for t in (right, wrong, bare, "no box")}
-    assert got[right] == {"answer": "31", "correct": True, "score": 1.0}
-    assert got[wrong] == {"answer": "32", "correct": False, "score": pytest.approx(0.1)}
-    assert got[bare]["correct"] is True and got[bare]["score"] == pytest.approx(0.9)  # right answer, no <think>
-    assert got["no box"] == {"answer": None, "correct": False, "score": 0.0}
-    rows = geo3k_rows(2)[1:]  # ground truth 31
-    res = evaluate.score(rows, [[wrong, wrong, right]])
-    assert res["problems"][0]["maj_answer"] == "32" and res["overall"]["avg@k"] == pytest.approx(1 / 3)
-
-
-def test_image_rows_need_the_vllm_generator_one_line_before_any_model_is_loaded(tmp_path, capsys):
-    data = tmp_path / "geo3k.parquet"
-    pq.write_table(pa.Table.from_pylist(geo3k_rows()), data)
-    code, s, _ = run_cli(
-        ["evaluate", "--model", tmp_path / "no-model", "--data", data, "--output", tmp_path / "o"], capsys
-    )
-    assert code == 2 and "2 rows carry images" in s["error"] and "--generator vllm" in s["error"], s
-    assert not (tmp_path / "o").exists()
+# -- geometry3k: the figures reach the CPU generator; a text model is refused ---------------------------------------
 
 
 def test_pixel_limits_reach_the_sampling_settings_and_bad_json_is_one_line(tmp_path, capsys):
     import argparse
+
+    from pipeline_steps.steps import evaluate
 
     parser = argparse.ArgumentParser()
     evaluate.add_arguments(parser)
@@ -358,3 +294,43 @@ def test_pixel_limits_reach_the_sampling_settings_and_bad_json_is_one_line(tmp_p
         ["evaluate", "--model", "m", "--data", "d", "--output", tmp_path / "o", "--mm-processor-kwargs", "[1]"], capsys
     )
     assert code == 2 and "--mm-processor-kwargs" in s["error"] and "JSON object" in s["error"], s
+
+
+def test_image_rows_and_a_text_model_are_refused_in_one_line_before_its_weights_load(tiny_model, tmp_path, capsys):
+    from tests.helpers.vl_rows import geo3k_rows, write_parquet
+
+    data = write_parquet(geo3k_rows("test", 2), tmp_path / "geo3k.parquet")
+    code, s, _ = run_cli(["evaluate", "--model", tiny_model, "--data", data, "--output", tmp_path / "o"], capsys)
+    assert code == 2 and "2 rows carry images" in s["error"] and "reads text only" in s["error"], s
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow  # the tiny VL model generates from 4 figures twice: about 10 s of CPU
+def test_a_vision_language_model_is_evaluated_on_the_figures_with_thumbnails(tiny_vl_model, tmp_path, capsys):
+    """The CLI as the pipeline calls it for local_tiny_vl: the staged processor, the preset's pixel limits, verl's
+    geo3k scorer; the same rows with blank figures give other answers (the figures are read, not only the text), and a
+    small thumbnail of each figure is written for the report."""
+    from PIL import Image
+
+    from tests.helpers.vl_rows import PRESET_MM, geo3k_rows, with_blank_images, write_parquet
+
+    rows = geo3k_rows("test", 4)
+    figures = write_parquet(rows, tmp_path / "geo3k.parquet")
+    blank = write_parquet([with_blank_images(r) for r in rows], tmp_path / "blank.parquet")
+    mm = ["--mm-processor-kwargs", json.dumps(PRESET_MM)]
+    responses = {}
+    for name, data in (("figures", figures), ("blank", blank)):
+        code, s, err = run_cli(eval_args(tiny_vl_model, data, tmp_path / name, *mm, k=2), capsys)
+        assert code == 0, err
+        assert s["samples_scored"] == 8 and s["problems"] == 4
+        res = json.loads((tmp_path / name / "results.json").read_text())
+        assert res["sampling"]["mm_processor_kwargs"] == PRESET_MM and res["eval_set"]["name"] == "hiyouga/geometry3k"
+        gens = (tmp_path / name / "generations.jsonl").read_text().splitlines()
+        responses[name] = [json.loads(line)["responses"] for line in gens]
+        thumbs = sorted((tmp_path / name / "figures").iterdir())
+        assert [t.name for t in thumbs] == ["0000.png", "0001.png", "0002.png", "0003.png"]
+        assert res["figures"] == {"dir": "figures", "count": 4}
+        for t in thumbs:
+            with Image.open(t) as im:
+                assert im.format == "PNG" and max(im.size) <= 96 and t.stat().st_size <= 16 * 1024
+    assert responses["figures"] != responses["blank"]  # same prompts and seeds: only the pixels differ

@@ -1,7 +1,7 @@
 """The run report: plots, numbers, lineage and links from a run directory; missing or broken inputs never crash it.
 
 The run directory is built with the real writers where they are cheap: metrics lines by verl's own
-``FileLogger`` (the writer both backends use), evaluation results by :func:`pipeline_steps.steps.evaluate.score`
+``FileLogger`` (the writer both backends use), evaluation results by :func:`pipeline_steps.evaluation.scoring.score`
 (verl's reward code on crafted generations). The lineage file is crafted in the shape
 :mod:`pipeline_steps.planning.plan` writes. Expected figures are computed from those inputs in the test.
 """
@@ -65,7 +65,7 @@ def write_metrics(path: Path, steps: int, seed: int = 0, drop: tuple[str, ...] =
 
 def eval_results(k: int, correct_per_problem: list[int], model: str) -> dict:
     """Results in evaluate's shape, scored by verl's gsm8k reward on crafted generations."""
-    from pipeline_steps.steps import evaluate
+    from pipeline_steps.evaluation import scoring
 
     rows, gens = [], []
     for i, c in enumerate(correct_per_problem):
@@ -74,7 +74,7 @@ def eval_results(k: int, correct_per_problem: list[int], model: str) -> dict:
             {"data_source": "openai/gsm8k", "reward_model": {"ground_truth": answer}, "extra_info": {"index": i}}
         )
         gens.append([f"so #### {answer}"] * c + ["so #### -1"] * (k - c))
-    res = evaluate.score(rows, gens)
+    res = scoring.score(rows, gens)
     res.update(
         {
             "model": {"path": model, "step": 3 if "ckpt" in model else None},
