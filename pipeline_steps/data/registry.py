@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from pipeline_steps import settings
+from pipeline_steps.data.preprocessors import preprocessor_names
 from pipeline_steps.errors import UserError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -29,7 +30,7 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 class DatasetSpec:
     name: str
     repo_id: str
-    preprocessor: str  # module name under pipeline_steps.data.preprocessors
+    preprocessor: str  # a name registered with @register_preprocessor (pipeline_steps/data/preprocessors/)
     config: str | None = None  # the repository's subset folder (gsm8k: "main")
     allow_patterns: tuple[str, ...] = ()  # files to download; empty means all
     data_source: str | None = None  # overrides the preprocessor's default data_source
@@ -66,7 +67,6 @@ BUILTIN: dict[str, DatasetSpec] = {
 FILE_PREPROCESSORS = ("jsonl",)  # preprocessors that read the JSONL files a train_file/validation_file names
 FILE_SCHEMES = ("file", "oss", "gs", "hf")
 
-PREPROCESSORS = ("gsm8k", "dapo_math", "geometry3k", "aime", "jsonl")
 FIELD_TYPES = {  # registry field -> (check, what it must be)
     "repo_id": (lambda v: isinstance(v, str), "a string (org/name)"),
     "preprocessor": (lambda v: isinstance(v, str), "a string"),
@@ -119,10 +119,10 @@ def load(registry_file: str | None = None) -> dict[str, DatasetSpec]:
                 raise UserError(
                     f"dataset registry {path}: entry {name!r} needs repo_id (or train_file) and preprocessor"
                 )
-            if entry["preprocessor"] not in PREPROCESSORS:
+            if entry["preprocessor"] not in (known := preprocessor_names()):
                 raise UserError(
                     f"dataset registry {path}: entry {name!r} preprocessor {entry['preprocessor']!r} unknown; choose "
-                    f"one of {PREPROCESSORS}"
+                    f"one of {known}"
                 )
             for key, want in FIELD_TYPES.items():  # a string where a list belongs would be split into characters
                 if key in entry and entry[key] is not None and not want[0](entry[key]):

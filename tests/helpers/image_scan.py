@@ -221,6 +221,7 @@ def data_sources(spec: dict) -> set[str]:
     """The data_source of each dataset the preset trains, validates and evaluates on (the registry's, else its
     preprocessor's), which selects verl's scorer."""
     from pipeline_steps.data import registry
+    from pipeline_steps.data.preprocessors import get_preprocessor
 
     datasets = spec.get("datasets") or {}
     names = set(datasets.get("train") or []) | set(datasets.get("val") or [])
@@ -228,8 +229,7 @@ def data_sources(spec: dict) -> set[str]:
     out = set()
     for name in names:
         ds = registry.BUILTIN[name]
-        module = importlib.import_module(f"pipeline_steps.data.preprocessors.{ds.preprocessor}")
-        out.add(ds.data_source or module.DATA_SOURCE)
+        out.add(ds.data_source or get_preprocessor(ds.preprocessor).data_source)
     return out
 
 

@@ -1,5 +1,6 @@
 """Maxwell-Jia/AIME_2024: the evaluation set. Prompted like DAPO so verl's ``math_dapo`` scorer reads "Answer:"."""
 
+from pipeline_steps.data.preprocessors import register_preprocessor
 from pipeline_steps.data.preprocessors.common import Reject
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 
@@ -9,6 +10,13 @@ TOOL_NAME = "code_interpreter"
 SPLIT_NAMES = {"train": "test"}  # the repository's only split is the evaluation set
 
 
+@register_preprocessor(
+    "aime",
+    data_source=DATA_SOURCE,
+    tool_name=TOOL_NAME,
+    required_columns=REQUIRED_COLUMNS,
+    split_names=SPLIT_NAMES,
+)
 def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
     problem = (row.get("Problem") or "").strip()
     if not problem:

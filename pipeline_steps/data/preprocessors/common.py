@@ -1,13 +1,7 @@
 """What every preprocessor shares: the rejection type, prompt keys and the tool-agent variant.
 
-A preprocessor module (one per dataset, like verl's ``utils/reward_score``) defines:
-``DATA_SOURCE`` (routes to the scorer in verl's ``default_compute_score``), ``REQUIRED_COLUMNS``,
-``TOOL_NAME`` (for the ``tool_agent`` variant), optional ``SPLIT_NAMES`` (source split -> output split), and either
-``convert_row(row, split, index, data_source) -> dict`` (raises :class:`Reject`) for small datasets, or
-``convert_batch(batch, split, start, data_source) -> (pa.Table, [(row, reason)])`` for vectorised ones.
-Optional ``read_rows(path) -> iterator of (row | None, reject reason | None)`` replaces the parquet reader.
-Optional ``row_schema(paths) -> pa.Schema``: the converted rows' types, fixed by a first pass over every input file
-before any batch is written (rows built from Python dicts would otherwise get a type inferred batch by batch).
+A preprocessor module (one per dataset, like verl's ``utils/reward_score``) registers its conversion function with
+:func:`pipeline_steps.data.preprocessors.register_preprocessor` (the package's docstring lists what it declares).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pipeline_steps.data.preprocessors import register_preprocessor
+
 DATA_SOURCE = "math_dapo"
 REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 TOOL_NAME = "code_interpreter"
@@ -14,6 +16,9 @@ PROMPT_TEMPLATE = (
 )
 
 
+@register_preprocessor(
+    "dapo_math", data_source=DATA_SOURCE, tool_name=TOOL_NAME, required_columns=REQUIRED_COLUMNS, batch=True
+)
 def convert_batch(batch: pa.RecordBatch, split: str, start: int, data_source: str):
     t = pa.Table.from_batches([batch])
     gt = pc.struct_field(t["reward_model"].combine_chunks(), "ground_truth").cast(pa.string())

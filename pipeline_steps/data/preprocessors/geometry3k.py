@@ -4,6 +4,7 @@
 import hashlib
 import io
 
+from pipeline_steps.data.preprocessors import register_preprocessor
 from pipeline_steps.data.preprocessors.common import Reject
 
 DATA_SOURCE = "hiyouga/geometry3k"
@@ -33,6 +34,13 @@ def _check_image(img) -> bytes:
     return data
 
 
+@register_preprocessor(
+    "geometry3k",
+    data_source=DATA_SOURCE,
+    tool_name=TOOL_NAME,
+    required_columns=REQUIRED_COLUMNS,
+    tool_system_prompt=TOOL_SYSTEM_PROMPT,
+)
 def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
     problem = (row.get("problem") or "").strip()
     answer = row.get("answer")

@@ -2,6 +2,7 @@
 
 import re
 
+from pipeline_steps.data.preprocessors import register_preprocessor
 from pipeline_steps.data.preprocessors.common import Reject
 
 DATA_SOURCE = "openai/gsm8k"
@@ -24,6 +25,7 @@ def extract_answer(answer: str) -> str:
     return value
 
 
+@register_preprocessor("gsm8k", data_source=DATA_SOURCE, tool_name=TOOL_NAME, required_columns=REQUIRED_COLUMNS)
 def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
     question = (row.get("question") or "").strip()
     if not question:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline_steps.data.preprocessors import register_preprocessor
 from pipeline_steps.data.preprocessors.common import Reject
 from pipeline_steps.errors import UserError
 
@@ -111,31 +112,6 @@ def _lines(path):
 def read_rows(path):
     for _, row, reason in _lines(path):
         yield row, reason
-
-
-def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
-    messages = row.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise Reject("missing_messages")
-    if not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
-        raise Reject("malformed_message")
-    while messages and messages[-1]["role"] == "assistant":
-        messages = messages[:-1]
-    if not any(m["role"] == "user" for m in messages):
-        raise Reject("no_user_message")
-    extra = row.get("rollout_extra")
-    solution = extra.get("solution") if isinstance(extra, dict) else None
-    if solution is None or str(solution).strip() == "":
-        raise Reject("missing_solution")
-    return {
-        "data_source": data_source,
-        "prompt": [{"role": m["role"], "content": m["content"]} for m in messages],
-        "ability": "custom",
-        "reward_model": {"style": "rule", "ground_truth": str(solution).strip()},
-        "extra_info": {"split": split, "index": index, "rollout_extra": extra},
-    }
 
 
 # -- the rollout_extra struct's type ---------------------------------------------------------------------------------
@@ -237,3 +213,34 @@ def row_schema(paths):
             ),
         ]
     )
+
+
+# -- the row --------------------------------------------------------------------------------------------------------
+
+
+@register_preprocessor(
+    "jsonl", data_source=DATA_SOURCE, tool_name=TOOL_NAME, read_rows=read_rows, row_schema=row_schema
+)
+def convert_row(row: dict, split: str, index: int, data_source: str) -> dict:
+    messages = row.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise Reject("missing_messages")
+    if not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise Reject("malformed_message")
+    while messages and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    if not any(m["role"] == "user" for m in messages):
+        raise Reject("no_user_message")
+    extra = row.get("rollout_extra")
+    solution = extra.get("solution") if isinstance(extra, dict) else None
+    if solution is None or str(solution).strip() == "":
+        raise Reject("missing_solution")
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": m["role"], "content": m["content"]} for m in messages],
+        "ability": "custom",
+        "reward_model": {"style": "rule", "ground_truth": str(solution).strip()},
+        "extra_info": {"split": split, "index": index, "rollout_extra": extra},
+    }

@@ -62,9 +62,9 @@ def test_rollout_extra_reaches_the_reward_as_a_dict(tmp_path, tiny_model, capsys
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
     from pipeline_steps import cli
+    from pipeline_steps.data import row_batches
     from pipeline_steps.local.grpo_cpu import load_prompts
     from pipeline_steps.rewards.retool import compute_score
-    from pipeline_steps.steps import preprocess
 
     extras = [
         {"solution": "2", "tag": "a"},
@@ -79,7 +79,7 @@ def test_rollout_extra_reaches_the_reward_as_a_dict(tmp_path, tiny_model, capsys
         )
     )
     monkeypatch.setattr(
-        preprocess, "LINE_BATCH_ROWS", 1
+        row_batches, "LINE_BATCH_ROWS", 1
     )  # one row per batch: types are the first pass's, not a batch's
     assert cli.main(["preprocess", "--dataset", "jsonl", "--input", str(src), "--output", str(tmp_path / "out")]) == 0
     capsys.readouterr()
