@@ -8,9 +8,10 @@ memory          resident memory of each sandbox's processes with 32 sandboxes al
 rollout         per multi-turn rollout of the CPU trainer (tiny model, ``local_tiny_tool_agent``, verl's ToolAgentLoop,
                 the code tool on this server): seconds verl's loop spent generating against seconds in tool calls,
                 as the trainer logs them (``timing_s/agent_loop/{generate_sequences,tool_calls}/mean``); the first
-                assistant turn is scripted as a tool call (tests/e2e/test_agent_grpo_cpu.py: ScriptedFirstTurn), as a
-                randomly initialised model writes none; the 8 rollouts of a step run concurrently, as on the cluster,
-                so both figures are wall time and include waiting for the others' turns on the CPU
+                assistant turn is scripted as a tool call (``ScriptedFirstTurn`` of
+                pipeline_steps/local/scripted_tool_turns.py), as a randomly initialised model writes none; the 8
+                rollouts of a step run concurrently, as on the cluster, so both figures are wall time and include
+                waiting for the others' turns on the CPU
 
   .venv/bin/python -m benchmarks.bench_sandbox [--creates N] [--seconds S]   (or: make bench BENCH=sandbox)
 """
@@ -96,9 +97,9 @@ def _rollout_timings(tmp: Path, steps: int) -> list[dict]:
     import pyarrow.parquet as pq
 
     from pipeline_steps.local import agent_rollout, grpo_cpu, tiny_model
+    from pipeline_steps.local.scripted_tool_turns import ScriptedFirstTurn, code_tool_rows
     from pipeline_steps.steps import train_local
     from pipeline_steps.training import experiment
-    from tests.helpers.tool_agent_runs import ScriptedFirstTurn, code_tool_rows
 
     model = tiny_model.build(tmp / "model", format_warmup_steps=0)
     train = tmp / "train.parquet"

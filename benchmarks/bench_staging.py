@@ -3,8 +3,8 @@
     make bench BENCH=staging                      # 2 GiB model: 5 random shards + small files
     BENCH_STAGING_MB=512 make bench BENCH=staging
 
-The Hub is the local stand-in of the tests (tests/helpers/hub_standin.py, serving files from disk) with ``HF_ENDPOINT``
-pointed at it. Cases, each in its own child process (peak RSS from its own ``getrusage``):
+The Hub is the local stand-in the tests use too (pipeline_steps/local/hub_stand_in.py, serving files from disk)
+with ``HF_ENDPOINT`` pointed at it. Cases, each in its own child process (peak RSS from its own ``getrusage``):
 
 - ``baseline``: ``huggingface_hub.snapshot_download`` (``local_dir``) into an empty directory, then
   ``Store.upload_dir`` (the old step: the whole model on local disk first);
@@ -106,7 +106,7 @@ def _run(case: str, tmp: Path, url: str) -> dict:
 def main() -> None:
     total_mb = int(os.environ.get("BENCH_STAGING_MB", "2048"))
     from pipeline_steps.data.hub_stream import MARGIN
-    from tests.helpers.hub_standin import HubStandIn
+    from pipeline_steps.local.hub_stand_in import HubStandIn
 
     with tempfile.TemporaryDirectory(prefix="bench-staging-") as tmp:
         tmp = Path(tmp)

@@ -3,10 +3,10 @@
     make bench BENCH=upload               # or: .venv/bin/python -m benchmarks.bench_upload
     BENCH_UPLOAD_MB=256 BENCH_BACKENDS=gs,oss/weed make bench BENCH=upload    # smaller, fewer rows
 
-Servers are the test ones, started here and stopped at the end: the OSS-dialect layer
-(tests/helpers/oss_test_server.py) over moto (``oss``) and over SeaweedFS (``oss/weed``), and fake-gcs-server;
-``file://`` is a local directory. Each backend first uploads 1 MiB, unmeasured (SeaweedFS grows volumes on a
-bucket's first write). Every case runs in its own child process, which reports its own wall time and peak
+Servers are the test ones (pipeline_steps/local/object_store_stand_ins.py), started here and stopped at the end: the
+OSS-dialect layer (pipeline_steps/local/oss_stand_in.py) over moto (``oss``) and over SeaweedFS (``oss/weed``), and
+fake-gcs-server; ``file://`` is a local directory. Each backend first uploads 1 MiB, unmeasured (SeaweedFS grows
+volumes on a bucket's first write). Every case runs in its own child process, which reports its own wall time and peak
 RSS (``getrusage(RUSAGE_SELF).ru_maxrss``), so figures are per case. Cases:
 
 - ``naive``: the seeds' way: read the whole file into memory, one ``put_object`` / ``upload_from_string`` /
@@ -107,7 +107,7 @@ def main() -> None:
 
     oss_part, parallel = _tuning(16)
     gcs_part = _tuning(100)[0]
-    from tests.helpers.storage_servers import GcsServer, OssServer, SeaweedServer
+    from pipeline_steps.local.object_store_stand_ins import GcsServer, OssServer, SeaweedServer
 
     with tempfile.TemporaryDirectory(prefix="bench-upload-") as tmp:
         tmp = Path(tmp)

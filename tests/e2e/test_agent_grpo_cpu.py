@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from tests.helpers.tool_agent_runs import ScriptedFirstTurn, code_tool_rows
+from pipeline_steps.local.scripted_tool_turns import ScriptedFirstTurn, code_tool_rows
 
 pytestmark = [
     pytest.mark.needs_root(reason="the sandbox server needs root (uids, namespaces)"),

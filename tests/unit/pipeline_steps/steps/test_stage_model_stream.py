@@ -1,7 +1,7 @@
 """stage-model streams a Hub model to the store file by file, with local disk bounded by the largest file.
 
-The real Hub is unreachable here: tests/helpers/hub_standin.py is the smallest faithful stand-in, a local HTTP server
-serving the Hub routes the real huggingface_hub client calls (``/api/models/{repo}/revision/{rev}``,
+The real Hub is unreachable here: pipeline_steps/local/hub_stand_in.py is the smallest faithful stand-in, a local
+HTTP server serving the Hub routes the real huggingface_hub client calls (``/api/models/{repo}/revision/{rev}``,
 ``/{repo}/resolve/{rev}/{file}`` with ``X-Repo-Commit``, ``ETag``/``X-Linked-Etag``, ``X-Linked-Size``), with
 ``HF_ENDPOINT`` pointed at it. The step runs in-process so the disk budget can be set (a monkeypatched free-space
 figure smaller than the model, larger than its largest file) and the scratch usage measured at every file's peak.
@@ -20,9 +20,9 @@ import pytest
 
 from pipeline_steps.data import hub_stream
 from pipeline_steps.errors import TransientError, UserError
+from pipeline_steps.local.hub_stand_in import COMMIT, HubStandIn
 from pipeline_steps.steps import stage_model
 from pipeline_steps.store import open_store
-from tests.helpers.hub_standin import COMMIT, HubStandIn
 
 REPO = "org/streamy"
 MB = 1 << 20

@@ -2,9 +2,9 @@
 
 - ``file://``: a temporary directory.
 - ``gs://``: fake-gcs-server (real GCS JSON API emulator, subprocess). It does not check credentials.
-- ``oss://``: tests/helpers/oss_test_server.py, an OSS-dialect layer over moto's S3 backend (see its docstring for what
-  it does and does not cover); the real alibabacloud-oss-v2 client, its upload/download managers and CRC64 checks run.
-  Part uploads are slowed by 50 ms on that server so a test can kill an upload midway.
+- ``oss://``: pipeline_steps/local/oss_stand_in.py, an OSS-dialect layer over moto's S3 backend (see its docstring for
+  what it does and does not cover); the real alibabacloud-oss-v2 client, its upload/download managers and CRC64 checks
+  run. Part uploads are slowed by 50 ms on that server so a test can kill an upload midway.
 - the last test runs that OSS layer with its objects in SeaweedFS, a real S3 server (the upload benchmark's
   throughput reference), so the layer the benchmark measures is tested, against S3 semantics that are not moto's
   (SeaweedFS enforces S3's 5 MiB minimum part, so that test uses 5 MiB parts).
@@ -297,7 +297,7 @@ def test_oss_test_server_crc64_is_the_sdks():
 
     from alibabacloud_oss_v2.crc import Crc64
 
-    from tests.helpers.oss_test_server import _combine, crc64
+    from pipeline_steps.local.oss_stand_in import _combine, crc64
 
     rnd = random.Random(7)
     for data in (b"", b"123456789", rnd.randbytes(1), rnd.randbytes(100_003)):

@@ -1,6 +1,6 @@
 """Store failures a user meets: one line naming the connection id and the problem, exit 2, no secret printed.
 
-Servers: tests/helpers/oss_test_server.py (OSS dialect over moto; it verifies V4 signatures, so a wrong secret is
+Servers: pipeline_steps/local/oss_stand_in.py (OSS dialect over moto; it verifies V4 signatures, so a wrong secret is
 refused the way OSS refuses it) and fake-gcs-server (does not authenticate: GCS credential errors are checked with a
 malformed key file, which fails before any request).
 Also: key validation, and ``operators.hooks.store_connection.store_env`` reading real Airflow connections (from

@@ -3,7 +3,8 @@ files_metadata=True)``, ``hf_hub_download`` and ``snapshot_download`` (the real 
 ``GET /api/models/{repo}/revision/{rev}`` (files with sizes, blob ids, LFS sha256), ``/api/models/{repo}/tree/{rev}``
 and ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with ``X-Repo-Commit``, ``X-Linked-Etag``/``ETag`` and
 ``X-Linked-Size`` (LFS files: a 302 to a "CDN" on another host name, as the Hub does). Point ``HF_ENDPOINT`` at
-``url``. ``corrupt`` names files whose advertised sha256 is wrong."""
+``url``. ``corrupt`` names files whose advertised sha256 is wrong. Shared by the stage-model tests and
+benchmarks/bench_staging.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Multi-turn GRPO on the tiny model with the code tool (tests/e2e/test_agent_grpo_cpu.py and
-benchmarks/bench_sandbox.py): gsm8k-style rows in the tool agent's shape, and the trainer's model server with each
+"""Multi-turn GRPO on the tiny model with the code tool, shared by tests/e2e/test_agent_grpo_cpu.py and
+benchmarks/bench_sandbox.py: gsm8k-style rows in the tool agent's shape, and the trainer's model server with each
 trajectory's first assistant turn scripted as a hermes ``<tool_call>`` (a randomly initialised tiny model never writes
 one)."""
 

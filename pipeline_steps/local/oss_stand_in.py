@@ -1,4 +1,4 @@
-"""A small Alibaba OSS-dialect HTTP server for tests, on moto's in-process S3 backend.
+"""A small Alibaba OSS-dialect HTTP server for the store tests and benchmarks, on moto's in-process S3 backend.
 
 No local server speaks OSS: ``alibabacloud-oss-v2`` signs with ``OSS4-HMAC-SHA256``,
 sends ``x-oss-*`` headers, expects namespace-free XML and checks CRC64-ECMA
@@ -499,7 +499,7 @@ class OssTestServer:
 
 
 def main() -> None:
-    """Run standalone: ``python tests/helpers/oss_test_server.py KEY SECRET [PORT] [BUCKET...]``; with
+    """Run standalone: ``python -m pipeline_steps.local.oss_stand_in KEY SECRET [PORT] [BUCKET...]``; with
     ``OSS_TEST_SERVER_S3_URL`` set, objects live in that S3 server instead of moto."""
     import sys
 
