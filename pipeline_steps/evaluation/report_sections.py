@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from pipeline_steps import tracking_run
+from pipeline_steps.evaluation import figures
 from pipeline_steps.evaluation.markdown import cell, code, fmt, link, safe_url
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
 from pipeline_steps.evaluation.report_charts import CURVES, OPTIONAL_CURVES, TABLE_KEYS, VAL_RE, plot
@@ -83,7 +84,8 @@ def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
     return lines + rows + [""]
 
 
-def eval_section(run_dir: Path, state: dict) -> list[str]:
+def eval_section(run_dir: Path, state: dict, out: Path | None = None) -> list[str]:
+    """The evaluation against the base; with ``out`` (the report directory) the evaluated figures' thumbnails too."""
     from pipeline_steps.evaluation.model_card import _pct, eval_table
 
     lines = ["## Evaluation against the base model", ""]
@@ -130,21 +132,58 @@ def eval_section(run_dir: Path, state: dict) -> list[str]:
             b = (bo.get("pass@k") or {}).get(j)
             lines.append(f"| pass@{cell(j)} | {_pct(v)} | {_pct(b)} |")
         lines.append("")
-    lines += problems_table(res, base)
+    shown = report_figures(run_dir, out, min(len(res.get("problems") or []), MAX_PROBLEM_ROWS)) if out else {}
+    if shown:
+        state["figures"] = len(shown)
+    lines += problems_table(res, base, shown)
     return lines
 
 
-def problems_table(res: dict, base: dict | None) -> list[str]:
+def report_figures(run_dir: Path, out: Path, count: int) -> dict[int, str]:
+    """The thumbnails the evaluate step wrote (``eval/figures/NNNN.png``) for the first ``count`` problems, re-encoded
+    from their pixels into the report directory (:func:`figures.thumbnail`: a file that is not an image, or too big,
+    is left out), within ``figures.MAX_REPORT_BYTES`` in all. Returns problem position -> file name in ``out``."""
+    src = run_dir / "eval" / figures.DIR
+    if not src.is_dir():
+        return {}
+    shown: dict[int, str] = {}
+    total = 0
+    for i in range(count):
+        path = src / figures.name(i)
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size > 4 * figures.MAX_BYTES:
+                continue
+            thumb = figures.thumbnail(path.read_bytes())
+        except OSError:
+            continue
+        if thumb is None:
+            continue
+        if total + len(thumb) > figures.MAX_REPORT_BYTES:
+            break
+        name = "figure-" + figures.name(i)  # the report's own name: nothing from the run directory names it
+        (out / name).write_bytes(thumb)
+        shown[i] = name
+        total += len(thumb)
+    return shown
+
+
+def problems_table(res: dict, base: dict | None, shown_figures: dict[int, str] | None = None) -> list[str]:
+    """One row per problem: ground truth, the model's and the base's correct samples, the model's majority answer;
+    with ``shown_figures`` (position -> thumbnail file in the report directory) the figure beside them, as an image
+    whose alt text is fixed (the page inlines it as a ``data:`` URI)."""
     problems = [p for p in res.get("problems") or [] if isinstance(p, dict)]
     if not problems:
         return []
+    shown_figures = shown_figures or {}
     base_by_id = {str(p.get("id")): p for p in (base or {}).get("problems") or [] if isinstance(p, dict)}
     up = down = 0
     rows = [
         "| problem | ground truth | model correct/k | base correct/k | majority answer |",
         "| --- | --- | ---: | ---: | --- |",
     ]
-    for p in problems:
+    if shown_figures:
+        rows = ["| figure " + rows[0], "| --- " + rows[1]]
+    for position, p in enumerate(problems):
         b = base_by_id.get(str(p.get("id")))
         if b is not None and isinstance(p.get("correct"), int) and isinstance(b.get("correct"), int):
             up += p["correct"] > b["correct"]
@@ -152,8 +191,12 @@ def problems_table(res: dict, base: dict | None) -> list[str]:
         if len(rows) - 2 < MAX_PROBLEM_ROWS:
             base_cell = f"{cell(b.get('correct', '?'))}/{cell(b.get('n', '?'))}" if b else "—"
             maj = code(p["maj_answer"]) if p.get("maj_answer") is not None else "—"
+            figure = ""
+            if shown_figures:
+                name = shown_figures.get(position)
+                figure = f"| ![figure]({name}) " if name else "| — "
             rows.append(
-                f"| {cell(p.get('id', '?'))} | {code(p.get('ground_truth', '?'))} | "
+                f"{figure}| {cell(p.get('id', '?'))} | {code(p.get('ground_truth', '?'))} | "
                 f"{cell(p.get('correct', '?'))}/{cell(p.get('n', '?'))} | {base_cell} | {maj} |"
             )
     head = [f"### Per problem ({len(problems)})", ""]

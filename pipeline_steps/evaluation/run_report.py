@@ -7,6 +7,8 @@ Inputs, read from the run directory, each optional: a missing one is shown as "n
   (the same shape from the cluster's verl and from :mod:`pipeline_steps.local.grpo_cpu`). A line that is not such
   an object is skipped and counted; when a step appears twice (a resumed run) the later line wins.
 * ``eval/results.json`` and ``eval/base_results.json`` (the evaluate step: :mod:`pipeline_steps.evaluation.eval_run`).
+* ``eval/figures/NNNN.png``: thumbnails of the evaluated figures, shown beside the answers (re-encoded by the report,
+  inlined as ``data:`` URIs; :mod:`pipeline_steps.evaluation.figures`).
 * ``lineage.json`` (shape at the top of :mod:`pipeline_steps.evaluation.model_card`).
 * ``train_summary.json`` (:mod:`pipeline_steps.steps.train_local`); without it (a cluster run) the MLflow run's
   record ``checkpoints/mlflow_run.json`` (:mod:`pipeline_steps.training.verl_main`).
@@ -33,12 +35,13 @@ from urllib.parse import urlsplit
 
 from pipeline_steps import atomic, outputs, tracking_run
 from pipeline_steps.errors import UserError
-from pipeline_steps.evaluation import trajectories
+from pipeline_steps.evaluation import figures, trajectories
 from pipeline_steps.evaluation.markdown import cell, code
 from pipeline_steps.evaluation.model_card import _get
 from pipeline_steps.evaluation.report_inputs import parse_task_states, read_json
 from pipeline_steps.evaluation.report_markup import render_html
 from pipeline_steps.evaluation.report_sections import (
+    MAX_PROBLEM_ROWS,
     eval_section,
     lineage_section,
     links_section,
@@ -92,6 +95,7 @@ def write_remote_report(
                 (local / rel).parent.mkdir(parents=True, exist_ok=True)
                 (local / rel).write_bytes(data)
         fetch_rollouts(store, f"{uri}/rollouts", local / "rollouts")
+        fetch_figures(store, f"{uri}/eval/{figures.DIR}", local / "eval" / figures.DIR)
         tb_uri = tracking_run.tensorboard_dir(uri)
         tb = tracking_run.tensorboard_info(tb_uri) if store.list_names(tb_uri) else None
         out = Path(tmp) / "report"
@@ -115,6 +119,16 @@ def write_remote_report(
         uploaded=upload.get("uploaded"),
     )
     return summary
+
+
+def fetch_figures(store, prefix: str, dest: Path) -> None:
+    """The evaluated figures' thumbnails the report shows (the first rows of its per-problem table only)."""
+    wanted = {figures.name(i) for i in range(MAX_PROBLEM_ROWS)}
+    for name in sorted(n for n in store.list_names(prefix) if n in wanted):
+        data = store.read_bytes(f"{prefix}/{name}")
+        if data is not None and len(data) <= 4 * figures.MAX_BYTES:
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / name).write_bytes(data)
 
 
 def fetch_rollouts(store, prefix: str, dest: Path) -> None:
@@ -165,7 +179,7 @@ def write_report(
         sections = [f"# {cell(title)}", "", f"Run directory {code(shown_dir or run_dir, table=False)}.", ""]
         sections += tasks_section(states)
         sections += metrics_section(run_dir, tmp, state)
-        sections += eval_section(run_dir, state)
+        sections += eval_section(run_dir, state, tmp)
         sections += trajectories.report_section(run_dir, state)
         sections += lineage_section(run_dir, state)
         sections += training_section(run_dir, state, tensorboard)
