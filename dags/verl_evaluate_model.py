@@ -15,6 +15,7 @@ from airflow.sdk import AssetAlias, Param, dag, task
 
 from operators.cluster_step import PipelineStepJobOperator
 from pipeline_steps import settings
+from pipeline_steps.planning import argv_templates, evaluation_run
 from pipeline_steps.planning import plan as planning
 
 STORE_CONN_ID = settings.get(settings.STORE_CONN_ID)
@@ -65,7 +66,9 @@ def verl_evaluate_model():
         events = [e for evs in (triggering_asset_events or {}).values() for e in evs]
         store = (params.get("store_uri") or planning.default_store()).rstrip("/")
         with store_environment(STORE_CONN_ID, store), user_errors():  # the worker reads the store itself
-            run = planning.evaluation_plan(dict(params), events[-1].asset.uri if events else None, run_id, dag.dag_id)
+            run = evaluation_run.evaluation_plan(
+                dict(params), events[-1].asset.uri if events else None, run_id, dag.dag_id
+            )
         return {"run": run, "store": run["store"]}
 
     planned = plan()
@@ -73,8 +76,7 @@ def verl_evaluate_model():
         task_id="evaluate",
         step="evaluate",
         plan=planned["run"],
-        uri_args=("--model", "--data", "--output"),
-        output_args=("--output",),
+        **argv_templates.job_flags("evaluate"),  # which flags are store URIs, and which the step writes
         store_uri=planned["store"],
         store_conn_id=STORE_CONN_ID,
         pool="gpu",

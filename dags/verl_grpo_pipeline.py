@@ -21,8 +21,9 @@ from operators.notify import notify_failure
 from operators.step import PipelineStepOperator
 from operators.train import GRPOTrainOperator
 from pipeline_steps import settings
-from pipeline_steps.planning import form
+from pipeline_steps.planning import argv_templates, form, plan_io, run_requests
 from pipeline_steps.planning import plan as planning
+from pipeline_steps.planning.layout import RunLayout
 from pipeline_steps.training import experiment
 from pipeline_steps.uris import strip_file_scheme
 
@@ -227,12 +228,12 @@ def verl_grpo_pipeline():
         with user_errors():
             run = planning.plan(dict(params), logical_date, run_id, dag.dag_id)
         with store_environment(STORE_CONN_ID, run["store"]), user_errors():  # the worker opens the store itself
-            planning.save(run)
+            plan_io.save(run)
         return {"run": run, "datasets": run["datasets"], "store": run["store"], "model": run["model"]}
 
     @task(task_id="download_requests", **retrying(timedelta(minutes=5)))
     def download_requests(datasets) -> list[dict]:
-        return [planning.download_kwargs(item) for item in datasets]
+        return [run_requests.download_kwargs(item) for item in datasets]
 
     planned = plan()
     # tasks share nothing but the store (a task may run on a fresh machine): download commits the snapshot to the
@@ -249,14 +250,14 @@ def verl_grpo_pipeline():
         store_uri=planned["store"],
         store_conn_id=STORE_CONN_ID,
         **retrying(timedelta(hours=2)),
-    ).expand(request=download.output.map(planning.preprocess_request))
+    ).expand(request=download.output.map(run_requests.preprocess_request))
     upload_dataset = PipelineStepOperator.partial(
         task_id="upload_dataset",
         step="upload",
         store_uri=planned["store"],
         store_conn_id=STORE_CONN_ID,
         **retrying(timedelta(hours=2)),
-    ).expand(request=preprocess.output.map(planning.upload_request))
+    ).expand(request=preprocess.output.map(run_requests.upload_request))
     # Assets are registered by a task of their own that runs one at a time across runs (why: operators/assets.py)
     RegisterAssetsOperator(
         task_id="register_datasets",
@@ -280,21 +281,19 @@ def verl_grpo_pipeline():
         import json
 
         from operators.failures import user_errors
-        from operators.hooks.store_connection import store_environment
-        from pipeline_steps.store import open_store
+        from operators.hooks.store_connection import StoreHook
 
         with user_errors():
             # a slice is one request; iterating a mapped task's results probes past the end, and Airflow's client
             # logs that 404 at ERROR in a successful task's log
-            inputs = planning.collect(list(uploaded[:]), staged, run)
-        lineage_uri = f"{run['run_dir']}/lineage.json"
-        with store_environment(STORE_CONN_ID, run["store"]), user_errors():  # the worker opens the store itself
-            store = open_store(run["store"])
+            inputs = run_requests.collect(list(uploaded[:]), staged, run)
+        layout = RunLayout(store=run["store"], run_dir=run["run_dir"])
+        lineage_uri = layout.lineage
+        with user_errors():  # the store's client is handed the connection's credentials
+            store = StoreHook(STORE_CONN_ID).open(run["store"])
             store.write_bytes(lineage_uri, json.dumps(inputs["lineage"], indent=2, sort_keys=True).encode())
             for d in inputs["lineage"]["datasets"]:  # what verl_evaluate_model reads when no eval data is given
-                store.write_bytes(
-                    f"{run['store']}/datasets/{d['name']}/last_processed.json", json.dumps(d, sort_keys=True).encode()
-                )
+                store.write_bytes(layout.last_processed(d["name"]), json.dumps(d, sort_keys=True).encode())
         return {**inputs, "lineage_uri": lineage_uri, "run_dir": run["run_dir"], "run": run}
 
     inputs = collect_inputs(upload_dataset.output, stage_model.output, planned["run"])
@@ -315,12 +314,12 @@ def verl_grpo_pipeline():
 
     @task(task_id="evaluate_request", **retrying(timedelta(minutes=5)))
     def evaluate_request(inputs, trained) -> dict:
-        return planning.evaluate_request(inputs, trained, inputs["run"])
+        return run_requests.evaluate_request(inputs, trained, inputs["run"])
 
     @task(task_id="export_request", **retrying(timedelta(minutes=5)))
     def export_request(inputs, trained, evaluated) -> dict:
         lineage = strip_file_scheme(inputs["lineage_uri"])
-        return planning.export_request(inputs, trained, inputs["run"], evaluated, lineage)
+        return run_requests.export_request(inputs, trained, inputs["run"], evaluated, lineage)
 
     @task(task_id="report_request", trigger_rule=TriggerRule.ALL_DONE, **retrying(timedelta(minutes=5)))
     def report_request(ti=None) -> dict:
@@ -333,7 +332,7 @@ def verl_grpo_pipeline():
         run = ti.xcom_pull(task_ids="plan", key="run")
         if not run:
             raise AirflowSkipException("plan did not finish: no run directory to report on (see the plan task's log)")
-        return planning.report_request(
+        return run_requests.report_request(
             run,
             ti.xcom_pull(task_ids="train"),
             ti.xcom_pull(task_ids="export"),
@@ -352,8 +351,7 @@ def verl_grpo_pipeline():
         task_id="evaluate",
         step="evaluate",
         request=evaluate_request(inputs, train.output),
-        uri_args=("--model", "--data", "--output", "--base-model", "--baseline-cache"),
-        output_args=("--output", "--baseline-cache"),
+        **argv_templates.job_flags("evaluate"),  # which flags are store URIs, and which the step writes
         **on_backend,
         pool=GPU_POOL,
         pool_slots=GPU_SLOTS,
@@ -363,7 +361,7 @@ def verl_grpo_pipeline():
         task_id="export",
         step="export",
         skip_unless="promoted",
-        uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
+        **argv_templates.job_flags("export"),
         mlflow_conn_id=MLFLOW_CONN_ID,  # export logs the evaluation and the model card to the training's run
         **on_backend,
         request=export_request(inputs, train.output, evaluate.output),

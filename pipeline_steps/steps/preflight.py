@@ -27,9 +27,9 @@ def add_arguments(p):
 
 def run(args) -> dict:
     if args.plan:
-        from pipeline_steps.planning import plan
+        from pipeline_steps.planning import plan_io
 
-        exp = plan.experiment_from_file(args.plan, args.override, None)
+        exp = plan_io.experiment_from_file(args.plan, args.override, None)
     else:
         exp = experiment.load(args.experiment, overrides=args.override)
     return preflight(exp, check_store=not args.skip_store_check)

@@ -60,9 +60,9 @@ def run(args) -> dict:
     )
     derived = {"trainer.default_local_dir": args.checkpoint_uri} if args.checkpoint_uri else None
     if args.plan:
-        from pipeline_steps.planning import plan
+        from pipeline_steps.planning import plan_io
 
-        exp = plan.experiment_from_file(args.plan, args.override, derived)
+        exp = plan_io.experiment_from_file(args.plan, args.override, derived)
     else:
         exp = experiment.load(args.experiment, overrides=args.override, derived=derived)
     mounts = _mounts_arg(args.mounts, exp)

@@ -14,7 +14,9 @@ care which backend trained:
 * ``RUN_DIR/checkpoints/latest_checkpointed_iteration.txt`` and
   ``RUN_DIR/checkpoints/global_step_N/actor/`` (FSDP shards + ``huggingface/``);
 * verl file-logger JSON lines at ``$VERL_FILE_LOGGER_PATH`` (default ``RUN_DIR/metrics.jsonl``);
-* ``RUN_DIR/train_summary.json`` (also the step's JSON summary).
+* ``RUN_DIR/train_summary.json`` (also the step's JSON summary);
+
+every location as the run's :class:`~pipeline_steps.planning.layout.RunLayout` names it.
 
 Re-running with the same arguments resumes from the latest checkpoint
 (``trainer.resume_mode=auto``); a finished run is not trained again.
@@ -28,6 +30,8 @@ from pathlib import Path
 
 from pipeline_steps import atomic, outputs
 from pipeline_steps.errors import UserError
+from pipeline_steps.planning.layout import RunLayout
+from pipeline_steps.training import derived_keys as derived
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +64,18 @@ def add_arguments(p):
     p.add_argument("--output-dir", required=True, help="run directory: checkpoints/, metrics.jsonl, train_summary.json")
 
 
+def _local(path) -> str:
+    return str(Path(path).resolve())
+
+
 def derived_keys(train_files, val_files, model_path, output_dir) -> dict:
-    """The verl keys this step fixes from its arguments (the user's overrides still win)."""
-    return {
-        "data.train_files": [str(Path(f).resolve()) for f in train_files],
-        "data.val_files": [str(Path(f).resolve()) for f in val_files],
-        "actor_rollout_ref.model.path": str(Path(model_path).resolve()),
-        "trainer.default_local_dir": str(Path(output_dir).resolve() / "checkpoints"),
-        "trainer.resume_mode": "auto",  # a retried job continues from the output's last checkpoint
-        "trainer.device": "cpu",
-    }
+    """The verl keys this step fixes from its arguments (the user's overrides still win): the run's derived keys
+    (:func:`pipeline_steps.training.derived_keys.derived_keys`) as paths on this machine, and the CPU device."""
+    layout = RunLayout.for_run_dir(_local(output_dir))
+    keys = derived.derived_keys(
+        layout, train_files=train_files, val_files=val_files, model_path=model_path, where=_local
+    )
+    return {**keys, "trainer.device": "cpu"}
 
 
 def load_experiment(args, derived: dict):
@@ -77,9 +83,9 @@ def load_experiment(args, derived: dict):
     from pipeline_steps.training import experiment
 
     if args.plan:
-        from pipeline_steps.planning import plan
+        from pipeline_steps.planning import plan_io
 
-        return plan.experiment_from_file(args.plan, args.override, derived)
+        return plan_io.experiment_from_file(args.plan, args.override, derived)
     return experiment.load(args.experiment, args.override, derived=derived)
 
 
@@ -119,7 +125,8 @@ def run(args) -> dict:
     )
     exp = load_experiment(args, derived_keys(train_files, val_files, model_path, out))
     cfg = experiment.compose(exp)
-    metrics_path = os.environ.get("VERL_FILE_LOGGER_PATH") or str(out / "metrics.jsonl")
+    layout = RunLayout.for_run_dir(str(out))
+    metrics_path = os.environ.get(derived.FILE_LOGGER_ENV) or layout.metrics
 
     from pipeline_steps import tracking_run
     from pipeline_steps.local import grpo_cpu
@@ -128,7 +135,7 @@ def run(args) -> dict:
         log.info("MLflow credentials from $%s", tracking_run.CREDENTIALS_FILE_ENV)
     summary = grpo_cpu.train(cfg, metrics_path=metrics_path)
     summary.update(experiment=exp.name, experiment_digest=exp.digest())
-    atomic.write_json(out / "train_summary.json", summary)
+    atomic.write_json(layout.train_summary, summary)
     if mirror.is_remote(args.output_dir):  # the run directory is the handoff to evaluate and export
         log.info("run directory committed to %s: %s", args.output_dir, mirror.publish(args.output_dir))
     return summary

@@ -5,7 +5,7 @@ see the plan task, ``collect_inputs``, the operators and the request tasks; a st
 Counted: reading a preset (``experiment.read``, or ``experiment.load`` where there is no ``read``), resolving the
 backend (``constants.resolve_backend``) and turning the form into verl overrides (``overrides`` of the form's
 module). Recorded: every step's argv as launched (``PipelineStepOperator.command``, and the local Ray job's
-``ray_cluster.job_argv``) and every argv made from the plan's recorded argv (``planning.plan.step_argv``: the
+``ray_cluster.job_argv``) and every argv made from the plan's recorded argv (``planning.argv_templates.step_argv``: the
 template and its result), so a test can check that each launched step ran the plan's argv. Written as JSON to
 ``$PIPELINE_CALL_COUNTS`` when the process exits.
 """
@@ -84,7 +84,7 @@ def _record_argv() -> None:
         return job_argv(python, *step_argv)
 
     ray_cluster.job_argv = job
-    planning = importlib.import_module("pipeline_steps.planning.plan")
+    planning = importlib.import_module("pipeline_steps.planning.argv_templates")
     if hasattr(planning, "step_argv"):
         resolve = planning.step_argv
 

@@ -84,7 +84,7 @@ def train_plan(
     :param save: write ``plan.json`` there (the local backend's ``train-local`` reads the run's plan from it)
     """
     from pipeline_steps.planning.plan import plan as make_plan
-    from pipeline_steps.planning.plan import save as save_plan
+    from pipeline_steps.planning.plan_io import save as save_plan
 
     params = {"experiment": experiment, "backend": backend, "store_uri": store}
     run = make_plan(params, None, RUN_ID, "tests")

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_steps.errors import UserError
-from pipeline_steps.planning import plan
+from pipeline_steps.planning import plan, run_requests
 from tests.helpers.step_cli import assert_refused, run_step
 
 HUB = "hf://datasets/pipeline-local/chat-jsonl"
@@ -166,7 +166,7 @@ def test_plan_takes_the_form_files_as_a_train_set_with_validation(offline_hub, m
     assert chat["role"] == "train" and chat["revision"] == v1 and chat["resolved"]["commit"] == v1
     # unpinned Hub files are pinned to the newest commit at the logical date, as registry datasets are
     assert chat["files"] == {"train": f"{HUB}@{v1}/data/train.jsonl", "validation": f"{HUB}@{v1}/data/validation.jsonl"}
-    request = plan.download_kwargs(chat)
+    request = run_requests.download_kwargs(chat)
     assert request["store_uri"] == run["store"]  # the snapshot is committed to the run's store (issue 45)
     argv = request["request"]["args"]
     assert argv[argv.index("--train-file") + 1] == f"{HUB}@{v1}/data/train.jsonl" and "--revision" not in argv
@@ -177,7 +177,8 @@ def test_plan_takes_the_form_files_as_a_train_set_with_validation(offline_hub, m
     items = {d["dataset"]: d for d in run["datasets"]}
     assert items["gsm8k"]["role"] == items["my_math"]["role"] == "train"
     assert (
-        items["my_math"]["revision"] == "content" and plan.download_kwargs(items["my_math"])["store_uri"] == store_file
+        items["my_math"]["revision"] == "content"
+        and run_requests.download_kwargs(items["my_math"])["store_uri"] == store_file
     )
 
     # a file named like a registry dataset does not become a version of it
@@ -185,11 +186,16 @@ def test_plan_takes_the_form_files_as_a_train_set_with_validation(offline_hub, m
     assert "gsm8k-jsonl" in {d["dataset"] for d in run["datasets"]}
 
 
-def test_collect_uses_the_validation_file_as_validation_data():
-    def done(name, splits, files=None):
+def test_collect_uses_the_validation_file_as_validation_data(offline_hub, monkeypatch, tmp_path):
+    monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
+    files = {"train_jsonl": "file:///a.jsonl", "validation_jsonl": "file:///b.jsonl"}
+    run = plan.plan({"experiment": "local_tiny", "store_uri": "file:///s", **files}, None, "r", "d")
+    (item,) = [d for d in run["datasets"] if d["role"] == "train"]
+    name = item["dataset"]
+
+    def done(splits, files=None):
         d = {
-            "dataset": name,
-            "role": "train",
+            **{k: v for k, v in item.items() if k != "files"},
             "download": {"commit": "a" * 16, "repo_id": "", "sources": {"train": {"uri": "u"}}},
             "preprocess": {"splits": {s: f"/p/{s}.parquet" for s in splits}, "content_hash": "c" * 64},
             "upload": {"uri": f"file:///s/datasets/{name}/{'a' * 16}/{'c' * 16}"},
@@ -199,21 +205,13 @@ def test_collect_uses_the_validation_file_as_validation_data():
         return d
 
     staged = {"model": "tiny", "stage_model": {"uri": "file:///s/models/tiny/local-v2"}}
-    run = {
-        "experiment": "local_tiny",
-        "dag_id": "d",
-        "run_id": "r",
-        "run_dir": "file:///s/runs/x/r",
-        "store": "file:///s",
-    }
-    mine = done("mine", ["train", "validation"], {"train": "file:///a.jsonl", "validation": "file:///b.jsonl"})
-    run.update(plan.preset_settings({"experiment": "local_tiny"})[1])
-    inputs = plan.collect([mine], staged, run)
-    base = f"file:///s/datasets/mine/{'a' * 16}/{'c' * 16}"
+    mine = done(["train", "validation"], {"train": "file:///a.jsonl", "validation": "file:///b.jsonl"})
+    inputs = run_requests.collect([mine], staged, run)
+    base = f"file:///s/datasets/{name}/{'a' * 16}/{'c' * 16}"
     assert inputs["train_files"] == [f"{base}/train.parquet"] and inputs["val_files"] == [f"{base}/validation.parquet"]
     assert inputs["lineage"]["datasets"][0]["files"] == {"train": {"uri": "u"}}
-    no_val = done("mine", ["train"], {"train": "file:///a.jsonl"})
-    assert plan.collect([no_val], staged, run)["val_files"] == []
+    no_val = done(["train"], {"train": "file:///a.jsonl"})
+    assert run_requests.collect([no_val], staged, run)["val_files"] == []
 
 
 PLAN_BAD = [

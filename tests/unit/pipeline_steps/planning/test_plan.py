@@ -7,7 +7,23 @@ import pytest
 
 from pipeline_steps.data import revisions
 from pipeline_steps.errors import UserError
-from pipeline_steps.planning import form, plan
+from pipeline_steps.planning import form, plan, plan_io, run_requests
+
+MOUNTS = '[{"uri": "oss://verl-store", "claim": "verl-store", "path": "/mnt/store"}]'
+COMMIT = "a" * 40
+
+
+def processed(run: dict, splits: dict[str, tuple[str, ...]]) -> list[dict]:
+    """The plan's datasets as upload left them (download's commit, preprocess's splits, upload's version URI)."""
+    return [
+        {
+            **item,
+            "download": {"commit": COMMIT, "repo_id": f"org/{item['dataset']}"},
+            "preprocess": {"splits": {s: "x" for s in splits[item["dataset"]]}, "content_hash": "c" * 64},
+            "upload": {"uri": f"{run['store']}/datasets/{item['dataset']}/{COMMIT}/fp"},
+        }
+        for item in run["datasets"]
+    ]
 
 
 def at(day: str) -> datetime:
@@ -86,39 +102,29 @@ def test_the_plan_holds_what_later_tasks_read_and_is_written_once(monkeypatch, t
     assert (rebuilt.name, rebuilt.spec, rebuilt.verl) == (fresh.name, fresh.spec, fresh.verl)
     assert list(rebuilt.verl) == list(fresh.verl)  # the same order: the user's overrides applied last
     assert run["preset_sha256"] == experiment.load("local_tiny").digest()
-    uri = plan.save(run)
-    assert uri == f"{run['run_dir']}/plan.json" and plan.load(run["run_dir"]) == run
+    uri = plan_io.save(run)
+    assert uri == f"{run['run_dir']}/plan.json" and plan_io.load(run["run_dir"]) == run
     with pytest.raises(UserError, match="no plan there"):
-        plan.load(f"file://{tmp_path}/elsewhere")
+        plan_io.load(f"file://{tmp_path}/elsewhere")
 
 
-def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus():
+def test_cluster_evaluation_shards_the_model_over_the_jobs_gpus(monkeypatch):
     """A 32B model does not fit one GPU: the kuberay evaluate job's vLLM gets tensor parallelism over the GPUs the
     job's worker has (the preset's gpus_per_node, or the form's); the local (hf) evaluation gets no such flag."""
-    done = {
-        "dataset": "gsm8k",
-        "role": "train",
-        "download": {"commit": "a" * 40, "repo_id": "openai/gsm8k"},
-        "preprocess": {"splits": {"train": "x", "test": "y"}, "content_hash": "c" * 64},
-        "upload": {"uri": "oss://verl-store/datasets/gsm8k/" + "a" * 40 + "/fp"},
-    }
+    monkeypatch.setenv("PIPELINE_MOUNTS", MOUNTS)
     staged = {"model": "Qwen/Qwen2.5-32B-Instruct", "stage_model": {"uri": "oss://verl-store/models/q/main"}}
-    run = {
-        "experiment": "gsm8k_qwen2_5_32b",
-        "dag_id": "d",
-        "run_id": "r",
-        "run_dir": "oss://verl-store/runs/x/r",
-        "store": "oss://verl-store",
-    }
-    trained = {"checkpoint_uri": "oss://verl-store/runs/x/r/checkpoints"}
-    for params, want in (({"eval_dataset": "gsm8k"}, "8"), ({"eval_dataset": "gsm8k", "gpus_per_node": 4}, "4")):
-        planned = {**run, **plan.preset_settings({"experiment": run["experiment"], **params})[1]}
-        inputs = plan.collect([done], staged, planned)
-        argv = plan.evaluate_request(inputs, trained, planned, "kuberay")["args"]
+    trained = {"checkpoint_uri": "oss://verl-store/verl/runs/x/r/checkpoints"}
+    base = {"experiment": "gsm8k_qwen2_5_32b", "store_uri": "oss://verl-store/verl", "eval_dataset": "gsm8k"}
+    for params, want in (({"backend": "kuberay"}, "8"), ({"backend": "kuberay", "gpus_per_node": 4}, "4")):
+        planned = plan.plan({**base, **params}, None, "r", "d")
+        inputs = run_requests.collect(processed(planned, {"gsm8k": ("train", "test")}), staged, planned)
+        argv = run_requests.evaluate_request(inputs, trained, planned)["args"]
         assert argv[argv.index("--generator") + 1] == "vllm"
         assert argv[argv.index("--tensor-parallel-size") + 1] == want
         assert argv[argv.index("--name") + 1] == "gsm8k"  # the registry's name, not the scorer's data_source
-        assert "--tensor-parallel-size" not in plan.evaluate_request(inputs, trained, run, "local")["args"]
+    local = plan.plan({**base, "backend": "local"}, None, "r", "d")
+    inputs = run_requests.collect(processed(local, {"gsm8k": ("train", "test")}), staged, local)
+    assert "--tensor-parallel-size" not in run_requests.evaluate_request(inputs, trained, local)["args"]
 
 
 def test_kuberay_refuses_a_store_the_pods_cannot_reach(offline_hub, monkeypatch):
@@ -171,24 +177,18 @@ def test_vision_language_presets_take_image_and_text_datasets(preset, params, tr
     assert run["model"]["carry"]["model"].startswith("Qwen/Qwen2.5-VL-")
 
 
-def test_vl_evaluation_is_geometry3ks_test_split_with_the_trainings_pixel_limits():
+def test_vl_evaluation_is_geometry3ks_test_split_with_the_trainings_pixel_limits(monkeypatch):
     """The VL presets evaluate on geometry3k's test split (601 problems upstream; its data_source selects verl's geo3k
     scorer) and the evaluate job scales figures as training does: the preset's data.mm_processor_kwargs, or the
     form's override of them."""
     import json
 
-    uri = "oss://verl-store/datasets/geometry3k/" + "a" * 40 + "/fp"
-    done = {
-        "dataset": "geometry3k",
-        "role": "train",
-        "download": {"commit": "a" * 40, "repo_id": "hiyouga/geometry3k"},
-        "preprocess": {"splits": {"train": "x", "validation": "v", "test": "y"}, "content_hash": "c" * 64},
-        "upload": {"uri": uri},
-    }
+    monkeypatch.setenv("PIPELINE_MOUNTS", MOUNTS)
+    uri = f"oss://verl-store/verl/datasets/geometry3k/{COMMIT}/fp"
+    splits = {"geometry3k": ("train", "validation", "test"), "gsm8k": ("train", "test")}
     staged = {"model": "Qwen/Qwen2.5-VL-3B-Instruct", "stage_model": {"uri": "oss://verl-store/models/q/main"}}
-    run = {"experiment": "geo3k_qwen2_5_vl_3b", "dag_id": "d", "run_id": "r", "run_dir": "oss://verl-store/runs/x/r"}
-    run["store"] = "oss://verl-store"
-    trained = {"checkpoint_uri": "oss://verl-store/runs/x/r/checkpoints"}
+    trained = {"checkpoint_uri": "oss://verl-store/verl/runs/x/r/checkpoints"}
+    base = {"backend": "kuberay", "store_uri": "oss://verl-store/verl"}
     for params, want in (
         ({}, {"max_pixels": 501760, "min_pixels": 3136}),
         (
@@ -196,15 +196,19 @@ def test_vl_evaluation_is_geometry3ks_test_split_with_the_trainings_pixel_limits
             {"max_pixels": 200704, "min_pixels": 3136},
         ),
     ):
-        planned = {**run, **plan.preset_settings({"experiment": run["experiment"], **params})[1]}
-        inputs = plan.collect([done], staged, planned)
+        planned = plan.plan({**base, "experiment": "geo3k_qwen2_5_vl_3b", **params}, None, "r", "d")
+        inputs = run_requests.collect(processed(planned, splits), staged, planned)
         assert inputs["eval_file"] == f"{uri}/test.parquet" and inputs["val_files"] == [f"{uri}/test.parquet"]
-        argv = plan.evaluate_request(inputs, trained, run, "kuberay")["args"]
+        argv = run_requests.evaluate_request(inputs, trained, planned)["args"]
         assert argv[argv.index("--name") + 1] == "geometry3k" and argv[argv.index("--generator") + 1] == "vllm"
         assert json.loads(argv[argv.index("--mm-processor-kwargs") + 1]) == want
-    # a text preset passes no processor settings
-    run_text = {**run, "experiment": "gsm8k_qwen2_5_3b"}
-    run_text.update(plan.preset_settings({"experiment": "gsm8k_qwen2_5_3b", "eval_dataset": "geometry3k"})[1])
-    inputs = plan.collect([done], staged, run_text)
-    argv = plan.evaluate_request(inputs, trained, run_text, "kuberay")["args"]
+    # a text preset passes no processor settings (image rows for it are refused by the plan)
+    run_text = plan.plan(
+        {**base, "experiment": "gsm8k_qwen2_5_3b", "datasets": ["gsm8k"], "eval_dataset": "gsm8k"},
+        None,
+        "r",
+        "d",
+    )
+    inputs = run_requests.collect(processed(run_text, splits), staged, run_text)
+    argv = run_requests.evaluate_request(inputs, trained, run_text)["args"]
     assert "--mm-processor-kwargs" not in argv

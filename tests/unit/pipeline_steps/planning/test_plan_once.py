@@ -45,7 +45,7 @@ def test_operators_given_the_plan_read_no_preset_and_resolve_no_backend(monkeypa
 
 
 def test_step_argv_fills_placeholders_and_drops_empty_optional_flags():
-    from pipeline_steps.planning.plan import fact, step_argv
+    from pipeline_steps.planning.argv_templates import fact, step_argv
 
     template = ["--in", fact("a"), "--out", f"/x/{fact('b')}/y", "--opt", fact("c"), "--files", fact("d")]
     assert step_argv(template, {"a": 1, "b": "c0ffee", "c": None, "d": ["p", "q"]}) == [
@@ -63,7 +63,8 @@ def test_step_argv_fills_placeholders_and_drops_empty_optional_flags():
 
 def test_the_plan_records_every_later_steps_argv(monkeypatch, tmp_path):
     """``plan`` writes each step's argv; the request functions only fill in what upstream tasks found."""
-    from pipeline_steps.planning import plan
+    from pipeline_steps.planning import plan, run_requests
+    from pipeline_steps.uris import strip_file_scheme
 
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     monkeypatch.delenv("PIPELINE_STORE_URI", raising=False)
@@ -71,19 +72,19 @@ def test_the_plan_records_every_later_steps_argv(monkeypatch, tmp_path):
     assert set(run["steps"]) == {"stage-model", "train-local", "evaluate", "export", "report"}
     assert run["steps"]["stage-model"] == run["model"]["args"]
     (gsm8k,) = [d for d in run["datasets"] if d["dataset"] == "gsm8k"]
-    assert plan.download_request(gsm8k)["args"] == gsm8k["steps"]["download"]
+    assert run_requests.download_request(gsm8k)["args"] == gsm8k["steps"]["download"]
     done = {**gsm8k, "download": {"path": "/snap", "commit": "abc"}}
-    args = plan.preprocess_request(done)["args"]
+    args = run_requests.preprocess_request(done)["args"]
     # tasks share nothing but the store: the preprocessed output is handed over there, not in the work directory
     assert args[args.index("--output") + 1] == f"{run['store']}/cache/processed/gsm8k/abc/default-limit8"
     done["preprocess"] = {"output": "/pp", "content_hash": "f" * 64}
-    assert plan.upload_request(done)["args"] == [
+    assert run_requests.upload_request(done)["args"] == [
         "--src",
         "/pp",
         "--dest",
         f"{run['store']}/datasets/gsm8k/abc/{'f' * 16}",
     ]
-    argv = plan.train_local_argv(
+    argv = run_requests.train_local_argv(
         run, {"plan_file": "/p.json", "train_files": ["/t"], "val_files": [], "model_path": "/m", "output_dir": "/o"}
     )
     assert argv == [
@@ -97,8 +98,8 @@ def test_the_plan_records_every_later_steps_argv(monkeypatch, tmp_path):
         "--output-dir",
         "/o",
     ]
-    report = plan.report_request(run, None, None, None, {"train": "failed"})["args"]
-    assert report == ["--run-dir", plan.strip_file_scheme(run["run_dir"]), "--task-states", '{"train": "failed"}']
+    report = run_requests.report_request(run, None, None, None, {"train": "failed"})["args"]
+    assert report == ["--run-dir", strip_file_scheme(run["run_dir"]), "--task-states", '{"train": "failed"}']
 
 
 def test_a_preset_edited_after_plan_does_not_change_what_train_runs(monkeypatch, tmp_path):
@@ -109,7 +110,7 @@ def test_a_preset_edited_after_plan_does_not_change_what_train_runs(monkeypatch,
     import shutil
 
     from pipeline_steps.errors import UserError
-    from pipeline_steps.planning import plan
+    from pipeline_steps.planning import plan, plan_io
     from pipeline_steps.steps import train_local
     from pipeline_steps.training import experiment
 
@@ -120,7 +121,7 @@ def test_a_preset_edited_after_plan_does_not_change_what_train_runs(monkeypatch,
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
     monkeypatch.delenv("PIPELINE_STORE_URI", raising=False)
     run = plan.plan({"experiment": "my_tiny", "learning_rate": 1e-5}, None, "manual__1", "d")
-    plan_file = plan.save(run).removeprefix("file://")
+    plan_file = plan_io.save(run).removeprefix("file://")
     planned_lr = experiment.from_plan(run).verl["actor_rollout_ref.actor.optim.lr"]
 
     text = (presets / "my_tiny.yaml").read_text()  # the preset file edited after plan
@@ -159,14 +160,14 @@ def test_the_evaluation_dag_plans_once_and_its_operator_runs_the_plans_argv(monk
 
     from operators.cluster_step import PipelineStepJobOperator
     from pipeline_steps.errors import UserError
-    from pipeline_steps.planning import plan
+    from pipeline_steps.planning.evaluation_run import evaluation_plan
 
     store = tmp_path / "store"
     (store / "datasets" / "gsm8k").mkdir(parents=True)
     (store / "datasets" / "gsm8k" / "last_processed.json").write_text(json.dumps({"uri": f"file://{store}/d/v1"}))
     params = {"model_uri": "", "eval_dataset": "gsm8k", "eval_data_uri": "", "k": 2, "temperature": 1.0}
     params.update(top_p=1.0, max_new_tokens=8, store_uri=f"file://{store}")
-    run = plan.evaluation_plan(params, f"file://{store}/models/m/v1", "manual__1", "verl_evaluate_model")
+    run = evaluation_plan(params, f"file://{store}/models/m/v1", "manual__1", "verl_evaluate_model")
     argv = run["steps"]["evaluate"]
     assert run["backend"] == "local" and argv[:4] == [
         "--model",
@@ -176,7 +177,7 @@ def test_the_evaluation_dag_plans_once_and_its_operator_runs_the_plans_argv(monk
     ]
     assert argv[argv.index("--k") + 1] == "2"
     with pytest.raises(UserError, match="model_uri"):
-        plan.evaluation_plan(params, None, "r", "d")
+        evaluation_plan(params, None, "r", "d")
 
     dag = runpy.run_path(str(ROOT / "dags" / "verl_evaluate_model.py"))["dag"]
     op = dag.get_task("evaluate")
