@@ -38,7 +38,7 @@ def _ref(cluster: dict, env: str) -> dict | None:
 def check_sandbox(core, ns: str, exp) -> list[Check]:
     from pipeline_steps.errors import UserError
     from pipeline_steps.tools import uses_code_sandbox
-    from pipeline_steps.training.rayjob_manifest import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, with_sandbox_service
+    from pipeline_steps.training.sandbox_services import SANDBOX_DOMAIN_ENV, SANDBOX_SERVICES_ENV, with_sandbox_service
 
     mt = "actor_rollout_ref.rollout.multi_turn."
     if str(exp.verl.get(mt + "enable", False)).lower() not in ("true", "1"):

@@ -68,7 +68,7 @@ def check_multi_turn(cfg, backend: str | None = None, cluster_service: tuple[int
     exists in the training image is left to the cluster), and the code tool's sandboxes against the service's
     capacity (``backend``: ``local`` or ``cluster``, else taken from the rollout engine; ``cluster_service``: the
     cluster's sandbox service as ``(capacity or None, where it comes from)``, resolved by the training layer from the
-    preset's ``cluster.sandbox_service``: :func:`pipeline_steps.training.rayjob_manifest.sandbox_service_capacity`)."""
+    preset's ``cluster.sandbox_service``: :func:`pipeline_steps.training.sandbox_services.sandbox_service_capacity`)."""
     mt = cfg.actor_rollout_ref.rollout.get("multi_turn") or {}
     path = mt.get("tool_config_path")
     if mt.get("enable") and path:

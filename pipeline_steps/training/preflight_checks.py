@@ -63,7 +63,7 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     check_exportable(cfg)
     run_verl_validate(cfg, ppo_utils)
     from pipeline_steps.tools.tool_config_check import check_agent_loops, check_multi_turn  # verl and the classes named
-    from pipeline_steps.training.rayjob_manifest import sandbox_service_capacity
+    from pipeline_steps.training.sandbox_services import sandbox_service_capacity
 
     # with the code tool's sandboxes at once against the service's capacity (the cluster's: from the registry)
     service = None if backend == "local" else sandbox_service_capacity(exp.spec.get("cluster"))

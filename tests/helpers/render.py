@@ -11,8 +11,7 @@ from pathlib import Path
 import yaml
 
 from pipeline_steps.planning.plan import run_key
-from pipeline_steps.training import experiment
-from pipeline_steps.training import rayjob_manifest as render_rayjob
+from pipeline_steps.training import experiment, sandbox_services
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob_manifest import build_rayjob
 
@@ -64,7 +63,10 @@ def render(
     args = dict(dag_id="verl_grpo_pipeline", run_id=RUN, task_id="train", namespace="verl-pipeline", mounts=mounts)
     args.update(kw)
     # the deployment's sandbox services as its Helm values set them, unless the test sets its own
-    deployment = {render_rayjob.SANDBOX_DOMAIN_ENV: SANDBOX_DOMAIN, **helm_env(render_rayjob.SANDBOX_SERVICES_ENV)}
+    deployment = {
+        sandbox_services.SANDBOX_DOMAIN_ENV: SANDBOX_DOMAIN,
+        **helm_env(sandbox_services.SANDBOX_SERVICES_ENV),
+    }
     added = [k for k in deployment if k not in os.environ]
     os.environ.update({k: deployment[k] for k in added})
     try:

@@ -288,9 +288,9 @@ def test_a_cpu_trainer_step_logs_the_capacity_refusals_in_metrics_jsonl(e2b_env,
     import pyarrow.parquet as pq
 
     from pipeline_steps.local import agent_rollout, grpo_cpu
+    from pipeline_steps.local.scripted_tool_turns import code_tool_rows
     from pipeline_steps.steps import train_local
     from pipeline_steps.training import experiment
-    from tests.helpers.tool_agent_runs import code_tool_rows
 
     batch, n = 3, 2
     scripted = []
@@ -337,14 +337,14 @@ def test_preflight_of_a_cluster_preset_against_its_services_capacity(monkeypatch
     100 in ``$PIPELINE_SANDBOX_SERVICES`` is refused in one line naming the settings; 256 passes; without a capacity
     the pre-flight warns and goes on."""
     from pipeline_steps.errors import UserError
-    from pipeline_steps.training import experiment, rayjob_manifest
+    from pipeline_steps.training import experiment, sandbox_services
     from pipeline_steps.training.preflight_checks import preflight
 
     def services(capacity=None):
         svc = {"domain": "ap-shanghai.tencentags.com", "secret": "ags-api-key"}
         if capacity is not None:
             svc["capacity"] = capacity
-        monkeypatch.setenv(rayjob_manifest.SANDBOX_SERVICES_ENV, json.dumps({"ags-shanghai": svc}))
+        monkeypatch.setenv(sandbox_services.SANDBOX_SERVICES_ENV, json.dumps({"ags-shanghai": svc}))
 
     exp = experiment.load("dapo_retool_qwen3_4b")
     services(100)

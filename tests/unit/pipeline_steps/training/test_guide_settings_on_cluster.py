@@ -30,10 +30,10 @@ def _container_env(job) -> dict:
 
 
 def test_each_preset_keeps_its_sandbox_service_beside_the_deployment_default(monkeypatch):
-    from pipeline_steps.training import rayjob_manifest as rayjob
+    from pipeline_steps.training import cluster_section, sandbox_services
 
-    monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
-    monkeypatch.setenv(rayjob.SANDBOX_DOMAIN_ENV, "sandbox.example.com")  # the deployment's sandbox-manager
+    monkeypatch.setenv(cluster_section.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
+    monkeypatch.setenv(sandbox_services.SANDBOX_DOMAIN_ENV, "sandbox.example.com")  # the deployment's sandbox-manager
     # (and, from the shipped Helm values, $PIPELINE_SANDBOX_SERVICES mapping the AGS preset's ags-shanghai)
     _, ags = render("dapo_retool_qwen3_4b", ACK, "oss://verl-store", "dapo_math")
     assert _env_vars(ags)["E2B_DOMAIN"] == AGS and _container_env(ags)["E2B_DOMAIN"] == AGS
@@ -44,9 +44,9 @@ def test_each_preset_keeps_its_sandbox_service_beside_the_deployment_default(mon
 def test_ld_library_path_extends_the_images_through_rays_runtime_env(monkeypatch):
     from ray._private.utils import update_envs
 
-    from pipeline_steps.training import rayjob_manifest as rayjob
+    from pipeline_steps.training import cluster_section
 
-    monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
+    monkeypatch.setenv(cluster_section.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     for preset in ("dapo_qwen3_4b", "dapo_retool_qwen3_4b"):
         _, job = render(preset, ACK, "oss://verl-store", "dapo_math")
         value = _env_vars(job)["LD_LIBRARY_PATH"]
@@ -59,9 +59,9 @@ def test_ld_library_path_extends_the_images_through_rays_runtime_env(monkeypatch
 
 
 def test_the_32b_workers_ray_start_num_cpus_passes_kuberay_validation(monkeypatch):
-    from pipeline_steps.training import rayjob_manifest as rayjob
+    from pipeline_steps.training import cluster_section
 
-    monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
+    monkeypatch.setenv(cluster_section.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
     _, job = render("gsm8k_qwen2_5_32b", GKE, "gs://verl-store", "gsm8k")
     group = job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]
     assert group["rayStartParams"]["num-cpus"] == "220"

@@ -73,11 +73,16 @@ def fits(pod: dict, pool: dict) -> str | None:
 
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
-    from pipeline_steps.training import rayjob_manifest as rayjob
+    from pipeline_steps.training import cluster_section, sandbox_services
 
-    for var in (rayjob.SERVICE_ACCOUNT_ENV, "PIPELINE_MOUNTS", rayjob.SANDBOX_DOMAIN_ENV, rayjob.SANDBOX_SERVICES_ENV):
+    for var in (
+        cluster_section.SERVICE_ACCOUNT_ENV,
+        "PIPELINE_MOUNTS",
+        sandbox_services.SANDBOX_DOMAIN_ENV,
+        sandbox_services.SANDBOX_SERVICES_ENV,
+    ):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv(rayjob.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
+    monkeypatch.setenv(cluster_section.IMAGE_ENV, "registry.example.com/verl-grpo-train@sha256:" + "0" * 64)
 
 
 @pytest.mark.parametrize("preset,mounts,bucket,dataset", EXAMPLES, ids=[e[0] for e in EXAMPLES])

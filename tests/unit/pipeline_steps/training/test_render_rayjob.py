@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline_steps.errors import UserError
-from pipeline_steps.training import experiment
+from pipeline_steps.training import cluster_section, experiment, sandbox_services
 from pipeline_steps.training import rayjob_manifest as render_rayjob
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob_manifest import build_rayjob, label_value, rayjob_name
@@ -50,14 +50,14 @@ TRAIN_IMAGE = "registry.example.com/verl-grpo-train@sha256:" + "0" * 64
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     for var in (
-        render_rayjob.SERVICE_ACCOUNT_ENV,
+        cluster_section.SERVICE_ACCOUNT_ENV,
         "PIPELINE_MOUNTS",
-        render_rayjob.SANDBOX_DOMAIN_ENV,
-        render_rayjob.SANDBOX_SERVICES_ENV,
+        sandbox_services.SANDBOX_DOMAIN_ENV,
+        sandbox_services.SANDBOX_SERVICES_ENV,
         "PIPELINE_RAY_AUTH_SECRET",
     ):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv(render_rayjob.IMAGE_ENV, TRAIN_IMAGE)
+    monkeypatch.setenv(cluster_section.IMAGE_ENV, TRAIN_IMAGE)
 
 
 @pytest.fixture(scope="module")
@@ -531,16 +531,16 @@ def test_export_jobs_on_ack_can_open_the_oss_store(preset):
 def test_a_missing_or_moving_training_image_is_refused_in_one_line(monkeypatch, image, message):
     """Issue 13 item 7: presets name no image (the deployment builds and pushes its own); an unpinned one is refused."""
     if image is None:
-        monkeypatch.delenv(render_rayjob.IMAGE_ENV)
+        monkeypatch.delenv(cluster_section.IMAGE_ENV)
     else:
-        monkeypatch.setenv(render_rayjob.IMAGE_ENV, image)
+        monkeypatch.setenv(cluster_section.IMAGE_ENV, image)
     with pytest.raises(UserError) as e:
         render()
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_an_exact_tag_on_a_registry_with_a_port_is_taken(monkeypatch):
-    monkeypatch.setenv(render_rayjob.IMAGE_ENV, "registry.example.com:5000/verl-grpo-train:0.1.0")
+    monkeypatch.setenv(cluster_section.IMAGE_ENV, "registry.example.com:5000/verl-grpo-train:0.1.0")
     _, job = render()
     pods = [job["spec"]["rayClusterSpec"]["headGroupSpec"]] + job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
     assert {c["image"] for p in pods for c in p["template"]["spec"]["containers"]} == {
@@ -562,10 +562,10 @@ def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
 
     with pytest.raises(UserError, match=r"needs its sandbox service: set \$PIPELINE_E2B_DOMAIN"):
         build(ack)
-    monkeypatch.setenv(render_rayjob.SANDBOX_DOMAIN_ENV, "Not a domain!")
+    monkeypatch.setenv(sandbox_services.SANDBOX_DOMAIN_ENV, "Not a domain!")
     with pytest.raises(UserError, match="not a domain name"):
         build(ack)
-    monkeypatch.setenv(render_rayjob.SANDBOX_DOMAIN_ENV, "sandbox.team.internal")
+    monkeypatch.setenv(sandbox_services.SANDBOX_DOMAIN_ENV, "sandbox.team.internal")
     with pytest.raises(UserError) as refused:  # the AGS preset's service is not in this deployment
         build(ags, "dapo_math")
     assert str(refused.value) == (
@@ -576,7 +576,7 @@ def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
         "ags-shanghai": {"domain": "ap-shanghai.tencentags.com", "secret": "ags-api-key"},
         "ags-singapore": {"domain": "ap-singapore.tencentags.com", "secret": "ags-sg-key", "key": "token"},
     }
-    monkeypatch.setenv(render_rayjob.SANDBOX_SERVICES_ENV, json.dumps(services))
+    monkeypatch.setenv(sandbox_services.SANDBOX_SERVICES_ENV, json.dumps(services))
     cases = (
         (build(ack), "sandbox.team.internal", {"name": "sandbox-api-key", "key": "apiKey"}),
         (build(ags, "dapo_math"), "ap-shanghai.tencentags.com", {"name": "ags-api-key", "key": "apiKey"}),
@@ -601,7 +601,7 @@ def test_the_code_sandbox_service_is_the_deployments(monkeypatch):
     with pytest.raises(UserError, match="runs no code sandbox tool"):
         build("gsm8k_qwen2_5_3b", sandbox_service="ags-shanghai")
     for bad, why in (("[]", "expected a JSON object"), ('{"x": {"domain": "a.b"}}', "expected {domain, secret")):
-        monkeypatch.setenv(render_rayjob.SANDBOX_SERVICES_ENV, bad)
+        monkeypatch.setenv(sandbox_services.SANDBOX_SERVICES_ENV, bad)
         with pytest.raises(UserError, match=re.escape(why)):
             build(ags, "dapo_math")
     _, plain = render("gsm8k_qwen2_5_3b")  # no tool agent: no sandbox settings at all
