@@ -54,6 +54,15 @@ SHARED_LAZY = {
     ("pipeline_steps/tracking_run.py", "mlflow"): "only the functions that talk to an MLflow server need it",
 }
 HEAVY = {"torch", "ray", "verl", "pandas", "datasets", "transformers", "vllm", "pyarrow"}  # not at DAG parse time
+# Registries that light code reads by name: importing them (and whatever they import at module level) imports no
+# heavy library. The dataset registry is read by the plan, the preprocessor registry by the dataset registry; the
+# preprocessors themselves (pyarrow) register when the registry is first looked up.
+LIGHT = {
+    "pipeline_steps.data.registry": "the plan reads the dataset registry",
+    "pipeline_steps.data.preprocessors": "the dataset registry checks a preprocessor's name",
+    "pipeline_steps.training.sandbox_services": "the doctor and the pre-flight read the sandbox services",
+    "pipeline_steps.training.cluster_section": "the RayJob rendering validates a preset's cluster section",
+}
 
 
 def module_name(path: Path) -> str:
@@ -232,3 +241,24 @@ def test_no_import_cycle_at_module_level():
         if mod not in state:
             walk(mod)
     assert not cycles, "\n".join(cycles)
+
+
+def test_registries_import_no_heavy_library():
+    """Each LIGHT module, and every project module it imports at module level, imports nothing of HEAVY."""
+    modules = sources()
+    errors = []
+    for light, why in LIGHT.items():
+        assert light in modules, f"{light}: no such module [LIGHT names a module]"
+        seen, todo = set(), [light]
+        while todo:
+            mod = todo.pop()
+            if mod in seen:
+                continue
+            seen.add(mod)
+            for imp in imports_of(modules[mod]):
+                if not imp.module_level:
+                    continue
+                if imp.target.split(".")[0] in HEAVY:
+                    errors.append(f"{imp.where()}: imports {imp.target} at module level [{light}: {why}]")
+                todo += [t for t in targets(imp, modules) if t in modules]
+    assert not errors, "\n".join(errors)
