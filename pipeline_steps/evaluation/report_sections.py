@@ -17,25 +17,34 @@ from pipeline_steps.evaluation.markdown import cell, code, fmt, link, safe_url
 from pipeline_steps.evaluation.model_card import NR, _get  # one lineage lookup for the card and the report
 from pipeline_steps.evaluation.report_charts import CURVES, OPTIONAL_CURVES, TABLE_KEYS, VAL_RE, plot
 from pipeline_steps.evaluation.report_inputs import NP, read_json, read_metrics, series
+from pipeline_steps.planning.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
 MAX_PROBLEM_ROWS = 60
 
 
+def _input(run_dir: Path, location: str) -> tuple[Path, str]:
+    """A run directory's input (a :class:`RunLayout` property's name) as a local path, and the name the report
+    gives it (its path in the run directory)."""
+    layout = RunLayout.for_run_dir(str(run_dir))
+    where = getattr(layout, location)
+    return Path(where), layout.relative(where)
+
+
 def metrics_section(run_dir: Path, out: Path, state: dict) -> list[str]:
     lines = ["## Training curves", ""]
-    path = run_dir / "metrics.jsonl"
+    path, name = _input(run_dir, "metrics")
     if not path.is_file():
-        state["inputs"]["metrics.jsonl"] = NP
+        state["inputs"][name] = NP
         return lines + [f"`metrics.jsonl`: {NP}. No curves.", ""]
     try:
         m = read_metrics(path)
     except OSError as exc:
-        state["inputs"]["metrics.jsonl"] = f"unreadable: {exc.__class__.__name__}"
+        state["inputs"][name] = f"unreadable: {exc.__class__.__name__}"
         return lines + [f"`metrics.jsonl`: unreadable ({exc.__class__.__name__}). No curves.", ""]
     steps = m["steps"]
-    state["inputs"]["metrics.jsonl"] = "ok"
+    state["inputs"][name] = "ok"
     state["metrics_steps"] = len(steps)
     state["metrics_skipped_lines"] = len(m["skipped"])
     shown = ", ".join(map(str, m["skipped"][:10])) + (", ..." if len(m["skipped"]) > 10 else "")
@@ -89,10 +98,12 @@ def eval_section(run_dir: Path, state: dict, out: Path | None = None) -> list[st
     from pipeline_steps.evaluation.model_card import _pct, eval_table
 
     lines = ["## Evaluation against the base model", ""]
-    res, status = read_json(run_dir / "eval" / "results.json", need=("overall",))
-    state["inputs"]["eval/results.json"] = status
-    base, bstatus = read_json(run_dir / "eval" / "base_results.json", need=("overall",))
-    state["inputs"]["eval/base_results.json"] = bstatus
+    results, results_name = _input(run_dir, "eval_results")
+    base_results, base_name = _input(run_dir, "base_results")
+    res, status = read_json(results, need=("overall",))
+    state["inputs"][results_name] = status
+    base, bstatus = read_json(base_results, need=("overall",))
+    state["inputs"][base_name] = bstatus
     if res is None:
         return lines + [f"`eval/results.json`: {status}.", ""]
     base_note = "`eval/base_results.json`"
@@ -101,7 +112,7 @@ def eval_section(run_dir: Path, state: dict, out: Path | None = None) -> list[st
     try:
         table = eval_table(res, base)
     except (KeyError, TypeError, ValueError) as exc:
-        state["inputs"]["eval/results.json"] = f"unreadable: overall lacks {exc}"
+        state["inputs"][results_name] = f"unreadable: overall lacks {exc}"
         return lines + [f"`eval/results.json`: unreadable (its overall section lacks {cell(exc)}).", ""]
     ev, s = res.get("eval_set") or {}, res.get("sampling") or {}
     model = res.get("model") or {}
@@ -143,7 +154,7 @@ def report_figures(run_dir: Path, out: Path, count: int) -> dict[int, str]:
     """The thumbnails the evaluate step wrote (``eval/figures/NNNN.png``) for the first ``count`` problems, re-encoded
     from their pixels into the report directory (:func:`figures.thumbnail`: a file that is not an image, or too big,
     is left out), within ``figures.MAX_REPORT_BYTES`` in all. Returns problem position -> file name in ``out``."""
-    src = run_dir / "eval" / figures.DIR
+    src = _input(run_dir, "eval")[0] / figures.DIR
     if not src.is_dir():
         return {}
     shown: dict[int, str] = {}
@@ -212,8 +223,9 @@ def problems_table(res: dict, base: dict | None, shown_figures: dict[int, str] |
 
 def lineage_section(run_dir: Path, state: dict) -> list[str]:
     lines = ["## Lineage", ""]
-    lin, status = read_json(run_dir / "lineage.json")
-    state["inputs"]["lineage.json"] = status
+    path, name = _input(run_dir, "lineage")
+    lin, status = read_json(path)
+    state["inputs"][name] = status
     if lin is None:
         return lines + [f"`lineage.json`: {status}.", ""]
     exp = lin.get("experiment") if isinstance(lin.get("experiment"), dict) else {}
@@ -268,14 +280,15 @@ def training_section(run_dir: Path, state: dict, tensorboard: dict | None = None
         store's run); a local run directory is looked at directly.
     """
     lines = ["## Training run", ""]
-    ts, status = read_json(run_dir / "train_summary.json")
-    state["inputs"]["train_summary.json"] = status
-    if tensorboard is None and (run_dir / tracking_run.TENSORBOARD_SUBDIR).is_dir():
-        tb_dir = run_dir / tracking_run.TENSORBOARD_SUBDIR
+    path, name = _input(run_dir, "train_summary")
+    ts, status = read_json(path)
+    state["inputs"][name] = status
+    tb_dir = _input(run_dir, "tensorboard")[0]
+    if tensorboard is None and tb_dir.is_dir():
         tensorboard = tracking_run.tensorboard_info(str(tb_dir), tb_dir)
     tb_row = f"| TensorBoard logs | {tensorboard_cell(tensorboard or (ts or {}).get('tensorboard'))} |"
     if ts is None:  # a cluster run: no train-local summary, but the entrypoint's MLflow record beside the checkpoints
-        recorded = tracking_run.read(run_dir / "checkpoints" / tracking_run.FILE)
+        recorded = tracking_run.read(_input(run_dir, "mlflow_record")[0])
         rows = ["| | |", "| --- | --- |", f"| MLflow run | {mlflow_cell(recorded)} |", tb_row]
         return lines + [f"`train_summary.json`: {status}.", "", *rows, ""]
     return lines + [

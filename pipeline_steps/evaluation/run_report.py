@@ -49,6 +49,7 @@ from pipeline_steps.evaluation.report_sections import (
     tasks_section,
     training_section,
 )
+from pipeline_steps.planning.layout import RunLayout
 from pipeline_steps.uris import local_path
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,14 @@ def validate_links(dashboard_url: str, exported_uri: str) -> None:
         )
 
 
+# the run directory's files the report reads (RunLayout's names for them), fetched from a cloud store
 REMOTE_INPUTS = (
-    "metrics.jsonl",
-    "lineage.json",
-    "train_summary.json",
-    f"checkpoints/{tracking_run.FILE}",  # a cluster run's MLflow record (no train_summary.json there)
-    "eval/results.json",
-    "eval/base_results.json",
+    "metrics",
+    "lineage",
+    "train_summary",
+    "mlflow_record",  # a cluster run's MLflow record (no train_summary.json there)
+    "eval_results",
+    "base_results",
 )
 # verl's rollout dump is one file per step and a big run's steps are tens of MB each: the report fetches the newest
 # ones only (its table then starts there; the samples shown are the last step's anyway)
@@ -89,14 +91,15 @@ def write_remote_report(
     with tempfile.TemporaryDirectory(prefix="report-") as tmp:
         local = Path(tmp) / "run"
         local.mkdir()
-        for rel in REMOTE_INPUTS:  # absent inputs are reported as "not produced", as locally
-            data = store.read_bytes(f"{uri}/{rel}")
+        remote, here = RunLayout.for_run_dir(uri), RunLayout.for_run_dir(str(local))
+        for name in REMOTE_INPUTS:  # absent inputs are reported as "not produced", as locally
+            data = store.read_bytes(getattr(remote, name))
             if data is not None:
-                (local / rel).parent.mkdir(parents=True, exist_ok=True)
-                (local / rel).write_bytes(data)
-        fetch_rollouts(store, f"{uri}/rollouts", local / "rollouts")
-        fetch_figures(store, f"{uri}/eval/{figures.DIR}", local / "eval" / figures.DIR)
-        tb_uri = tracking_run.tensorboard_dir(uri)
+                Path(getattr(here, name)).parent.mkdir(parents=True, exist_ok=True)
+                Path(getattr(here, name)).write_bytes(data)
+        fetch_rollouts(store, remote.rollouts, Path(here.rollouts))
+        fetch_figures(store, f"{remote.eval}/{figures.DIR}", Path(here.eval) / figures.DIR)
+        tb_uri = remote.tensorboard
         tb = tracking_run.tensorboard_info(tb_uri) if store.list_names(tb_uri) else None
         out = Path(tmp) / "report"
         summary = write_report(
@@ -110,8 +113,8 @@ def write_remote_report(
             shown_dir=uri,
             tensorboard=tb,
         )
-        upload = store.upload_dir(str(out), f"{uri}/report", replace=True)  # regenerated on re-runs
-    report_uri = f"{uri}/report"
+        upload = store.upload_dir(str(out), remote.report, replace=True)  # regenerated on re-runs
+    report_uri = remote.report
     summary.update(
         report=f"{report_uri}/report.md",
         html=f"{report_uri}/report.html" if summary.get("html") else None,
@@ -168,10 +171,11 @@ def write_report(
         raise UserError(
             f"--run-dir {run_dir_arg}: not a directory; pass the run directory that holds metrics.jsonl and eval/"
         )
-    out = out or (local_path(output, "--output") if output else run_dir / "report")
+    layout = RunLayout.for_run_dir(str(run_dir))
+    out = out or (local_path(output, "--output") if output else Path(layout.report))
     outputs.refuse_overlap(out, {"--run-dir": run_dir}, allow_inside=True)  # report/ inside the run dir is its place
     validate_links(dashboard_url, exported_uri)
-    lin, _ = read_json(run_dir / "lineage.json")
+    lin, _ = read_json(Path(layout.lineage))
     title_bits = [str(x) for x in (_get(lin or {}, "experiment", "name", default=None), (lin or {}).get("run_id")) if x]
     title = "Run report" + (": " + " · ".join(title_bits) if title_bits else "")
     state: dict = {"inputs": {}, "plots": [], "metrics_steps": 0, "metrics_skipped_lines": 0}

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline_steps.evaluation.markdown import block, cell, fmt
+from pipeline_steps.planning.layout import RunLayout
 
 SAMPLES_SHOWN = 3
 MAX_TEXT = 1500  # characters of one turn on the page
@@ -122,12 +123,15 @@ def render_sample(row: dict) -> list[str]:
 
 def report_section(run_dir: Path, state: dict) -> list[str]:
     """The report's Trajectories section: per-step tool use and a few samples, chosen reproducibly."""
-    dump = Path(run_dir) / "rollouts"
+    layout = RunLayout.for_run_dir(str(run_dir))
+    dump = Path(layout.rollouts)
     if not dump.is_dir():  # a cluster run without trainer.rollout_data_dir: no section rather than an empty one
         return []
     lines = ["## Trajectories", ""]
     steps, skipped = read(dump)
-    state["inputs"]["rollouts/"] = f"ok ({len(steps)} steps" + (f", {skipped} bad lines skipped)" if skipped else ")")
+    state["inputs"][layout.relative(layout.rollouts) + "/"] = f"ok ({len(steps)} steps" + (
+        f", {skipped} bad lines skipped)" if skipped else ")"
+    )
     if not steps:
         return lines + ["`rollouts/`: no step files.", ""]
 

@@ -16,7 +16,8 @@ A run directory (``<store>/runs/<experiment>/<run key>``, a store URI or a local
 and the store root, beside the runs, the keys tasks that share nothing but the store hand each other (snapshots,
 processed data, dataset versions, the baseline cache, the evaluation DAG's results, a dataset's last processed version).
 
-Pure string joins (``/``), no I/O, no imports beyond the standard library: the DAG files use it at parse time.
+Pure string joins (``/``), no I/O, no imports beyond the shared modules (the names of verl's metrics file and of the
+MLflow record): the DAG files use it at parse time.
 """
 
 from __future__ import annotations
@@ -24,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 
+from pipeline_steps import metrics_log, tracking_run
+
 RUNS = "runs"
 PLAN_FILE = "plan.json"
 LINEAGE_FILE = "lineage.json"
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = metrics_log.FILE_NAME  # verl's file logger's lines
 CHECKPOINTS = "checkpoints"
 ROLLOUTS = "rollouts"
 TENSORBOARD = "tensorboard"
@@ -36,7 +39,7 @@ EVAL_RESULTS = "results.json"
 BASE_RESULTS = "base_results.json"
 TRAIN_SUMMARY = "train_summary.json"
 REPORT = "report"
-MLFLOW_RECORD = "mlflow_run.json"  # tracking_run.FILE: the MLflow record beside the checkpoints
+MLFLOW_RECORD = tracking_run.FILE  # the MLflow record beside the checkpoints
 
 
 def _join(base: str, *parts: str) -> str:
@@ -100,6 +103,11 @@ class RunLayout:
         if self.work is None:
             raise ValueError("this layout has no work directory")
         return self.work
+
+    def relative(self, location: str) -> str:
+        """A location below the run directory as a path relative to it (``eval/results.json``): how the report
+        names its inputs."""
+        return posixpath.relpath(location, self._dir())
 
     @property
     def run_key(self) -> str:
