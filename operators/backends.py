@@ -307,13 +307,16 @@ def complete(log, context, event: dict, dashboard_url: str | None = None) -> Non
         raise JobFailed(message)
 
 
-def training_result(event: dict, checkpoint_uri: str | None, metrics_uri: str | None) -> dict:
-    """The training XCom: where the checkpoints are, how far training got, and the final metrics."""
+def training_result(
+    event: dict, checkpoint_uri: str | None, metrics_uri: str | None, store_conn_id: str | None = None
+) -> dict:
+    """The training XCom: where the checkpoints are, how far training got, and the final metrics (the checkpoint
+    marker read with the store connection ``store_conn_id``)."""
     return {
         "backend": event.get("backend"),
         "job": event.get("name"),
         "checkpoint_uri": checkpoint_uri,
-        "checkpoint_step": checkpoint_step(checkpoint_uri),
+        "checkpoint_step": checkpoint_step(checkpoint_uri, store_conn_id),
         "metrics_uri": metrics_uri,
         "last_step": event.get("last_step"),
         "metrics": event.get("metrics") or {},

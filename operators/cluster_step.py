@@ -29,7 +29,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
 from operators.backends import complete
 from operators.failures import JobFailed, user_errors
-from operators.hooks.store_connection import store_environment
+from operators.hooks.store_connection import StoreHook
 from operators.ray_job import RayJobBaseOperator, normalize_overrides
 from operators.step import PipelineStepOperator
 
@@ -214,9 +214,10 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
                 return value
             if flag in self.output_args:
                 self._published.append(value)
-            return str(mirror.fetch(value))
+            return str(mirror.fetch(value, credentials))
 
-        with store_environment(self.store_conn_id, self.store_uri), user_errors(f"step {self.step}: fetch inputs"):
+        credentials = StoreHook(self.store_conn_id).credentials(self.store_uri)  # handed to the store's client
+        with user_errors(f"step {self.step}: fetch inputs"):
             args = map_flag_values([str(a) for a in self.request.get("args", [])], self.uri_args, to_local)
         self.request = {**self.request, "args": args}
 
@@ -224,9 +225,10 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
         if self._published:
             from pipeline_steps.store import mirror
 
-            with store_environment(self.store_conn_id, self.store_uri), user_errors(f"step {self.step}: upload"):
+            credentials = StoreHook(self.store_conn_id).credentials(self.store_uri)
+            with user_errors(f"step {self.step}: upload"):
                 for uri in self._published:
-                    self.log.info("uploading %s: %s", uri, mirror.publish(uri))
+                    self.log.info("uploading %s: %s", uri, mirror.publish(uri, credentials))
             summary = mirror.to_uris(summary)
         return super().finish(context, summary)
 
@@ -294,10 +296,7 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
     def read_summary(self, attempt_name: str) -> dict | None:
         """``{"exit_code": N, "summary": {...}}`` written by the attempt, or None when it wrote none."""
         uri = self.summary_uri(attempt_name)
-        from pipeline_steps.store import open_store
-
-        with store_environment(self.store_conn_id, uri):
-            data = open_store(uri).read_bytes(uri)
+        data = StoreHook(self.store_conn_id).open(uri).read_bytes(uri)
         if data is None:
             return None
         try:

@@ -1,7 +1,8 @@
 """Job status and training progress, the same for both backends: what the triggers report and the XCom holds.
 
 Progress comes from verl's file-logger metrics (:mod:`pipeline_steps.metrics_log`), read by :func:`read_text`: a
-local path or a store URI, with the store connection's credentials in the environment.
+local path or a store URI, through a store client handed the store connection's credentials
+(:class:`operators.hooks.store_connection.StoreHook`).
 """
 
 from __future__ import annotations
@@ -43,20 +44,13 @@ def describe_failure(name: str, status: dict) -> str:
     return ", ".join(parts)
 
 
-def read_text(uri: str) -> str | None:
-    """The reader of the metrics file and checkpoint marker: a local path, or a store URI
-    (``file://``, ``oss://``, ``gs://``) read through :mod:`pipeline_steps.store` with the
-    credentials in the environment. ``None`` when it does not exist (yet)."""
-    if "://" not in uri:
-        try:
-            with open(uri, encoding="utf-8", errors="replace") as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-    from pipeline_steps.store import open_store
+def read_text(uri: str, store_conn_id: str | None = None) -> str | None:
+    """The reader of the metrics file, the checkpoint marker and the tracking record: a local path, or a store URI
+    (``file://``, ``oss://``, ``gs://``) read through :mod:`pipeline_steps.store`, its client handed the store
+    connection's credentials (none: the environment's). ``None`` when it does not exist (yet)."""
+    from operators.hooks.store_connection import StoreHook
 
-    data = open_store(uri).read_bytes(uri)
-    return None if data is None else data.decode("utf-8", errors="replace")
+    return StoreHook(store_conn_id).read_text(uri)
 
 
 def parse_metrics(text: str | None) -> list[dict]:
@@ -114,18 +108,15 @@ class ProgressTracker:
                 self.last_step = row["step"]
 
     def _read(self) -> str | None:
-        from operators.hooks.store_connection import store_environment
-
-        with store_environment(self.store_conn_id, self.metrics_uri):  # a cloud store: the connection's credentials
-            return read_text(self.metrics_uri)
+        return read_text(self.metrics_uri, self.store_conn_id)  # a cloud store: the connection's credentials
 
 
-def checkpoint_step(checkpoint_uri: str | None) -> int | None:
+def checkpoint_step(checkpoint_uri: str | None, store_conn_id: str | None = None) -> int | None:
     """verl's ``latest_checkpointed_iteration.txt`` under the checkpoint dir, if readable."""
     if not checkpoint_uri:
         return None
     try:
-        text = read_text(checkpoint_uri.rstrip("/") + "/" + CHECKPOINT_TRACKER)
+        text = read_text(checkpoint_uri.rstrip("/") + "/" + CHECKPOINT_TRACKER, store_conn_id)
         return int(text.strip()) if text and text.strip().isdigit() else None
     except Exception:
         return None

@@ -27,7 +27,7 @@ from airflow.sdk.exceptions import AirflowFailException
 
 from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base, training_result
 from operators.failures import user_errors
-from operators.hooks.store_connection import store_environment
+from operators.hooks.store_connection import StoreHook
 from operators.ray_job import RayJobBaseOperator, normalize_overrides
 
 __all__ = ["GRPOTrainOperator", "as_list", "local_tracking_env", "normalize_overrides"]
@@ -137,8 +137,9 @@ class GRPOTrainOperator(RayJobBaseOperator):
 
         backend = self._backend()
         exp = self._load(backend)
-        with store_environment(self.store_conn_id, str(self.run_dir)), user_errors("pre-flight"):
-            summary = preflight(exp, check_store=self.check_store)  # a bad config does not get better on retry
+        credentials = StoreHook(self.store_conn_id).credentials(str(self.run_dir))  # handed to the store's client
+        with user_errors("pre-flight"):  # a bad config does not get better on retry
+            summary = preflight(exp, check_store=self.check_store, store_credentials=credentials)
         self.log.info("pre-flight passed: %s", json.dumps(summary, default=str, sort_keys=True)[:2000])
         trigger = self._submit_local(context, exp) if backend == "local" else self._submit_kuberay(context, exp)
         self.defer(trigger=trigger, method_name="execute_complete")
@@ -153,8 +154,8 @@ class GRPOTrainOperator(RayJobBaseOperator):
             remove_store_credentials_file(submission_base(**self._ids(context)))
         complete(self.log, context, event, url)
         run_dir = str(self.run_dir).rstrip("/")
-        with store_environment(self.store_conn_id, run_dir):  # the job committed the run directory to the store
-            result = training_result(event, self.checkpoint_uri, self.metrics_uri)
+        # the job committed the run directory to the store
+        result = training_result(event, self.checkpoint_uri, self.metrics_uri, self.store_conn_id)
         result.update(self._tracking(event.get("backend"), run_dir))
         if result["mlflow"]:
             self.log.info("MLflow run: %s", result["mlflow"].get("url") or result["mlflow"]["run_id"])
@@ -171,8 +172,7 @@ class GRPOTrainOperator(RayJobBaseOperator):
         from pipeline_steps import tracking_run
 
         tb_uri = tracking_run.tensorboard_dir(run_dir)
-        with store_environment(self.store_conn_id, run_dir):
-            text = progress.read_text(f"{self.checkpoint_uri}/{tracking_run.FILE}")
+        text = progress.read_text(f"{self.checkpoint_uri}/{tracking_run.FILE}", self.store_conn_id)
         logger = self._load("local" if backend != "kuberay" else "kuberay").verl.get("trainer.logger")
         return {
             "mlflow": tracking_run.parse(text),

@@ -1,4 +1,5 @@
-"""The store connection: its credentials as environment variables, for a step subprocess or the worker itself.
+"""The store connection: a store client built with its credentials (the worker), or its credentials as environment
+variables (a step subprocess, a local Ray job).
 
 One connection id per store (default ``pipeline_store``). Shapes follow Airflow's own providers, so an existing
 connection can be reused:
@@ -11,8 +12,10 @@ connection can be reused:
   extra ``emulator_host`` points at a local emulator. Without a key the client uses the worker's ambient
   credentials (workload identity).
 
-The returned dict goes into the child's environment only (never XCom, logs or templates); the child names the
-connection id in its errors (``PIPELINE_STORE_CONN_ID``) and never the secret.
+As the providers' hooks build their clients: :class:`StoreHook` opens the store with the connection's credentials
+handed to the client (``StoreHook(conn_id).open(uri)``); the worker's ``os.environ`` is never written. For a child
+process, :func:`store_env`'s dict goes into the child's environment only (never XCom, logs or templates); the
+child names the connection id in its errors (``PIPELINE_STORE_CONN_ID``) and never the secret.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import os
 import threading
 
+from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowFailException
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,6 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
     scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
     if scheme == "file" or not conn_id:
         return {"PIPELINE_STORE_CONN_ID": conn_id} if conn_id else {}
-    from airflow.sdk import BaseHook
     from airflow.sdk.exceptions import AirflowNotFoundException
 
     env = {"PIPELINE_STORE_CONN_ID": conn_id}
@@ -119,14 +122,56 @@ def store_env(conn_id: str | None, uri: str) -> dict[str, str]:
     raise AirflowFailException(f"store URI {uri!r}: scheme not supported; use file://, oss:// or gs://")
 
 
+class StoreHook(BaseHook):
+    """The store (``file://``, ``oss://``, ``gs://``) opened with the connection's credentials.
+
+    :param store_conn_id: the store connection (shapes: this module's docstring); None: the worker's environment.
+    """
+
+    conn_name_attr = "store_conn_id"
+    default_conn_name = "pipeline_store"
+    hook_name = "Pipeline store"
+
+    def __init__(self, store_conn_id: str | None = default_conn_name, **kwargs):
+        super().__init__(**kwargs)
+        self.store_conn_id = store_conn_id
+
+    def credentials(self, uri: str) -> dict[str, str]:
+        """The variables the store client of ``uri`` is handed (none for ``file://``)."""
+        if "://" not in uri or uri.startswith("file://"):
+            return {}
+        return store_env(self.store_conn_id, uri)
+
+    def open(self, uri: str):
+        """:func:`pipeline_steps.store.open_store` for ``uri``, its client built with the connection's credentials.
+
+        :raises AirflowFailException: the connection is of the wrong type or lacks a field (one line, no secret)
+        """
+        from pipeline_steps.store import open_store
+
+        return open_store(uri, credentials=self.credentials(uri))
+
+    def read_text(self, uri: str) -> str | None:
+        """The text at a store URI or local path (None when it does not exist yet): a metrics file, a marker."""
+        if "://" not in uri:
+            try:
+                with open(uri, encoding="utf-8", errors="replace") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+        data = self.open(uri).read_bytes(uri)
+        return None if data is None else data.decode("utf-8", errors="replace")
+
+
 _ENVIRONMENT = threading.RLock()  # os.environ is process-wide: one store's credentials at a time (triggerer)
 
 
 @contextlib.contextmanager
 def store_environment(conn_id: str | None, uri: str):
-    """The store connection's credentials in ``os.environ`` while the worker itself reads the store (progress,
-    step summaries, collected inputs, the local backend's mirror); restored afterwards. The one way the worker
-    gets store credentials. Store clients read their credentials when opened, so open them inside."""
+    """The store connection's credentials in ``os.environ`` (under a process-wide lock) while a library function that
+    opens the store itself runs in the worker; restored afterwards. Prefer :class:`StoreHook`, which hands them to
+    the client; this is for the few callees that take no store or credentials (pre-flight, saving the plan, the
+    evaluation plan)."""
     env = store_env(conn_id, uri) if "://" in uri and not uri.startswith("file://") else {}
     if not env:
         yield

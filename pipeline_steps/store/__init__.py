@@ -2,10 +2,11 @@
 
 ``open_store(uri)`` returns the backend for ``file:///abs/path`` (local disk, the
 embedded default), ``oss://bucket/prefix`` (Alibaba Cloud OSS) or ``gs://bucket/prefix``
-(Google Cloud Storage). Credentials come from the environment (the Airflow operator
-fills it from a connection, see ``operators/hooks/store_connection.py``)::
+(Google Cloud Storage). Credentials are handed to the client (the Airflow worker's, from a connection:
+``StoreHook(conn_id).open(uri)`` in ``operators/hooks/store_connection.py``), or else come from the environment (a
+step in a pod or a child process)::
 
-    store = open_store(uri)
+    store = open_store(uri)                 # or open_store(uri, credentials={"OSS_ACCESS_KEY_ID": ..., ...})
     store.upload_dir(src_dir, dest_uri)     # -> {"uri","uploaded","skipped","bytes_uploaded","files","manifest_sha256"}
                                             # one content per version; replace=True for a republished output
     store.download_dir(src_uri, dest_dir)   # verifies every file against the manifest
@@ -14,6 +15,8 @@ fills it from a connection, see ``operators/hooks/store_connection.py``)::
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from pipeline_steps.store.base import Store
 from pipeline_steps.store.manifest import MANIFEST
@@ -59,8 +62,13 @@ def load_credentials_file() -> list[str]:
     return names
 
 
-def open_store(uri: str) -> Store:
-    """The store that holds ``uri`` (backend imported lazily: only the one in use is loaded)."""
+def open_store(uri: str, credentials: Mapping[str, str] | None = None) -> Store:
+    """The store that holds ``uri`` (backend imported lazily: only the one in use is loaded).
+
+    :param credentials: the store's credentials as variables (the keys
+        :func:`operators.hooks.store_connection.store_env` makes of a connection), given to the client; a variable
+        not given is read from the environment. Never written to the environment.
+    """
     u = parse_uri(uri)
     if u.scheme == "file":
         from pipeline_steps.store.local_disk import LocalStore
@@ -69,7 +77,7 @@ def open_store(uri: str) -> Store:
     if u.scheme == "oss":
         from pipeline_steps.store.oss import OssStore
 
-        return OssStore(u)
+        return OssStore(u, credentials)
     from pipeline_steps.store.gcs import GcsStore
 
-    return GcsStore(u)
+    return GcsStore(u, credentials)

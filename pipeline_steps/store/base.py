@@ -15,12 +15,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import pipeline_steps.store.claim as claim  # not "from pipeline_steps.store import": that package imports this module
 from pipeline_steps.errors import UserError
 from pipeline_steps.store.manifest import MANIFEST, MANIFEST_FORMAT
-from pipeline_steps.store.store_uri import StoreURI, parse_uri, validate_key
+from pipeline_steps.store.store_uri import StoreURI, conn_id, parse_uri, validate_key
 from pipeline_steps.store.versions import VersionTransfers
 
 
@@ -36,8 +38,25 @@ class Store(VersionTransfers, abc.ABC):
     scheme: str = ""
     native: str | None = None  # name of the server-side checksum in the manifest ("crc64ecma", "crc32c", "sha256")
 
-    def __init__(self, root: StoreURI):
+    def __init__(self, root: StoreURI, credentials: Mapping[str, str] | None = None):
+        """:param credentials: the store connection's variables (``OSS_ACCESS_KEY_ID``, ``GCS_KEYFILE_JSON``, ...,
+        ``PIPELINE_STORE_CONN_ID``: what :func:`operators.hooks.store_connection.store_env` makes of a connection),
+        handed to the client; each one not given is read from the environment (a step in a pod or process)."""
         self.root = root
+        self._credentials = {k: str(v) for k, v in (credentials or {}).items() if v not in (None, "")}
+
+    def setting(self, name: str, default: str = "") -> str:
+        """A credential or client setting: the one handed to the store, else the environment's."""
+        return self._credentials.get(name) or os.environ.get(name) or default
+
+    def handed(self, name: str) -> bool:
+        """``name`` was handed to the store (not only in the environment, where the client library looks itself)."""
+        return bool(self._credentials.get(name)) and self._credentials[name] != os.environ.get(name)
+
+    @property
+    def conn_id(self) -> str:
+        """The Airflow connection id named in this store's errors (the credentials' origin)."""
+        return self._credentials.get("PIPELINE_STORE_CONN_ID") or conn_id()
 
     # -- primitives (keys are full object keys in the bucket, or absolute paths for file://) ----------
     @abc.abstractmethod

@@ -9,7 +9,8 @@ metadata, no data read). Parallel composite/XML multipart uploads
 (``transfer_manager.upload_chunks_concurrently``) are not used: the local emulators
 do not support them, and a code path that cannot be tested here is not shipped.
 
-Environment: ``GOOGLE_APPLICATION_CREDENTIALS`` (key file path) or ``GCS_KEYFILE_JSON``
+Credentials, handed to the client (``open_store(uri, credentials=...)``) or else from the environment:
+``GOOGLE_APPLICATION_CREDENTIALS`` (key file path) or ``GCS_KEYFILE_JSON``
 (key file content, from a connection's ``keyfile_dict``), ``GOOGLE_CLOUD_PROJECT``;
 ``STORAGE_EMULATOR_HOST`` points the client at an emulator (no credentials then).
 ``PIPELINE_STORE_RETRY_DEADLINE`` (seconds, 60) bounds retries of transient errors.
@@ -20,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 from pathlib import Path
 
 from pipeline_steps import settings
 from pipeline_steps.errors import TransientError, UserError, disk_full
 from pipeline_steps.store.base import ObjectInfo, Store
 from pipeline_steps.store.oss import _tuning
-from pipeline_steps.store.store_uri import StoreURI, conn_id, transient_status
+from pipeline_steps.store.store_uri import StoreURI, transient_status
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +40,8 @@ class GcsStore(Store):
     scheme = "gs"
     native = "crc32c"
 
-    def __init__(self, root: StoreURI):
-        super().__init__(root)
+    def __init__(self, root: StoreURI, credentials=None):
+        super().__init__(root, credentials)
         from google.api_core import exceptions as gexc
         from google.cloud import storage
         from google.cloud.storage.retry import DEFAULT_RETRY
@@ -54,12 +54,15 @@ class GcsStore(Store):
         deadline = settings.get_float(settings.STORE_RETRY_DEADLINE)
         self.retry = DEFAULT_RETRY.with_timeout(deadline)
         self.timeout = (settings.get_float(settings.STORE_CONNECT_TIMEOUT), 120)
-        project = os.environ.get("GOOGLE_CLOUD_PROJECT") or os.environ.get("GCLOUD_PROJECT")
-        emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+        project = self.setting("GOOGLE_CLOUD_PROJECT") or self.setting("GCLOUD_PROJECT")
+        emulator = self.setting("STORAGE_EMULATOR_HOST")
         # API_ENDPOINT_OVERRIDE: the client library's own endpoint setting (a private endpoint), used with credentials
-        self.endpoint = emulator or os.environ.get("API_ENDPOINT_OVERRIDE") or "storage.googleapis.com"
+        self.endpoint = emulator or self.setting("API_ENDPOINT_OVERRIDE") or "storage.googleapis.com"
+        # the library reads its endpoint variables from the environment itself: one handed to the store is passed
+        handed = [n for n in ("STORAGE_EMULATOR_HOST", "API_ENDPOINT_OVERRIDE") if self.handed(n)]
+        options = {"api_endpoint": self.endpoint} if handed else None
         credentials = None
-        keyfile_json = os.environ.get("GCS_KEYFILE_JSON")
+        keyfile_json = self.setting("GCS_KEYFILE_JSON")
         with self._errors("connect", ""):
             if emulator:
                 from google.auth.credentials import AnonymousCredentials
@@ -73,11 +76,18 @@ class GcsStore(Store):
                     credentials = service_account.Credentials.from_service_account_info(info)
                 except (ValueError, KeyError, TypeError):
                     raise UserError(
-                        f"store connection {conn_id()!r}: its GCS key file JSON is not a valid service-account key; "
+                        f"store connection {self.conn_id!r}: its GCS key file JSON is not a valid service-account key; "
                         "paste the key file again"
                     ) from None
                 project = project or info.get("project_id")
-            self.client = storage.Client(project=project, credentials=credentials)
+            elif self.handed("GOOGLE_APPLICATION_CREDENTIALS"):  # a key file path from the connection
+                import google.auth
+
+                credentials, key_project = google.auth.load_credentials_from_file(
+                    self.setting("GOOGLE_APPLICATION_CREDENTIALS"), scopes=list(storage.Client.SCOPE)
+                )
+                project = project or key_project
+            self.client = storage.Client(project=project, credentials=credentials, client_options=options)
             # requests keeps each response's request body alive until the next chunk's response replaces
             # it, so a resumable upload would hold two chunks; drop a body once its response is in (a
             # retried chunk is re-read from the file, never from the old request).
@@ -90,7 +100,7 @@ class GcsStore(Store):
     def _errors(self, op: str, key: str):
         """Library errors -> one-line UserError naming the connection id; never a secret."""
         gexc = self._gexc
-        cid = conn_id()
+        cid = self.conn_id
         where = f"gs://{self.root.bucket}/{key}" if key else f"gs://{self.root.bucket}"
         try:
             yield

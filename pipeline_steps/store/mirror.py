@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline_steps import atomic
@@ -81,14 +82,16 @@ def _fetch_objects(store, uri: str) -> Path:
     return dest
 
 
-def fetch(uri: str) -> Path:
-    """The local copy of an input ``uri`` (fetched when needed); a missing input yields its would-be path."""
+def fetch(uri: str, credentials: Mapping[str, str] | None = None) -> Path:
+    """The local copy of an input ``uri`` (fetched when needed); a missing input yields its would-be path.
+
+    :param credentials: the store's, handed to its client (:func:`pipeline_steps.store.open_store`)"""
     if not is_remote(uri):
         return local_for(uri)
     from pipeline_steps.store import open_store
 
     uri = str(uri).rstrip("/")
-    store = open_store(uri)
+    store = open_store(uri, credentials)
     candidate = uri
     for _ in range(SEARCH_UP + 1):  # the version holding uri (itself, or a parent)
         digest = _manifest_digest(store, candidate)
@@ -102,8 +105,10 @@ def fetch(uri: str) -> Path:
     return _fetch_objects(store, uri)
 
 
-def publish(uri: str) -> dict | None:
-    """Upload the local copy of an output ``uri`` as a version (manifest last); None for local URIs or no output."""
+def publish(uri: str, credentials: Mapping[str, str] | None = None) -> dict | None:
+    """Upload the local copy of an output ``uri`` as a version (manifest last); None for local URIs or no output.
+
+    :param credentials: the store's, handed to its client (:func:`pipeline_steps.store.open_store`)"""
     if not is_remote(uri):
         return None
     src = local_for(uri)
@@ -111,7 +116,7 @@ def publish(uri: str) -> dict | None:
         return None
     from pipeline_steps.store import open_store
 
-    store = open_store(uri)
+    store = open_store(uri, credentials)
     summary = store.upload_dir(src, uri, replace=True)  # an output republished by its one writer (a retry)
     digest = _manifest_digest(store, uri)
     atomic.write_json(src / MARKER, {"uri": uri, "manifest_sha256": digest})

@@ -9,7 +9,8 @@ slower per-part check is off for uploads and stays on for downloads). That CRC64
 the native checksum the manifest records and re-runs compare against (HeadObject, no
 data read).
 
-Environment (the Airflow side fills it from a connection, see operators/hooks/store_connection.py):
+Credentials, handed to the client (``open_store(uri, credentials=...)``: the worker, from a connection, see
+operators/hooks/store_connection.py) or else from the environment (a step in a pod or process):
 ``OSS_ACCESS_KEY_ID``, ``OSS_ACCESS_KEY_SECRET`` (``OSS_SESSION_TOKEN``), ``OSS_REGION``,
 ``OSS_ENDPOINT``; ``OSS_PATH_STYLE=true`` forces path-style addressing (automatic for
 IP/localhost endpoints). Tuning: ``PIPELINE_STORE_PART_MB`` (16), ``PIPELINE_STORE_PARALLEL`` (4):
@@ -29,7 +30,7 @@ from urllib.parse import urlsplit
 from pipeline_steps import settings
 from pipeline_steps.errors import TransientError, UserError, disk_full
 from pipeline_steps.store.base import ObjectInfo, Store
-from pipeline_steps.store.store_uri import StoreURI, conn_id, transient_status
+from pipeline_steps.store.store_uri import StoreURI, transient_status
 
 log = logging.getLogger(__name__)
 
@@ -59,34 +60,34 @@ class OssStore(Store):
     scheme = "oss"
     native = "crc64ecma"
 
-    def __init__(self, root: StoreURI):
-        super().__init__(root)
+    def __init__(self, root: StoreURI, credentials=None):
+        super().__init__(root, credentials)
         import alibabacloud_oss_v2 as oss
 
         self._oss = oss
         self.bucket = root.bucket
         self.part_size, self.parallel = _tuning(16)
-        region = os.environ.get("OSS_REGION", "")
-        endpoint = os.environ.get("OSS_ENDPOINT", "")
+        region = self.setting("OSS_REGION")
+        endpoint = self.setting("OSS_ENDPOINT")
         if not region:
             raise UserError(
-                f"store connection {conn_id()!r}: no OSS region; set the connection's extra 'region' (or OSS_REGION), "
-                "e.g. cn-hangzhou"
+                f"store connection {self.conn_id!r}: no OSS region; set the connection's extra 'region' "
+                "(or OSS_REGION), e.g. cn-hangzhou"
             )
-        key_id, secret = os.environ.get("OSS_ACCESS_KEY_ID", ""), os.environ.get("OSS_ACCESS_KEY_SECRET", "")
+        key_id, secret = self.setting("OSS_ACCESS_KEY_ID"), self.setting("OSS_ACCESS_KEY_SECRET")
         if not key_id or not secret:
             raise UserError(
-                f"store connection {conn_id()!r}: no OSS credentials; set its login/password (or "
+                f"store connection {self.conn_id!r}: no OSS credentials; set its login/password (or "
                 "OSS_ACCESS_KEY_ID/OSS_ACCESS_KEY_SECRET)"
             )
         cfg = oss.config.load_default()
         cfg.credentials_provider = oss.credentials.StaticCredentialsProvider(
-            key_id, secret, os.environ.get("OSS_SESSION_TOKEN") or None
+            key_id, secret, self.setting("OSS_SESSION_TOKEN") or None
         )
         cfg.region = region
         if endpoint:
             cfg.endpoint = endpoint
-        cfg.use_path_style = _path_style(endpoint)
+        cfg.use_path_style = _path_style(endpoint, self.setting("OSS_PATH_STYLE"))
         cfg.connect_timeout = settings.get_float(settings.STORE_CONNECT_TIMEOUT)
         cfg.retry_max_attempts = settings.get_int(settings.STORE_RETRIES)
         # The SDK's upload CRC64 (crcmod, ~0.4 GB/s, holding the GIL) would cap an upload at that rate on any
@@ -114,7 +115,7 @@ class OssStore(Store):
             service = [e for e in chain if isinstance(e, oss.exceptions.ServiceError)]
             request = [e for e in chain if isinstance(e, oss.exceptions.RequestError)]
             err = service[0] if service else request[0] if request else chain[-1]
-            cid = conn_id()
+            cid = self.conn_id
             if isinstance(err, oss.exceptions.ServiceError):
                 code = err.code or f"HTTP {err.status_code}"
                 if code in (
@@ -333,8 +334,8 @@ class OssStore(Store):
         return n
 
 
-def _path_style(endpoint: str) -> bool:
-    if os.environ.get("OSS_PATH_STYLE", "").lower() in ("1", "true", "yes"):
+def _path_style(endpoint: str, forced: str = "") -> bool:
+    if forced.lower() in ("1", "true", "yes"):
         return True
     host = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}").hostname or ""
     if host == "localhost":

@@ -43,11 +43,13 @@ MODEL_KEYS = ("actor_rollout_ref.model.path",)
 LOCAL_ROLLOUTS = ("hf",)  # the local CPU backend generates with transformers
 
 
-def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
+def preflight(exp: Experiment, *, check_store: bool = True, store_credentials: dict | None = None) -> dict:
     """Validate ``exp`` as verl would on the cluster; raise UserError naming the first bad key.
 
     :param exp: the loaded experiment (preset + derived keys + user overrides)
     :param check_store: also check that data files and model are staged (manifest present)
+    :param store_credentials: handed to the store clients (:func:`pipeline_steps.store.open_store`); none: the
+        environment's
     :return: summary: experiment, digest, backend, GPUs, batch figures, seconds taken
     """
     t0 = time.monotonic()
@@ -75,9 +77,9 @@ def preflight(exp: Experiment, *, check_store: bool = True) -> dict:
     from pipeline_steps.rewards.reward_check import check_group_reward
 
     tools.update(check_group_reward(cfg, backend))
-    staged = check_staged(cfg, backend) if check_store else {}
+    staged = check_staged(cfg, backend, store_credentials) if check_store else {}
     if check_store:  # the staged files are there: image rows through verl's own dataset with the staged processor
-        tools.update(check_multimodal_data(cfg))
+        tools.update(check_multimodal_data(cfg, store_credentials))
     return {
         "experiment": exp.name,
         "digest": exp.digest(),
@@ -588,7 +590,7 @@ def _find_version(store, uri: str, max_up: int = 4) -> tuple[str, dict] | None:
     return None
 
 
-def check_staged(cfg, backend: str) -> dict:
+def check_staged(cfg, backend: str, credentials: dict | None = None) -> dict:
     """Data files and model must be complete versions in the store (their manifest written)."""
     try:
         from pipeline_steps.store import open_store
@@ -610,7 +612,7 @@ def check_staged(cfg, backend: str) -> dict:
                     f"{key}={uri!r} is not a store URI; stage it with the upload / stage-model step and pass its "
                     f"file://, oss:// or gs:// URI (or run with --skip-store-check)"
                 )
-            store = open_store(uri)
+            store = open_store(uri, credentials)
             found = _find_version(store, uri)
             if found is None:
                 raise UserError(
@@ -639,13 +641,13 @@ PROCESSOR_FILES = re.compile(
 )
 
 
-def _local_copy(uri: str, rels: list[str], dest: Path) -> Path:
+def _local_copy(uri: str, rels: list[str], dest: Path, credentials: dict | None = None) -> Path:
     """``uri`` (a store URI or a local path) as a local directory holding ``rels`` (read from the store)."""
     if "://" not in uri:
         return Path(os.path.expanduser(uri))
     from pipeline_steps.store import open_store
 
-    store = open_store(uri)
+    store = open_store(uri, credentials)
     dest.mkdir(parents=True, exist_ok=True)
     for rel in rels:
         data = store.read_bytes(f"{uri.rstrip('/')}/{rel}" if rel else uri)
@@ -699,7 +701,7 @@ def _row_problem(dataset, row: dict, max_len: int) -> str | None:
     return f"{len(ids)} tokens > data.max_prompt_length={max_len}" if len(ids) > max_len else None
 
 
-def check_multimodal_data(cfg) -> dict:
+def check_multimodal_data(cfg, credentials: dict | None = None) -> dict:
     """Image rows put through verl's own ``RLHFDataset`` with the staged model's processor, as the cluster's job will.
 
     verl hides two failures there: ``hf_processor`` returns None on any error with only a warning (the job then stops
@@ -718,7 +720,7 @@ def check_multimodal_data(cfg) -> dict:
     with tempfile.TemporaryDirectory(prefix="preflight-mm-") as tmp:
         samples = []
         for i, (key, uri) in enumerate(files):
-            local = _local_copy(uri, [""], Path(tmp) / f"data{i}")
+            local = _local_copy(uri, [""], Path(tmp) / f"data{i}", credentials)
             path = local if local.is_file() else local / Path(uri).name
             rows = _image_rows(path, image_key, MM_SAMPLE_ROWS) if path.is_file() else None
             if rows:
@@ -729,9 +731,10 @@ def check_multimodal_data(cfg) -> dict:
         if "://" in uri:
             from pipeline_steps.store import open_store
 
-            found = _find_version(open_store(uri), uri)
+            found = _find_version(open_store(uri, credentials), uri)
             names = [e.get("path") for e in (found[1].get("files", []) if found else [])]
-            model_dir = _local_copy(uri, [n for n in names if PROCESSOR_FILES.match(n or "")], Path(tmp) / "model")
+            wanted = [n for n in names if PROCESSOR_FILES.match(n or "")]
+            model_dir = _local_copy(uri, wanted, Path(tmp) / "model", credentials)
         else:
             model_dir = _local_copy(uri, [], Path(tmp))
         return _check_rows_through_rlhfdataset(cfg, str(model_dir), uri, samples, Path(tmp))

@@ -35,7 +35,9 @@ def read_through_mounts(monkeypatch) -> None:
 
     real = progress.read_text
     monkeypatch.setattr(
-        progress, "read_text", lambda uri: real(MountMap.from_env().to_pod_path(uri) if "://" in uri else uri)
+        progress,
+        "read_text",
+        lambda uri, *conn: real(MountMap.from_env().to_pod_path(uri) if "://" in uri else uri, *conn),
     )
 
 
@@ -49,10 +51,10 @@ def preflight_once(monkeypatch) -> None:
 
     real = preflight_checks.preflight
 
-    def preflight(exp, *, check_store: bool = True) -> dict:
+    def preflight(exp, *, check_store: bool = True, **kwargs) -> dict:
         key = (exp.digest(), check_store)
         if key not in _PREFLIGHT:
-            _PREFLIGHT[key] = real(exp, check_store=check_store)
+            _PREFLIGHT[key] = real(exp, check_store=check_store, **kwargs)
         return copy.deepcopy(_PREFLIGHT[key])
 
     monkeypatch.setattr(preflight_checks, "preflight", preflight)
