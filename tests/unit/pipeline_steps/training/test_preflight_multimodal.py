@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # builds the tiny VL model and runs verl's datase
 
 
 def _cfg(model, train, val=None, **data):
-    return OmegaConf.create(
+    cfg = OmegaConf.create(
         {
             "data": {
                 "train_files": [str(train)],
@@ -33,6 +33,8 @@ def _cfg(model, train, val=None, **data):
             "actor_rollout_ref": {"model": {"path": str(model)}},
         }
     )
+    OmegaConf.set_struct(cfg, True)  # as verl's composed config is (a DAG run's pre-flight once failed on a new key)
+    return cfg
 
 
 @pytest.fixture
