@@ -743,7 +743,7 @@ def check_multimodal_data(cfg, credentials: dict | None = None) -> dict:
 def _check_rows_through_rlhfdataset(cfg, model_dir: str, model_uri: str, samples, tmp: Path) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
     with _verl_quiet():
         from verl.utils import hf_processor, hf_tokenizer
@@ -766,7 +766,9 @@ def _check_rows_through_rlhfdataset(cfg, model_dir: str, model_uri: str, samples
             "preprocessor_config.json and processor files load with transformers' AutoProcessor"
         )
     tokenizer = hf_tokenizer(model_dir, trust_remote_code=trust)
-    data_cfg = OmegaConf.merge(cfg.data, {"filter_overlong_prompts_workers": None, "cache_dir": str(tmp / "cache")})
+    data_cfg = OmegaConf.merge(cfg.data, {})  # a copy; the composed config is a struct, which refuses new keys
+    with open_dict(data_cfg):
+        data_cfg.merge_with({"filter_overlong_prompts_workers": None, "cache_dir": str(tmp / "cache")})
     max_len = int(data_cfg.get("max_prompt_length", 1024))
     checked = {}
     for n, (key, uri, rows) in enumerate(samples):
