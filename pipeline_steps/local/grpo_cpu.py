@@ -48,6 +48,7 @@ from typing import Callable
 from pipeline_steps import atomic, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
+from pipeline_steps.planning.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,6 @@ _NOT_REPRODUCED = {
     "data.train_max_samples": (-1, "verl's RLHFDataset sub-sampling"),
 }
 
-MLFLOW_RUN_FILE = "mlflow_run.json"  # beside the checkpoints: a resumed attempt and the export find the run
 RewardFn = Callable[..., "float | dict"]
 
 
@@ -384,9 +384,8 @@ class GRPOTrainer:
         self.seed = int(rollout.get("seed", 42) or 0)
         self.data_seed = int(cfg.data.seed) if cfg.data.get("seed") is not None else 1
         self.ckpt_root = Path(str(cfg.trainer.default_local_dir))
-        self.metrics_path = Path(
-            metrics_path or os.environ.get("VERL_FILE_LOGGER_PATH") or self.ckpt_root.parent / "metrics.jsonl"
-        )
+        self.layout = RunLayout.for_checkpoints(str(self.ckpt_root))  # the run directory holds the checkpoints
+        self.metrics_path = Path(metrics_path or os.environ.get(metrics_log.ENV) or self.layout.metrics)
         self._validate()
 
         from verl.trainer.ppo import core_algos
@@ -965,10 +964,11 @@ class GRPOTrainer:
         return self._metrics(batch, timing, step, epoch, {"actor/entropy": entropy, **actor_metrics})
 
     def dump_rollouts(self, step: int, batch: dict) -> None:
-        """The step's samples as verl's ``trainer.rollout_data_dir`` files; locally always, beside the metrics."""
+        """The step's samples as verl's ``trainer.rollout_data_dir`` files; locally always (default: the run
+        directory's ``rollouts/``, where the report reads them)."""
         from pipeline_steps.evaluation import trajectories
 
-        dump = self.cfg.trainer.get("rollout_data_dir") or self.metrics_path.parent / "rollouts"
+        dump = self.cfg.trainer.get("rollout_data_dir") or self.layout.rollouts
         trajectories.write_step(dump, step, batch, self.tokenizer)
 
     def _metrics(self, batch, timing, step, epoch, extra) -> dict:
@@ -1152,8 +1152,8 @@ class GRPOTrainer:
             self.cfg,
             self.metrics_path,
             start,
-            self.ckpt_root / MLFLOW_RUN_FILE,
-            self.ckpt_root.parent / tracking_run.TENSORBOARD_SUBDIR,
+            self.ckpt_root / tracking_run.FILE,  # beside the checkpoints: a resumed attempt and the export find the run
+            Path(self.layout.tensorboard),
         )
         save_freq = int(self.cfg.trainer.get("save_freq", -1) or -1)
         try:

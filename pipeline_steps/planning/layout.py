@@ -50,11 +50,14 @@ def _join(base: str, *parts: str) -> str:
 class RunLayout:
     """A run's locations. ``store``: the store root (``file:///...``, ``gs://...``; None for a reader that has only the
     run directory and no store key to find); ``run_dir``: the run directory (None for a plan with no run directory,
-    the evaluation DAG's); ``work``: the worker's work directory (caches that are not handed over)."""
+    the evaluation DAG's); ``work``: the worker's work directory (caches that are not handed over);
+    ``checkpoints_dir``: the checkpoint directory's name in the run directory (another than ``checkpoints`` only for
+    a layout found from a checkpoint directory named otherwise, :meth:`for_checkpoints`)."""
 
     store: str | None = None
     run_dir: str | None = None
     work: str | None = None
+    checkpoints_dir: str = CHECKPOINTS
 
     def __post_init__(self):
         for name in ("store", "run_dir", "work"):
@@ -81,8 +84,11 @@ class RunLayout:
 
     @classmethod
     def for_checkpoints(cls, checkpoints: str) -> RunLayout:
-        """The layout of the run whose checkpoint directory (``trainer.default_local_dir``) is ``checkpoints``."""
-        return cls.for_run_dir(posixpath.dirname(str(checkpoints).rstrip("/")))
+        """The layout of the run whose checkpoint directory (``trainer.default_local_dir``) is ``checkpoints``: the
+        run's other locations are beside it."""
+        checkpoints = str(checkpoints).rstrip("/")
+        layout = cls.for_run_dir(posixpath.dirname(checkpoints))
+        return dataclasses.replace(layout, checkpoints_dir=posixpath.basename(checkpoints))
 
     @classmethod
     def for_store(cls, store: str, work: str | None = None) -> RunLayout:
@@ -117,7 +123,7 @@ class RunLayout:
     # -- the run directory -----------------------------------------------------------------------------------
     @property
     def checkpoints(self) -> str:
-        return _join(self._dir(), CHECKPOINTS)
+        return _join(self._dir(), self.checkpoints_dir)
 
     @property
     def metrics(self) -> str:
@@ -161,7 +167,7 @@ class RunLayout:
 
     @property
     def mlflow_record(self) -> str:
-        return _join(self._dir(), CHECKPOINTS, MLFLOW_RECORD)
+        return _join(self.checkpoints, MLFLOW_RECORD)
 
     # -- the worker's work directory (caches, not handed over) -------------------------------------------------
     @property

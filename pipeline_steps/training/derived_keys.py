@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from pipeline_steps import metrics_log
 from pipeline_steps.planning.layout import RunLayout
 
 # the environment variables verl's loggers read for the run's locations (file logger, TensorBoard)
-FILE_LOGGER_ENV = "VERL_FILE_LOGGER_PATH"
+FILE_LOGGER_ENV = metrics_log.ENV
 TENSORBOARD_ENV = "TENSORBOARD_DIR"
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import functools
 import hashlib
-import posixpath
 import re
 import shlex
 from pathlib import Path
@@ -32,9 +31,11 @@ import yaml
 from pipeline_steps import settings, tracking_run
 from pipeline_steps.constants import RAYJOB_NAME_MAX
 from pipeline_steps.errors import UserError
+from pipeline_steps.planning.layout import RunLayout
 from pipeline_steps.store.store_uri import SCHEMES
 from pipeline_steps.training import cluster_section
 from pipeline_steps.training.cluster_section import DNS_SUBDOMAIN, ClusterSettings
+from pipeline_steps.training.derived_keys import derived_env, derived_keys
 from pipeline_steps.training.experiment import Experiment
 from pipeline_steps.training.mounts import MountMap, split_uri
 from pipeline_steps.training.sandbox_services import with_sandbox_service
@@ -83,22 +84,6 @@ def label_value(value: str) -> str:
         safe = f"{head}-{h}" if head else h
     assert _LABEL_RE.match(safe) and len(safe) <= 63
     return safe
-
-
-def metrics_uri(ckpt_uri: str) -> str:
-    """verl's file-logger output, next to the checkpoints directory."""
-    return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "metrics.jsonl")
-
-
-def tensorboard_uri(ckpt_uri: str) -> str:
-    """verl's tensorboard logger's directory (``$TENSORBOARD_DIR``), next to the checkpoints directory."""
-    return tracking_run.tensorboard_dir(posixpath.dirname(ckpt_uri.rstrip("/")))
-
-
-def rollouts_uri(ckpt_uri: str) -> str:
-    """verl's per-step generation dump (``trainer.rollout_data_dir``), next to the checkpoints directory: where the
-    run report reads trajectories (as the local trainer writes them)."""
-    return posixpath.join(posixpath.dirname(ckpt_uri.rstrip("/")), "rollouts")
 
 
 # -- the template -------------------------------------------------------------------------------------
@@ -216,18 +201,18 @@ def _job_argv(exp: Experiment, mounts: MountMap, entrypoint: list[str] | None, e
                 f"trainer.default_local_dir={ckpt!r}: the cluster backend needs the run's checkpoint store URI "
                 "(render-rayjob --checkpoint-uri URI, or the train task derives it); it must be on a mounted bucket"
             )
-        ckpt_pod = mounts.to_pod_path(ckpt)
-        env_vars["VERL_FILE_LOGGER_PATH"] = mounts.to_pod_path(metrics_uri(ckpt))
-        derived = {"trainer.default_local_dir": ckpt_pod, "trainer.resume_mode": "auto"}
-        if not exp.verl.get("trainer.rollout_data_dir"):  # a preset's or the form's own directory wins
-            derived["trainer.rollout_data_dir"] = mounts.to_pod_path(rollouts_uri(ckpt))
+        layout = RunLayout.for_checkpoints(ckpt)  # the run's other locations are beside its checkpoints
+        # on the pods, as paths on the bucket mounts; a preset's or the form's own rollout directory wins
+        rollouts = not exp.verl.get("trainer.rollout_data_dir")
+        derived = derived_keys(layout, rollouts=rollouts, where=mounts.to_pod_path)
+        # verl's TensorBoard default is tensorboard_log/<project>/<experiment> under the job's working directory,
+        # which goes with the pod; on the mount the event files stay in the store with the run
+        tensorboard = "tensorboard" in tracking_run.loggers(exp.verl.get("trainer.logger"))
+        env_vars.update(derived_env(layout, tensorboard=tensorboard, where=mounts.to_pod_path))
         argv = entrypoint_argv(exp, mounts, derived)
-        annotations["checkpoint-uri"] = ckpt
-        if "tensorboard" in tracking_run.loggers(exp.verl.get("trainer.logger")):
-            # verl's default is tensorboard_log/<project>/<experiment> under the job's working directory, which
-            # goes with the pod; on the mount the event files stay in the store with the run
-            env_vars["TENSORBOARD_DIR"] = mounts.to_pod_path(tensorboard_uri(ckpt))
-            annotations["tensorboard-uri"] = tensorboard_uri(ckpt)
+        annotations["checkpoint-uri"] = layout.checkpoints
+        if tensorboard:
+            annotations["tensorboard-uri"] = layout.tensorboard
     else:
         if (
             not isinstance(entrypoint, (list, tuple))

@@ -82,7 +82,10 @@ def test_run_layout_locations():
     assert layout.export_output == "/w/export/key-1" and layout.snapshot_cache == "/w/snapshots"
     # a reader with only the run directory (or the checkpoints) finds the same layout, store included
     assert RunLayout.for_run_dir(run_dir + "/") == RunLayout(store="gs://b/verl", run_dir=run_dir)
-    assert RunLayout.for_checkpoints(layout.checkpoints).store == "gs://b/verl"
+    assert RunLayout.for_checkpoints(layout.checkpoints) == RunLayout(store="gs://b/verl", run_dir=run_dir)
+    other = RunLayout.for_checkpoints("gs://b/elsewhere/ckpt")  # the run's other locations beside the checkpoints
+    assert other.checkpoints == "gs://b/elsewhere/ckpt" and other.metrics == "gs://b/elsewhere/metrics.jsonl"
+    assert other.mlflow_record == "gs://b/elsewhere/ckpt/mlflow_run.json"
     outside = RunLayout.for_run_dir("/tmp/somewhere/run")
     assert outside.store is None and outside.metrics == "/tmp/somewhere/run/metrics.jsonl"
     with pytest.raises(ValueError, match="no store key"):
