@@ -24,8 +24,6 @@ _SERVICES_SHAPE = '{"<name>": {"domain": "<E2B domain>", "secret": "<Secret name
 def sandbox_service_capacity(cluster: dict | None) -> tuple[int | None, str]:
     """The sandbox service a preset's ``cluster.sandbox_service`` names (else the deployment's default): its capacity
     (None: unknown) and where that comes from, for the pre-flight's sandbox count."""
-    from pipeline_steps import settings
-
     name = cluster.get("sandbox_service") if isinstance(cluster, dict) else None
     if name is None:
         domain = settings.get(SANDBOX_DOMAIN_ENV) or "(unset)"
