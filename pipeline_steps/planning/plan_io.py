@@ -51,9 +51,15 @@ def load_file(path_or_uri: str) -> dict:
         raise UserError(f"{uri}: {exc}") from None
 
 
-def experiment_from_file(path_or_uri: str, overrides: list[str] | None = None, derived: dict | None = None):
-    """The run's experiment from its ``plan.json`` (a step's ``--plan``): the preset as planned, no preset file
-    read; a step's own ``--override`` would change the planned run, so it is refused."""
+def load_plan(path_or_uri: str, overrides: list[str] | None = None) -> RunPlan:
+    """The run's plan from its ``plan.json`` (a step's ``--plan``); a step's own ``--override`` would change the
+    planned run, so it is refused."""
     if overrides:
         raise UserError("--override: a plan holds its run's overrides; pass --experiment to add your own")
-    return RunPlan.from_dict(load_file(path_or_uri)).experiment_with(derived)
+    return RunPlan.from_dict(load_file(path_or_uri))
+
+
+def experiment_from_file(path_or_uri: str, overrides: list[str] | None = None, derived: dict | None = None):
+    """The run's experiment from its ``plan.json`` (a step's ``--plan``): the preset as planned, no preset file
+    read."""
+    return load_plan(path_or_uri, overrides).experiment_with(derived)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from pipeline_steps import atomic, outputs
 from pipeline_steps.errors import UserError
+from pipeline_steps.planning.layout import RunLayout
 from pipeline_steps.training import experiment
+from pipeline_steps.training.derived_keys import derived_keys
 from pipeline_steps.training.experiment import Experiment
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob_manifest import build_rayjob, to_yaml
@@ -42,7 +44,10 @@ def add_arguments(p):
         "--override", action="append", default=[], metavar="KEY=VALUE", help="verl Hydra override (repeatable)"
     )
     p.add_argument("--output", required=True, help="file to write the RayJob YAML to (atomically)")
-    p.add_argument("--checkpoint-uri", help="the run's checkpoint store URI (trainer.default_local_dir)")
+    p.add_argument(
+        "--checkpoint-uri",
+        help="the run's checkpoint store URI (trainer.default_local_dir; default with --plan: the run's checkpoints)",
+    )
     p.add_argument(
         "--mounts", help="bucket mounts as JSON or @file.json (default: $PIPELINE_MOUNTS, then cluster.mounts)"
     )
@@ -58,13 +63,14 @@ def run(args) -> dict:
         args.output,
         {"--experiment": args.experiment if "/" in (args.experiment or "") else None, "--mounts": mounts_file},
     )
-    derived = {"trainer.default_local_dir": args.checkpoint_uri} if args.checkpoint_uri else None
-    if args.plan:
+    layout = RunLayout.for_checkpoints(args.checkpoint_uri) if args.checkpoint_uri else None
+    if args.plan:  # the run's checkpoints unless --checkpoint-uri names others
         from pipeline_steps.planning import plan_io
 
-        exp = plan_io.experiment_from_file(args.plan, args.override, derived)
+        run = plan_io.load_plan(args.plan, args.override)
+        exp = run.experiment_with(derived_keys(layout or run.layout))
     else:
-        exp = experiment.load(args.experiment, overrides=args.override, derived=derived)
+        exp = experiment.load(args.experiment, overrides=args.override, derived=layout and derived_keys(layout))
     mounts = _mounts_arg(args.mounts, exp)
     job = build_rayjob(
         exp, dag_id=args.dag_id, run_id=args.run_id, task_id=args.task_id, namespace=args.namespace, mounts=mounts
