@@ -1,5 +1,5 @@
 """A training run's tracking: its MLflow run (the record kept beside its checkpoints, logging to it after training)
-and where its TensorBoard event files are.
+and how to view its TensorBoard event files (where they are: the run's ``RunLayout.tensorboard``).
 
 The CPU trainer and the cluster's training entrypoint (:mod:`pipeline_steps.training.verl_main`) write
 ``mlflow_run.json`` (:data:`FILE`) into the checkpoints directory when they log to MLflow, so a resumed attempt
@@ -27,7 +27,6 @@ from pipeline_steps import settings
 log = logging.getLogger(__name__)
 
 FILE = "mlflow_run.json"
-TENSORBOARD_SUBDIR = "tensorboard"  # <run dir>/tensorboard: verl's tensorboard logger writes here ($TENSORBOARD_DIR)
 
 
 def loggers(value) -> list[str]:
@@ -37,11 +36,6 @@ def loggers(value) -> list[str]:
     if isinstance(value, str):
         return [value]
     return [str(v) for v in value]
-
-
-def tensorboard_dir(run_dir: str) -> str:
-    """Where a run's TensorBoard event files go: ``<run dir>/tensorboard`` (a path or a store URI)."""
-    return f"{str(run_dir).rstrip('/')}/{TENSORBOARD_SUBDIR}"
 
 
 def tensorboard_info(uri: str, local: str | os.PathLike | None = None) -> dict:

@@ -154,7 +154,7 @@ def report_figures(run_dir: Path, out: Path, count: int) -> dict[int, str]:
     """The thumbnails the evaluate step wrote (``eval/figures/NNNN.png``) for the first ``count`` problems, re-encoded
     from their pixels into the report directory (:func:`figures.thumbnail`: a file that is not an image, or too big,
     is left out), within ``figures.MAX_REPORT_BYTES`` in all. Returns problem position -> file name in ``out``."""
-    src = _input(run_dir, "eval")[0] / figures.DIR
+    src = Path(RunLayout.for_run_dir(str(run_dir)).eval) / figures.DIR
     if not src.is_dir():
         return {}
     shown: dict[int, str] = {}
@@ -283,7 +283,7 @@ def training_section(run_dir: Path, state: dict, tensorboard: dict | None = None
     path, name = _input(run_dir, "train_summary")
     ts, status = read_json(path)
     state["inputs"][name] = status
-    tb_dir = _input(run_dir, "tensorboard")[0]
+    tb_dir = Path(RunLayout.for_run_dir(str(run_dir)).tensorboard)
     if tensorboard is None and tb_dir.is_dir():
         tensorboard = tracking_run.tensorboard_info(str(tb_dir), tb_dir)
     tb_row = f"| TensorBoard logs | {tensorboard_cell(tensorboard or (ts or {}).get('tensorboard'))} |"
