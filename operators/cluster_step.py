@@ -120,8 +120,9 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
     :param request: ``{"args": [...], "carry": {...}}`` as for :class:`operators.step.PipelineStepOperator`;
         without it, the argv the plan holds for the step (``plan["steps"][step]``, no placeholders).
     :param plan: the run's plan (:func:`pipeline_steps.planning.plan.plan`, the ``plan`` task's XCom, or
-        :func:`pipeline_steps.planning.plan.evaluation_plan`): the backend, the preset as read and the overrides come
-        from it (no preset is read again); ``backend``, ``experiment`` and ``overrides`` are then not used.
+        :func:`pipeline_steps.planning.evaluation_run.evaluation_plan`): the backend, the preset as read and the
+        overrides come from it (no preset is read again); ``backend``, ``experiment`` and ``overrides`` are then not
+        used.
     :param backend: ``"local"`` or ``"kuberay"``; ``None``/``"auto"``: the preset's (``backend: local`` or not).
     :param experiment: preset name or file: the cluster shape, image, secrets and mounts of the RayJob.
     :param overrides: verl overrides (list, JSON list or one per line) applied to the preset, e.g. the form's
@@ -192,10 +193,10 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
 
     def execute(self, context):
         if self.plan and not self.request.get("args"):  # the argv the plan holds whole for this step
-            from pipeline_steps.planning import plan as planning
+            from pipeline_steps.planning.run_requests import step_request
 
             with user_errors(f"step {self.step}"):
-                self.request = planning.step_request(self.plan, self.step)
+                self.request = step_request(self.plan, self.step)
         if self._backend() == "local":
             self._mirror_inputs()
             return super().execute(context)  # the step in a child process of the worker

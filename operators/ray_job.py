@@ -5,9 +5,10 @@ operator holds the task's parameters and turns them into a job; the Kubernetes A
 (:class:`operators.hooks.rayjob_api.RayJobHook`, behind the backend strategy :class:`operators.backends.KubeRayJobs`)
 and the wait happens in a trigger (:mod:`operators.triggers`), where the task resumes in ``execute_complete``.
 
-Shared here: the run's plan (the backend, the preset as read and the overrides come from it: no preset is read
-again), the KubeRay parameters (namespace, connection, context, dashboard link), the polling parameters, the ids
-that make a job's name deterministic, the backend strategy, the MLflow cluster settings and the kill.
+Shared here: the run's plan, rebuilt once as a typed object (:mod:`pipeline_steps.planning.run_plan`: the backend,
+the preset as read and the overrides come from it, no preset is read again), the KubeRay parameters (namespace,
+connection, context, dashboard link), the polling parameters, the ids that make a job's name deterministic, the
+backend strategy, the MLflow cluster settings and the kill.
 
 Derived operators: :class:`operators.train.GRPOTrainOperator` (the ``train`` task) and
 :class:`operators.cluster_step.PipelineStepJobOperator` (a pipeline step in the worker or as a RayJob). Each sets
@@ -50,8 +51,9 @@ def normalize_overrides(value) -> list[str]:
 class RayJobBaseOperator(BaseOperator):
     """Base of the operators that run a job on the local Ray backend or as a KubeRay RayJob.
 
-    :param plan: the run's plan (:func:`pipeline_steps.planning.plan.plan`, the ``plan`` task's XCom): the backend,
-        the preset as read and the overrides come from it.
+    :param plan: the run's plan (the ``plan`` task's XCom: :meth:`pipeline_steps.planning.run_plan.RunPlan.to_dict`,
+        or the evaluation DAG's :class:`~pipeline_steps.planning.run_plan.EvaluationPlan`): the backend, the preset as
+        read and the overrides come from it.
     :param namespace: kuberay backend: namespace (default: the Kubernetes connection's, then ``default``).
     :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
     :param cluster_context: kuberay backend: kube config context.
@@ -83,25 +85,37 @@ class RayJobBaseOperator(BaseOperator):
         self.poll_interval, self.log_tail_lines = poll_interval, log_tail_lines
         self.dashboard_url_template = dashboard_url_template
         self.rayjob: dict | None = None  # the RayJob body submitted (kuberay), for on_kill
+        self._typed_plan: tuple | None = None  # (the plan dict, its typed object): rebuilt once per rendered plan
 
     # -- the run's plan ------------------------------------------------------------------------------------
-    def _backend(self) -> str:
-        """``local`` or ``kuberay``: the plan's."""
+    def _run_plan(self):
+        """The plan as a typed object (:func:`pipeline_steps.planning.run_plan.from_dict`: a pipeline run's
+        ``RunPlan`` or the evaluation DAG's ``EvaluationPlan``), rebuilt from the rendered dict once."""
         if not self.plan:
             raise AirflowFailException(f"task {self.task_id}: no plan= given (the plan task's XCom)")
-        return self.plan["backend"]
+        if self._typed_plan is None or self._typed_plan[0] is not self.plan:
+            from pipeline_steps.planning import run_plan
+
+            with user_errors():
+                self._typed_plan = (self.plan, run_plan.from_dict(self.plan))
+        return self._typed_plan[1]
+
+    def _backend(self) -> str:
+        """``local`` or ``kuberay``: the plan's."""
+        return self._run_plan().backend
 
     def _experiment(self, derived: dict | None = None):
         """The preset the plan read, the derived keys, then its overrides (no preset file read)."""
-        from pipeline_steps.training import experiment
-
-        if not self.plan:
-            raise AirflowFailException(f"task {self.task_id}: no plan= given (the plan task's XCom)")
+        plan = self._run_plan()
+        if not hasattr(plan, "experiment_with"):
+            raise AirflowFailException(
+                f"task {self.task_id}: the evaluation plan holds no preset; the kuberay backend needs a run's plan"
+            )
         with user_errors():
-            return experiment.from_plan(self.plan, derived)
+            return plan.experiment_with(derived)
 
     def _overrides(self) -> list[str]:
-        return list((self.plan or {}).get("overrides") or [])
+        return list(getattr(self._run_plan(), "overrides", None) or [])
 
     def _ids(self, context) -> dict:
         """dag id, run id and task id: what makes the job's name and Ray submission id deterministic."""

@@ -110,24 +110,34 @@ class GRPOTrainOperator(RayJobBaseOperator):
         self._local: LocalRayJobs | None = None
 
     @property
+    def layout(self):
+        """Every location of the run (:class:`pipeline_steps.planning.layout.RunLayout`), from its directory."""
+        from pipeline_steps.planning.layout import RunLayout
+
+        return RunLayout.for_run_dir(str(self.run_dir))
+
+    @property
     def checkpoint_uri(self) -> str:
-        return f"{str(self.run_dir).rstrip('/')}/checkpoints"
+        return self.layout.checkpoints
 
     @property
     def metrics_uri(self) -> str:
-        return f"{str(self.run_dir).rstrip('/')}/metrics.jsonl"
+        return self.layout.metrics
 
     def _kuberay(self, metrics_uri: str | None = None) -> KubeRayJobs:
         return super()._kuberay(metrics_uri or self.metrics_uri)
 
     def _load(self, backend: str):
-        """The experiment with the pipeline's derived keys and the user's overrides (user wins)."""
-        derived = {
-            "data.train_files": as_list(self.train_files),
-            "data.val_files": as_list(self.val_files),
-            "actor_rollout_ref.model.path": str(self.model_path),
-            "trainer.default_local_dir": self.checkpoint_uri,
-        }
+        """The experiment with the pipeline's derived keys (:func:`pipeline_steps.training.derived_keys.derived_keys`:
+        the store URIs as they are) and the run's overrides."""
+        from pipeline_steps.training.derived_keys import derived_keys
+
+        derived = derived_keys(
+            self.layout,
+            train_files=as_list(self.train_files),
+            val_files=as_list(self.val_files),
+            model_path=str(self.model_path),
+        )
         exp = self._experiment(derived)  # the preset the plan read, and its overrides
         exp.spec["backend"] = "local" if backend == "local" else "cluster"
         return exp
@@ -153,10 +163,9 @@ class GRPOTrainOperator(RayJobBaseOperator):
             remove_credentials_file(submission_base(**self._ids(context)))
             remove_store_credentials_file(submission_base(**self._ids(context)))
         complete(self.log, context, event, url)
-        run_dir = str(self.run_dir).rstrip("/")
         # the job committed the run directory to the store
         result = training_result(event, self.checkpoint_uri, self.metrics_uri, self.store_conn_id)
-        result.update(self._tracking(event.get("backend"), run_dir))
+        result.update(self._tracking(event.get("backend")))
         if result["mlflow"]:
             self.log.info("MLflow run: %s", result["mlflow"].get("url") or result["mlflow"]["run_id"])
         if result["tensorboard"]:
@@ -164,19 +173,18 @@ class GRPOTrainOperator(RayJobBaseOperator):
             self.log.info("TensorBoard logs: %s (%s)", tb["uri"], tb["command"] or "download them to view")
         return result
 
-    def _tracking(self, backend: str | None, run_dir: str) -> dict:
+    def _tracking(self, backend: str | None) -> dict:
         """``mlflow``: the run's record beside the checkpoints (written by the CPU trainer or the cluster entrypoint),
         read from the store as every task reads what another left; ``tensorboard``: where the event files are and
         the command to view them."""
         from operators import progress
         from pipeline_steps import tracking_run
 
-        tb_uri = tracking_run.tensorboard_dir(run_dir)
-        text = progress.read_text(f"{self.checkpoint_uri}/{tracking_run.FILE}", self.store_conn_id)
+        text = progress.read_text(self.layout.mlflow_record, self.store_conn_id)
         logger = self._load("local" if backend != "kuberay" else "kuberay").verl.get("trainer.logger")
         return {
             "mlflow": tracking_run.parse(text),
-            "tensorboard": tracking_run.tensorboard_info(tb_uri)
+            "tensorboard": tracking_run.tensorboard_info(self.layout.tensorboard)
             if "tensorboard" in tracking_run.loggers(logger)
             else None,
         }
@@ -204,7 +212,8 @@ class GRPOTrainOperator(RayJobBaseOperator):
         file only this user reads; a job on another machine uses its own environment)."""
         from operators.hooks.store_connection import store_credentials_file
         from pipeline_steps.local import ray_cluster
-        from pipeline_steps.planning import plan as planning
+        from pipeline_steps.planning.layout import RunLayout
+        from pipeline_steps.planning.run_requests import train_local_argv
         from pipeline_steps.store import mirror
 
         run_dir = str(self.run_dir).rstrip("/")
@@ -215,9 +224,9 @@ class GRPOTrainOperator(RayJobBaseOperator):
             "output_dir": run_dir,
         }
         with user_errors():  # the argv the plan recorded, with the store URIs filled in
-            argv = planning.train_local_argv(self.plan, {**facts, "plan_file": f"{run_dir}/{planning.PLAN_FILE}"})
+            argv = train_local_argv(self.plan, {**facts, "plan_file": self.layout.plan_file})
         # progress is read where a job on this machine writes it (a job elsewhere: its final result still counts)
-        progress_uri = str(mirror.local_for(run_dir) / "metrics.jsonl")
+        progress_uri = RunLayout.for_run_dir(str(mirror.local_for(run_dir))).metrics
         env = {"TOKENIZERS_PARALLELISM": "false"}
         base = submission_base(**self._ids(context))
         with user_errors("store connection"):
