@@ -74,3 +74,31 @@ def test_a_key_google_does_not_know_is_one_line_exit_2_and_nothing_is_written(gc
         urllib.request.urlopen(f"{gcs_server.url}/storage/v1/b/test-bucket/o?prefix=auth/v2", timeout=10)
     )
     assert not listing.get("items"), listing
+
+
+def test_a_key_file_and_endpoint_handed_to_the_client_authenticate_with_nothing_in_the_environment(
+    gcs_server, authed, tmp_path, monkeypatch
+):
+    """What the worker does (``StoreHook(conn_id).open(uri)``): the connection's ``key_path`` and the endpoint are
+    handed to the client, not set in ``os.environ``; the library, which looks for both in the environment itself,
+    is given them."""
+    import os
+
+    from pipeline_steps.store import open_store
+
+    auth, proxy = authed
+    for k in ("GOOGLE_APPLICATION_CREDENTIALS", "GCS_KEYFILE_JSON", "API_ENDPOINT_OVERRIDE", "STORAGE_EMULATOR_HOST"):
+        monkeypatch.delenv(k, raising=False)
+    key_path = tmp_path / "key.json"
+    key_path.write_text(json.dumps(auth.key_file()))
+    handed = {
+        "GOOGLE_APPLICATION_CREDENTIALS": str(key_path),
+        "API_ENDPOINT_OVERRIDE": proxy.url,
+        "GOOGLE_CLOUD_PROJECT": "test-project",
+    }
+    before = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    store = open_store("gs://test-bucket/handed", credentials=handed)
+    store.write_bytes("gs://test-bucket/handed/a.txt", b"with a token")
+    assert store.read_bytes("gs://test-bucket/handed/a.txt") == b"with a token"
+    assert auth.issued and proxy.refused == 0  # every request carried a token issued for the handed key
+    assert {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"} == before
