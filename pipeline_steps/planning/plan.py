@@ -287,8 +287,3 @@ def plan(params: dict, logical_date: datetime | None, run_id: str, dag_id: str) 
     }
     run["steps"] = run_steps(run)
     return RunPlan.from_dict(run).to_dict()  # every key a later task reads, as it reads them
-
-
-# -- names the operators import from here until they take them from their modules (issue 48, helper D) ----------
-from pipeline_steps.planning.layout import PLAN_FILE  # noqa: E402,F401
-from pipeline_steps.planning.run_requests import step_request, train_local_argv  # noqa: E402,F401
