@@ -135,6 +135,14 @@ def merge_checkpoint(actor_dir: str | os.PathLike, target_dir: str | os.PathLike
     return target_dir
 
 
+def _reads_images(model_dir: Path) -> bool:
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
 def check_model(model_dir: str | os.PathLike, max_new_tokens: int = 4) -> dict:
     """Load with transformers and generate a few tokens; UserError when the model is unusable."""
     model_dir = Path(model_dir)
@@ -142,9 +150,20 @@ def check_model(model_dir: str | os.PathLike, max_new_tokens: int = 4) -> dict:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
-        ids = tok("1 + 1 =", return_tensors="pt")
+        if _reads_images(model_dir):  # a vision-language model: loaded as a user loads it, and shown an image
+            from PIL import Image
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(model_dir)
+            tok = processor.tokenizer
+            model = AutoModelForImageTextToText.from_pretrained(model_dir)
+            chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "1 + 1 ="}]}]
+            text = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            ids = processor(text=[text], images=[Image.new("RGB", (56, 56), "white")], return_tensors="pt")
+        else:
+            tok = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+            ids = tok("1 + 1 =", return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         new = int(out.shape[-1] - ids["input_ids"].shape[-1])
