@@ -214,3 +214,12 @@ def test_eval_results_of_another_model_are_rejected(ckpt, tmp_path, capsys):
     argv[argv.index("--eval-results") + 1] = _write(tmp_path, "same.json", res)
     code, s, err = run_cli(argv, capsys)
     assert code == 0 and s["promoted"], err
+
+
+@pytest.mark.slow  # the tiny VL model built and loaded: about 5 s of CPU
+def test_a_vision_language_model_is_checked_as_a_user_loads_it(tiny_vl_model, tiny_model):
+    """export's load-and-generate check takes a VL model through AutoProcessor and AutoModelForImageTextToText with
+    an image (a local_tiny_vl DAG run's export once failed: AutoModelForCausalLM does not load Qwen2.5-VL)."""
+    info = check_model(tiny_vl_model)
+    assert info["generated_tokens"] >= 1 and info["parameters"] == 190944
+    assert check_model(tiny_model)["generated_tokens"] >= 1  # a text model as before
