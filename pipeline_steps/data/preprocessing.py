@@ -25,6 +25,7 @@ from pipeline_steps.data.rejects import Rejects
 from pipeline_steps.data.row_batches import converted_batches
 from pipeline_steps.data.snapshot_splits import resolve_splits
 from pipeline_steps.errors import UserError
+from pipeline_steps.store.checksums import sha256_file
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
 PREPROCESSOR_VERSION = 5  # 5: exact dedup keys, JSONL BOM and per-line limits; 4: JSONL rollout_extra is a struct
@@ -90,11 +91,6 @@ def process(spec: registry.DatasetSpec, root: Path, out: Path, variant: str = "d
     }
 
 
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def settings_of(
     spec: registry.DatasetSpec, variant: str, limit: int | None, max_rejected_fraction: float, fingerprint: str
 ) -> dict:
@@ -154,7 +150,7 @@ def write_output(
         digest = hashlib.sha256()
         for split in sorted(k for k, v in stats["splits"].items() if v["rows_out"]):
             name = f"{split}.parquet"
-            digest.update(name.encode() + b"\0" + bytes.fromhex(_file_sha256(tmp / name)))
+            digest.update(name.encode() + b"\0" + bytes.fromhex(sha256_file(tmp / name)))
         stats["content_hash"] = digest.hexdigest()
         stats["settings"] = settings  # what a later run must match to reuse this output
         stats["source"] = {

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline_steps.data import registry
 from pipeline_steps.errors import UserError
+from pipeline_steps.store.checksums import sha256_file
 from pipeline_steps.store.claim import CLAIM
 from pipeline_steps.store.manifest import MANIFEST, MIRROR_MARKER
 
@@ -56,15 +57,11 @@ def resolve_splits(spec: registry.DatasetSpec, root: Path) -> dict[str, list[str
 
 
 def input_fingerprint(root: Path) -> str:
-    """sha256 over the input's files (names, sizes and content): a changed or appended file changes it."""
+    """sha256 over the input's files (names and each file's sha256): a changed or appended file changes it."""
     h = hashlib.sha256()
     # a fetched copy's bookkeeping (its manifest, the mirror's marker) is not the input
     skip = {MANIFEST, MIRROR_MARKER}
     files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name not in skip)
     for f in files:
-        h.update(str(f.relative_to(root) if f != root else f.name).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        h.update(b"\0")
+        h.update(str(f.relative_to(root) if f != root else f.name).encode() + b"\0" + sha256_file(f).encode() + b"\0")
     return h.hexdigest()

@@ -19,6 +19,7 @@ from pathlib import Path
 from pipeline_steps import atomic
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
+from pipeline_steps.store.checksums import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +191,7 @@ def dir_sha256(path: str | os.PathLike, names: tuple[str, ...] | None = None) ->
         rel = f.relative_to(root).as_posix()
         if rel.startswith(".") or (names is not None and rel not in names):
             continue
-        fh = hashlib.sha256()
-        with open(f, "rb") as fp:
-            for chunk in iter(lambda: fp.read(1 << 20), b""):
-                fh.update(chunk)
-        h.update(f"{rel}\0{fh.hexdigest()}\n".encode())
+        h.update(f"{rel}\0{sha256_file(f)}\n".encode())
     return h.hexdigest()
 
 
