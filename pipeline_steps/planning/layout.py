@@ -43,7 +43,11 @@ MLFLOW_RECORD = tracking_run.FILE  # the MLflow record beside the checkpoints
 
 
 def _join(base: str, *parts: str) -> str:
-    return "/".join([str(base).rstrip("/"), *parts])
+    """``base/part/...``; a relative base that is empty (``""``, ``.``) adds nothing, the root keeps its ``/``."""
+    base = str(base)
+    if base in ("", "."):
+        return "/".join(parts)
+    return "/".join([base.rstrip("/"), *parts])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +66,8 @@ class RunLayout:
     def __post_init__(self):
         for name in ("store", "run_dir", "work"):
             value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, str(value).rstrip("/") or "/")
+            if value is not None and str(value) != "/":
+                object.__setattr__(self, name, str(value).rstrip("/"))
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
@@ -76,7 +80,7 @@ class RunLayout:
     def for_run_dir(cls, run_dir: str, work: str | None = None) -> RunLayout:
         """The layout of a run known by its directory alone (the report and export steps, a checkpoint's parent):
         the store root is found when the directory is in the ``runs/<experiment>/<key>`` area, else None."""
-        run_dir = str(run_dir).rstrip("/")
+        run_dir = str(run_dir).rstrip("/") or str(run_dir)
         head, _, _ = run_dir.rpartition("/")  # .../runs/<experiment>
         root, _, _ = head.rpartition("/")  # .../runs
         store = root[: -len(RUNS) - 1] if root.endswith(f"/{RUNS}") else None

@@ -28,6 +28,7 @@ import yaml
 
 from pipeline_steps import atomic, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
+from pipeline_steps.planning.layout import RunLayout
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +86,8 @@ def mlflow_run(config) -> dict | None:
     if not uri:
         log.warning("trainer.logger has mlflow but MLFLOW_TRACKING_URI is not set: verl logs into the pod only")
         return None
-    ckpt = Path(str(trainer.default_local_dir))
-    run_file = ckpt / tracking_run.FILE
+    layout = RunLayout.for_checkpoints(str(trainer.default_local_dir))
+    ckpt, run_file = Path(layout.checkpoints), Path(layout.mlflow_record)
     # a resumed attempt continues its run; an attempt that restarts from step 1 starts a new one (as the CPU trainer)
     previous = os.environ.get("MLFLOW_RUN_ID")
     if not previous and tracker_step(ckpt) > 0:

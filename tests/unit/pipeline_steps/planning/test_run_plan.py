@@ -86,6 +86,9 @@ def test_run_layout_locations():
     other = RunLayout.for_checkpoints("gs://b/elsewhere/ckpt")  # the run's other locations beside the checkpoints
     assert other.checkpoints == "gs://b/elsewhere/ckpt" and other.metrics == "gs://b/elsewhere/metrics.jsonl"
     assert other.mlflow_record == "gs://b/elsewhere/ckpt/mlflow_run.json"
+    relative = RunLayout.for_checkpoints("checkpoints")  # a relative checkpoint directory: the others beside it
+    assert (relative.checkpoints, relative.metrics) == ("checkpoints", "metrics.jsonl")
+    assert RunLayout.for_run_dir("/").metrics == "/metrics.jsonl"
     outside = RunLayout.for_run_dir("/tmp/somewhere/run")
     assert outside.store is None and outside.metrics == "/tmp/somewhere/run/metrics.jsonl"
     with pytest.raises(ValueError, match="no store key"):
