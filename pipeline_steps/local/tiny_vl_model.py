@@ -4,8 +4,13 @@ processor, tokenizer, chat template) that loads through ``AutoProcessor`` and ``
 
 ``stage-model`` builds it for ``--model tiny-vl`` (preset ``local_tiny_vl``), cached like the tiny text model by a
 digest of this code, the fixture corpus and the library versions (:func:`build_cached`). Deterministic: the same
-inputs and seed give the same files. Its weights are random: it reads the image (the vision tower's output replaces
-the ``<|image_pad|>`` embeddings), which is what the tests of the image path need, and knows nothing.
+inputs and seed give the same files. It reads the image (the vision tower's output replaces the ``<|image_pad|>``
+embeddings). Before GRPO it gets a short supervised warm-up (:func:`format_warmup`, ``WARMUP_STEPS``) on polygons
+drawn like the fixture's, never the fixture's own: it learns the ``<think> </think> \\boxed{N}`` form verl's geo3k
+scorer reads, so GRPO's rollouts earn a reward (0.1 for the form, 1.0 when right; a random model never wrote the
+form and every reward was 0). Its targets are the right side count only half the time (else a side count drawn at
+random): what it learns of reading the figure beyond that, GRPO's reward must teach. ``warmup_steps=0`` gives the
+random model the image-path tests were written against.
 
 The processor's own pixel limits are the ones a run's ``data.mm_processor_kwargs`` narrow (verl hands those to the
 processor); ``MIN_PIXELS``/``MAX_PIXELS`` are the saved defaults (at most ``MAX_PIXELS // 28**2`` image tokens).
@@ -35,6 +40,12 @@ CHAT_TEMPLATE = (
 PATCH, MERGE = 14, 2  # 28 x 28 pixels per image token
 MIN_PIXELS = 56 * 56
 MAX_PIXELS = 64 * 28 * 28  # at most 64 image tokens per image unless a run's mm_processor_kwargs say otherwise
+WARMUP_MM = {"min_pixels": 3136, "max_pixels": 12544}  # the local_tiny_vl preset's data.mm_processor_kwargs
+RESPONSE = "<think> </think> \\boxed{{{answer}}}"  # the form verl's geo3k scorer reads (format and accuracy)
+WARMUP_STEPS = 100  # the form in 100% of greedy answers on the fixture's test figures (measured)
+WARMUP_LR = 3e-3
+WARMUP_RIGHT_SHARE = 0.5  # a weak start on reading the figure: GRPO needs rollouts that are sometimes right
+WARMUP_FIGURES = 64
 CARD = """---
 license: mit
 library_name: transformers
@@ -45,8 +56,14 @@ pipeline_tag: image-text-to-text
 A {params}-parameter Qwen2.5-VL-architecture model (`Qwen2_5_VLForConditionalGeneration`: {layers} text layers,
 hidden {hidden}, a {depth}-block vision tower) with a {vocab}-token byte-level BPE tokenizer and a
 `Qwen2_5_VLProcessor` (pixels {min_pixels}..{max_pixels}), built by the pipeline's `stage-model --model tiny-vl`
-(seed {seed}) for the local profile. Random weights: no training before GRPO.
+(seed {seed}) for the local profile.
+
+Training before GRPO: {warmup}
 """
+WARMUP_CARD = """{steps} steps of supervised warm-up on {figures} polygons drawn like the geometry3k fixture's (never
+its own figures), with its problem text: a target is `<think> </think> \\boxed{{N}}` with N the side count with
+probability {share}, else drawn uniformly from 3..6. The model learns the form verl's geo3k scorer reads; what it gains
+after the pipeline's `train` task comes from GRPO's reward (the base model's figures are in every evaluation)."""
 
 
 def _tokenizer(directory: Path, vocab_size: int):
@@ -142,13 +159,24 @@ def complete(entry: Path) -> bool:
     )
 
 
-def build(output: str | Path, vocab_size=512, hidden_size=64, layers=2, vision_depth=2, seed=0, owner=None) -> Path:
+def build(
+    output: str | Path,
+    vocab_size=512,
+    hidden_size=64,
+    layers=2,
+    vision_depth=2,
+    seed=0,
+    owner=None,
+    warmup_steps: int = WARMUP_STEPS,
+) -> Path:
     output = Path(output)
     if complete(output):
         log.info("tiny VL model already at %s", output)
         return output
     with atomic.atomic_dir(output, owner=owner) as tmp:
         model, processor = untrained(tmp, vocab_size, hidden_size, layers, vision_depth, seed)
+        if warmup_steps:
+            format_warmup(model, processor, warmup_steps, seed)
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
         card = CARD.format(
@@ -160,6 +188,9 @@ def build(output: str | Path, vocab_size=512, hidden_size=64, layers=2, vision_d
             min_pixels=MIN_PIXELS,
             max_pixels=MAX_PIXELS,
             seed=seed,
+            warmup=WARMUP_CARD.format(steps=warmup_steps, figures=WARMUP_FIGURES, share=WARMUP_RIGHT_SHARE)
+            if warmup_steps
+            else "none: random weights (built with `warmup_steps=0`).",
         )
         (tmp / "README.md").write_text(card, encoding="utf-8")
     log.info("built tiny VL model at %s (%d parameters)", output, sum(p.numel() for p in model.parameters()))
@@ -168,14 +199,20 @@ def build(output: str | Path, vocab_size=512, hidden_size=64, layers=2, vision_d
 
 def _build_inputs() -> str:
     """A digest of everything the build reads: this code, the tiny text model's code (its corpus and special tokens),
-    the fixture text, and the libraries that produce the files."""
+    the warm-up's figures, prompt and prompt builder, the fixture text, and the libraries that produce the files."""
     import hashlib
     from importlib.metadata import version
 
+    from pipeline_steps.data.preprocessors import geometry3k
+    from pipeline_steps.evaluation import generation
+    from pipeline_steps.local import geometry_figures
+
     h = hashlib.sha256()
-    for f in [Path(__file__), Path(tiny_model.__file__), *sorted(tiny_model.FIXTURES.rglob("*.jsonl"))]:
+    code = [Path(m.__file__) for m in (tiny_model, geometry_figures, geometry3k, generation)]
+    for f in [Path(__file__), *code, *sorted(tiny_model.FIXTURES.rglob("*.jsonl"))]:
         h.update(f.read_bytes())
-    h.update(" ".join(f"{d}=={version(d)}" for d in ("torch", "torchvision", "transformers", "tokenizers")).encode())
+    libraries = ("torch", "torchvision", "transformers", "tokenizers", "verl", "pillow", "qwen-vl-utils")
+    h.update(" ".join(f"{d}=={version(d)}" for d in libraries).encode())
     return h.hexdigest()[:16]
 
 
@@ -183,3 +220,83 @@ def build_cached(cache_root: Path, tmp: Path) -> Path:
     """The tiny VL model, built once per cache (``PIPELINE_CACHE_DIR``; :func:`build_cache.cached_build`)."""
     entry = Path(cache_root) / "tiny-vl-model" / _build_inputs()
     return build_cache.cached_build(entry, build, Path(tmp) / "tiny-vl", "tiny VL model", complete=complete)
+
+
+def warmup_rows(n: int, seed: int) -> list[dict]:
+    """``n`` geometry3k-schema rows of freshly drawn polygons (:mod:`geometry_figures`, seeded apart from the fixture's
+    figures), each side count equally often, with the preprocessor's prompt."""
+    import random
+
+    from pipeline_steps.data.preprocessors import geometry3k
+    from pipeline_steps.local import geometry_figures
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        sides = geometry_figures.SIDES[i % len(geometry_figures.SIDES)]
+        raw = {
+            "problem": geometry_figures.PROBLEM,
+            "answer": str(sides),
+            "images": [{"bytes": geometry_figures.figure(sides, rng), "path": None}],
+        }
+        rows.append(geometry3k.convert_row(raw, "warmup", i, geometry3k.DATA_SOURCE))
+    return rows
+
+
+def format_warmup(
+    model,
+    processor,
+    steps: int,
+    seed: int,
+    batch_size: int = 8,
+    lr: float = WARMUP_LR,
+    right_share: float = WARMUP_RIGHT_SHARE,
+    figures: int = WARMUP_FIGURES,
+) -> float:
+    """Supervised steps on (figure + problem -> ``<think> </think> \\boxed{R}``), R the side count with probability
+    ``right_share``, else drawn uniformly from the answers independently of the figure. Prompts are made by verl's
+    code as the CPU trainer and the evaluation make them (:func:`generation.image_inputs`) under the preset's pixel
+    limits, so the warm-up is token for token what a rollout sees. The loss covers the response tokens only. Returns
+    the last loss."""
+    import random
+
+    import torch
+
+    from pipeline_steps.evaluation.generation import image_inputs
+    from pipeline_steps.local import geometry_figures, grpo_cpu
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    data_cfg = {"image_key": "images", "mm_processor_kwargs": dict(WARMUP_MM)}
+    prompts = []
+    for row in warmup_rows(figures, seed + 1):
+        ids, mm = image_inputs(row, row["prompt"], processor, data_cfg)
+        prompts.append((ids, mm, row["reward_model"]["ground_truth"]))
+    tok = processor.tokenizer
+    answers = [str(s) for s in geometry_figures.SIDES]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        seqs, masks, mms = [], [], []
+        for _ in range(batch_size):
+            ids, mm, truth = prompts[rng.randrange(len(prompts))]
+            answer = truth if rng.random() < right_share else rng.choice(answers)
+            r_ids = tok(RESPONSE.format(answer=answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+            seqs.append(ids + r_ids)
+            masks.append([0] * len(ids) + [1] * len(r_ids))
+            mms.append(mm)
+        width = max(map(len, seqs))
+        pad = tok.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
+        attn = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+        loss_mask = torch.tensor([[0] * (width - len(m)) + m for m in masks], dtype=torch.bool)
+        logits = model(input_ids=input_ids, attention_mask=attn, **grpo_cpu.mm_batch(mms)).logits[:, :-1]
+        target = loss_mask[:, 1:]
+        loss = torch.nn.functional.cross_entropy(logits[target], input_ids[:, 1:][target])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    log.info("tiny VL format warm-up: %d steps, last loss %.3f", steps, float(loss.detach()))
+    return float(loss.detach())

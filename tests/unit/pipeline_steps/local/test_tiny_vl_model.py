@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # builds a model and runs verl's dataset: over 5 
 def test_build_is_deterministic_and_loads_through_the_auto_classes(tiny_vl_model, tmp_path):
     from pipeline_steps.local import tiny_vl_model as builder
 
-    again = builder.build(tmp_path / "again")
+    again = builder.build(tmp_path / "again", warmup_steps=0)
     for name in ("model.safetensors", "tokenizer.json", "processor_config.json", "config.json"):
         assert (
             hashlib.sha256((tiny_vl_model / name).read_bytes()).digest()
@@ -254,3 +254,26 @@ def test_train_local_trains_on_the_figures_and_the_merged_model_answers_from_an_
         "new_tokens": got["new_tokens"],
     }
     assert got["new_tokens"] > 0
+
+
+def test_the_format_warm_up_is_deterministic_and_never_sees_the_fixture(tmp_path):
+    """Two builds with a few warm-up steps give the same weights; the warm-up's figures are drawn apart from the
+    fixture's (no figure of the evaluation set is trained on)."""
+    import base64
+
+    from pipeline_steps.local import tiny_vl_model as builder
+
+    a, b = (builder.build(tmp_path / name, warmup_steps=2) for name in ("a", "b"))
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert "2 steps of supervised warm-up" in (a / "README.md").read_text()
+    fixture = {
+        base64.b64decode(im["bytes_b64"])
+        for split in ("train", "validation", "test")
+        for line in (Path(__file__).resolve().parents[4] / "pipeline_steps/local/hub/hiyouga/geometry3k/v2/data")
+        .joinpath(f"{split}-00000-of-00001.jsonl")
+        .read_text()
+        .splitlines()
+        for im in json.loads(line)["images"]
+    }
+    drawn = {im["bytes"] for row in builder.warmup_rows(builder.WARMUP_FIGURES, 1) for im in row["images"]}
+    assert len(drawn) == builder.WARMUP_FIGURES and not drawn & fixture
