@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pipeline_steps import atomic, outputs, tracking_run
 from pipeline_steps.errors import UserError
+from pipeline_steps.planning.layout import RunLayout
 from pipeline_steps.training.checkpoints import (
     check_model,
     dir_sha256,
@@ -177,7 +178,8 @@ def run(args) -> dict:
         "base_eval": promotion.summary_of(base),
         "promotion": decision.as_dict(),
         "lineage": lineage,
-        "mlflow": tracking_run.read(args.checkpoint_dir),  # the training's MLflow run (the CPU trainer records it)
+        # the training's MLflow run, recorded beside its checkpoints (by the CPU trainer or the cluster entrypoint)
+        "mlflow": tracking_run.read(RunLayout.for_checkpoints(args.checkpoint_dir).mlflow_record),
     }
     atomic.write_text(model_dir / "README.md", model_card.render(record, results, base))
     atomic.write_json(model_dir / "export.json", record)
