@@ -73,15 +73,16 @@ def test_plan_takes_geometry3k_for_gspo_and_refuses_it_for_a_text_only_model_in_
         plan.plan({"experiment": "geo3k_qwen2_5_vl_3b", "model": "Qwen/Qwen2.5-3B-Instruct", **base}, None, "r", "d")
 
 
-def test_local_tiny_vl_is_refused_by_plan_until_evaluate_reads_images(offline_hub, monkeypatch, tmp_path):
-    """A DAG run of local_tiny_vl would train and then fail at evaluate (its CPU generator takes no image rows yet,
-    issue 47): plan refuses it in one line; its pixel limits are the preset's, for train-local and pre-flight."""
-    from pipeline_steps.errors import UserError
+def test_local_tiny_vl_is_planned_with_its_pixel_limits_for_training_and_evaluation(offline_hub, monkeypatch, tmp_path):
+    """A DAG run of local_tiny_vl (issue 47: the evaluate step's CPU generator reads the figures): plan takes it, and
+    the preset's pixel limits reach both the trainer's overrides and the evaluate step's argv."""
     from pipeline_steps.training import experiment
 
     monkeypatch.setenv("PIPELINE_HOME", str(tmp_path))
-    with pytest.raises(UserError, match="not offered"):
-        plan.plan({"experiment": "local_tiny_vl"}, None, "r", "d")
+    run = plan.plan({"experiment": "local_tiny_vl"}, None, "r", "d")
+    argv = run["steps"]["evaluate"]
+    pixels = json.loads(argv[argv.index("--mm-processor-kwargs") + 1])
+    assert pixels == {"min_pixels": 3136, "max_pixels": 12544} and argv[argv.index("--name") + 1] == "geometry3k"
     preset = experiment.read("local_tiny_vl")
     assert preset.spec["model"]["source"] == "tiny-vl"
     assert experiment.mm_processor_kwargs(preset.verl) == {"min_pixels": 3136, "max_pixels": 12544}
