@@ -11,8 +11,10 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from pipeline_steps import library_env
+
 FILE_NAME = "metrics.jsonl"
-ENV = "VERL_FILE_LOGGER_PATH"  # where verl's file logger writes
+ENV = library_env.VERL_FILE_LOGGER_PATH  # where verl's file logger writes
 
 
 @dataclass

@@ -10,6 +10,7 @@ import contextlib
 import os
 from pathlib import Path
 
+from pipeline_steps import library_env
 from pipeline_steps.data import revisions
 from pipeline_steps.errors import UserError
 
@@ -19,7 +20,7 @@ def offline() -> bool:
 
 
 def cache_dir() -> str | None:
-    return os.environ.get("HF_HUB_CACHE") or None  # read now, not at huggingface_hub import
+    return os.environ.get(library_env.HF_HUB_CACHE) or None  # read now, not at huggingface_hub import
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 from pipeline_steps.errors import UserError
 
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -30,8 +30,8 @@ def parse_date(text: str) -> datetime:
 
 def _index_file(repo_id: str) -> Path | None:
     roots = [settings.get(settings.REVISION_INDEX)]
-    if os.environ.get("HF_HUB_CACHE"):
-        roots.append(str(Path(os.environ["HF_HUB_CACHE"]) / "revision-index"))
+    if os.environ.get(library_env.HF_HUB_CACHE):
+        roots.append(str(Path(os.environ[library_env.HF_HUB_CACHE]) / "revision-index"))
     for root in filter(None, roots):
         f = Path(root) / f"{repo_id.replace('/', '--')}.json"
         if f.is_file():
@@ -43,7 +43,7 @@ def in_cache(repo_id: str, repo_type: str = "dataset") -> bool:
     """Whether the Hugging Face cache holds anything of the repository (offline, the only Hub there is)."""
     from huggingface_hub import constants
 
-    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    cache = os.environ.get(library_env.HF_HUB_CACHE) or constants.HF_HUB_CACHE
     return (Path(cache) / f"{repo_type}s--{repo_id.replace('/', '--')}").is_dir()
 
 

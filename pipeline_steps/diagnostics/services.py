@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import os
 
+from pipeline_steps import library_env
 from pipeline_steps.diagnostics import Check, http_status, no_answer, safe_url
 
 SANDBOX_LIST = "/v2/sandboxes?limit=1"  # E2B's list route, served by sandbox-manager and AGS too (needs the key)
@@ -81,9 +82,9 @@ def _mlflow_settings(core, ns: str, cluster: dict) -> tuple[str, dict[str, str],
     """(tracking URI, credential variables, where they come from): the MLflow connection (the operator puts it in
     the environment, as it does for the RayJob), else the preset's Secret; ("", {}, why) with neither."""
     names = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-    if os.environ.get("MLFLOW_TRACKING_URI"):
+    if os.environ.get(library_env.MLFLOW_TRACKING_URI):
         creds = {n: os.environ[n] for n in names if os.environ.get(n)}
-        return os.environ["MLFLOW_TRACKING_URI"], creds, "$MLFLOW_TRACKING_URI"
+        return os.environ[library_env.MLFLOW_TRACKING_URI], creds, "$MLFLOW_TRACKING_URI"
     ref = _ref(cluster, "MLFLOW_TRACKING_URI")
     if ref is None:
         return "", {}, "no MLflow connection and the preset reads no URI from a Secret"

@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from pipeline_steps import library_env
 from pipeline_steps.errors import UserError
 from pipeline_steps.local.agent_server import HFAsyncServer
 
@@ -339,20 +340,6 @@ def _needs_local_mcp(cfg) -> bool:
 
 
 @contextlib.contextmanager
-def _env(values: dict):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def local_mcp_server(directory: Path, exec_timeout: float = 30.0):
     """Our MCP code server (``pipeline_steps.tools.mcp_code_server``) on a free local port, its sandboxes from the
     ``E2B_*`` settings in the environment; ``$MCP_SERVERS_CONFIG`` names an ``mcp_server.json`` for it meanwhile."""
@@ -383,7 +370,7 @@ def local_mcp_server(directory: Path, exec_timeout: float = 30.0):
         url = f"http://127.0.0.1:{port}/mcp"
         servers.write_text(json.dumps({"mcpServers": {"sandbox": {"url": url, "api_key": "$MCP_SERVER_TOKEN"}}}))
         print(f"started the local MCP code server for the agent loop: http://127.0.0.1:{port}/mcp", file=sys.stderr)
-        with _env({MCP_CONFIG_ENV: str(servers), "MCP_SERVER_TOKEN": token}):
+        with library_env.scoped({MCP_CONFIG_ENV: str(servers), "MCP_SERVER_TOKEN": token}):
             yield servers
     finally:
         proc.terminate()
@@ -419,7 +406,7 @@ def local_sandbox(cfg, hide=()):
             from pipeline_steps.sandbox.launcher import LocalSandboxServer
 
             server = stack.enter_context(LocalSandboxServer(state / "state", args=["--warm", "2"], hide=hide))
-            stack.enter_context(_env(server.env()))
+            stack.enter_context(library_env.scoped(server.env()))
             # stderr: a step's stdout is its JSON summary; the line tells the log reader where tool calls went
             print(
                 f"started the local sandbox server for the code tool: {server.env().get('E2B_API_URL')}",

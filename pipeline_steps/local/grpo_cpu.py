@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from pipeline_steps import atomic, metrics_log, tracking_run
+from pipeline_steps import atomic, library_env, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
 from pipeline_steps.planning.layout import RunLayout
@@ -262,35 +262,29 @@ def _tracking(cfg, path: Path, keep_through_step: int, run_file: Path, tensorboa
     from verl.utils.tracking import Tracking
 
     backends = [b for b in _as_list(cfg.trainer.get("logger")) if b != "file"]
-    if "mlflow" in backends and not os.environ.get("MLFLOW_TRACKING_URI"):
+    if "mlflow" in backends and not os.environ.get(library_env.MLFLOW_TRACKING_URI):
         log.warning("trainer.logger has mlflow but MLFLOW_TRACKING_URI is not set: not logging to MLflow")
         backends.remove("mlflow")
     previous = (tracking_run.read(run_file) or {}).get("run_id") if keep_through_step > 0 else None
-    saved = {k: os.environ.get(k) for k in ("MLFLOW_RUN_ID", "TENSORBOARD_DIR")}
-    if "mlflow" in backends and previous and not saved["MLFLOW_RUN_ID"]:
-        os.environ["MLFLOW_RUN_ID"] = previous
+    env = {}  # what verl's loggers read from the environment while they start
+    if "mlflow" in backends and previous and not os.environ.get(library_env.MLFLOW_RUN_ID):
+        env[library_env.MLFLOW_RUN_ID] = previous
     if "tensorboard" in backends:
-        os.environ["TENSORBOARD_DIR"] = str(tensorboard_dir)
-    try:
+        env[library_env.TENSORBOARD_DIR] = str(tensorboard_dir)
+    with library_env.scoped(env):
         tracking = Tracking(
             project_name=cfg.trainer.get("project_name") or "verl_grpo_pipeline",
             experiment_name=cfg.trainer.get("experiment_name") or "local",
             default_backend=backends,
             config=OmegaConf.to_container(cfg, resolve=True),
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     tracking.logger["file"] = _file_logger(path, keep_through_step)
     run = None
     if "mlflow" in tracking.logger:
         import mlflow
 
         info = mlflow.active_run().info
-        run = tracking_run.record(os.environ["MLFLOW_TRACKING_URI"], info.run_id, info.experiment_id)
+        run = tracking_run.record(os.environ[library_env.MLFLOW_TRACKING_URI], info.run_id, info.experiment_id)
         atomic.write_json(run_file, run)
     tb = tensorboard_dir if "tensorboard" in tracking.logger else None
     if tb is not None:

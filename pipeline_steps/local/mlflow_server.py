@@ -29,14 +29,14 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 from pipeline_steps.local.ray_cluster import _free_port
 from pipeline_steps.local.sessions import pid_alive, stop_session
 from pipeline_steps.tracking_run import responds
 
 log = logging.getLogger(__name__)
 
-ENV = "MLFLOW_TRACKING_URI"
+ENV = library_env.MLFLOW_TRACKING_URI
 STATE_FILE = "pipeline_mlflow_server.json"
 CREDENTIALS_FILE = "credentials.json"  # {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": ...}
 AUTH_CONFIG, AUTH_DB = "basic_auth.ini", "basic_auth.db"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 from pipeline_steps.errors import UserError
 from pipeline_steps.training import overrides as override_rules
 
@@ -90,7 +90,7 @@ def _cached_config(repo_id: str, revision: str | None) -> dict | None:
         from huggingface_hub import try_to_load_from_cache
 
         # the cache the process is pointed at now (huggingface_hub reads HF_HUB_CACHE once, at its import)
-        cache = os.environ.get("HF_HUB_CACHE") or None
+        cache = os.environ.get(library_env.HF_HUB_CACHE) or None
         path = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache, revision=revision or "main")
         if isinstance(path, str):
             return json.loads(Path(path).read_text(encoding="utf-8"))
