@@ -37,7 +37,7 @@ def main(model_dir: str) -> dict:
                 forced = processor(text=[prompt + "<think> </think> \\boxed{"], images=[image], return_tensors="pt")
                 logits = model(**forced).logits[0, -1]
             p = torch.softmax(logits, -1)[digits]
-            record[name] = {"answer": extract_boxed_content(answer), "p": [round(float(x), 6) for x in p]}
+            record[name] = {"answer": extract_boxed_content(answer), "p": [float(x) for x in p]}
         out.append(record)
     return {"rows": out}
 
