@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import pipeline_steps.store.claim as claim  # not "from pipeline_steps.store import": that package imports this module
+from pipeline_steps import settings
 from pipeline_steps.errors import UserError
 from pipeline_steps.store.manifest import MANIFEST, MANIFEST_FORMAT
 from pipeline_steps.store.store_uri import StoreURI, conn_id, parse_uri, validate_key
@@ -56,7 +57,8 @@ class Store(VersionTransfers, abc.ABC):
     @property
     def conn_id(self) -> str:
         """The Airflow connection id named in this store's errors (the credentials' origin)."""
-        return self._credentials.get("PIPELINE_STORE_CONN_ID") or conn_id()
+        handed = settings.is_set(settings.STORE_CONN_ID, self._credentials)
+        return settings.get(settings.STORE_CONN_ID, self._credentials) if handed else conn_id()
 
     # -- primitives (keys are full object keys in the bucket, or absolute paths for file://) ----------
     @abc.abstractmethod
