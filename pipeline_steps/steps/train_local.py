@@ -28,7 +28,7 @@ import logging
 import os
 from pathlib import Path
 
-from pipeline_steps import atomic, outputs
+from pipeline_steps import atomic, library_env, outputs
 from pipeline_steps.errors import UserError
 from pipeline_steps.planning.layout import RunLayout
 from pipeline_steps.training import derived_keys as derived
@@ -126,7 +126,7 @@ def run(args) -> dict:
     exp = load_experiment(args, derived_keys(train_files, val_files, model_path, out))
     cfg = experiment.compose(exp)
     layout = RunLayout.for_run_dir(str(out))
-    metrics_path = os.environ.get(derived.FILE_LOGGER_ENV) or layout.metrics
+    metrics_path = os.environ.get(library_env.VERL_FILE_LOGGER_PATH) or layout.metrics
 
     from pipeline_steps import tracking_run
     from pipeline_steps.local import grpo_cpu

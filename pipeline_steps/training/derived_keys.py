@@ -16,12 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pipeline_steps import metrics_log
+from pipeline_steps import library_env
 from pipeline_steps.planning.layout import RunLayout
-
-# the environment variables verl's loggers read for the run's locations (file logger, TensorBoard)
-FILE_LOGGER_ENV = metrics_log.ENV
-TENSORBOARD_ENV = "TENSORBOARD_DIR"
 
 
 def derived_keys(
@@ -60,7 +56,7 @@ def derived_keys(
 def derived_env(layout: RunLayout, *, tensorboard: bool, where: Callable[[str], str] = str) -> dict[str, str]:
     """The environment verl's loggers read for the run's locations: the file logger's metrics, and TensorBoard's
     directory when ``trainer.logger`` has it (verl's default goes with the job's working directory)."""
-    env = {FILE_LOGGER_ENV: where(layout.metrics)}
+    env = {library_env.VERL_FILE_LOGGER_PATH: where(layout.metrics)}
     if tensorboard:
-        env[TENSORBOARD_ENV] = where(layout.tensorboard)
+        env[library_env.TENSORBOARD_DIR] = where(layout.tensorboard)
     return env
