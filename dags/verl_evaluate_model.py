@@ -61,13 +61,17 @@ def verl_evaluate_model():
     def plan(params=None, triggering_asset_events=None, run_id=None, dag=None) -> dict:
         """The run's plan, made once: which model, which evaluation parquet, and the evaluate step's argv."""
         from operators.failures import user_errors
-        from operators.hooks.store_connection import store_environment
+        from operators.hooks.store_connection import StoreHook
 
         events = [e for evs in (triggering_asset_events or {}).values() for e in evs]
         store = (params.get("store_uri") or planning.default_store()).rstrip("/")
-        with store_environment(STORE_CONN_ID, store), user_errors():  # the worker reads the store itself
+        with user_errors():  # the store's client is handed the connection's credentials
             run = evaluation_run.evaluation_plan(
-                dict(params), events[-1].asset.uri if events else None, run_id, dag.dag_id
+                dict(params),
+                events[-1].asset.uri if events else None,
+                run_id,
+                dag.dag_id,
+                StoreHook(STORE_CONN_ID).credentials(store),
             )
         return {"run": run, "store": run["store"]}
 

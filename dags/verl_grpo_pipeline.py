@@ -223,12 +223,11 @@ def verl_grpo_pipeline():
         """The run's plan, made once: the preset read, the backend resolved, the form's overrides, dataset revisions
         (pinned, or as of the logical date) and every location. Later tasks read it from here (XCom) or plan.json."""
         from operators.failures import user_errors
-        from operators.hooks.store_connection import store_environment
+        from operators.hooks.store_connection import StoreHook
 
         with user_errors():
             run = planning.plan(dict(params), logical_date, run_id, dag.dag_id)
-        with store_environment(STORE_CONN_ID, run["store"]), user_errors():  # the worker opens the store itself
-            plan_io.save(run)
+            plan_io.save(run, StoreHook(STORE_CONN_ID).credentials(run["store"]))  # handed to the store's client
         return {"run": run, "datasets": run["datasets"], "store": run["store"], "model": run["model"]}
 
     @task(task_id="download_requests", **retrying(timedelta(minutes=5)))

@@ -20,11 +20,8 @@ child names the connection id in its errors (``PIPELINE_STORE_CONN_ID``) and nev
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import threading
 
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowFailException
@@ -161,32 +158,6 @@ class StoreHook(BaseHook):
                 return None
         data = self.open(uri).read_bytes(uri)
         return None if data is None else data.decode("utf-8", errors="replace")
-
-
-_ENVIRONMENT = threading.RLock()  # os.environ is process-wide: one store's credentials at a time (triggerer)
-
-
-@contextlib.contextmanager
-def store_environment(conn_id: str | None, uri: str):
-    """The store connection's credentials in ``os.environ`` (under a process-wide lock) while a library function that
-    opens the store itself runs in the worker; restored afterwards. Prefer :class:`StoreHook`, which hands them to
-    the client; this is for the few callees that take no store or credentials (pre-flight, saving the plan, the
-    evaluation plan)."""
-    env = store_env(conn_id, uri) if "://" in uri and not uri.startswith("file://") else {}
-    if not env:
-        yield
-        return
-    with _ENVIRONMENT:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def store_credentials_file(conn_id: str | None, uri: str, name: str) -> str | None:

@@ -6,6 +6,7 @@ Cheap to import: the DAG file uses it at parse time.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.planning import argv_templates as argv
@@ -14,11 +15,13 @@ from pipeline_steps.planning.plan import default_store, run_key
 from pipeline_steps.planning.run_plan import EvaluationPlan
 
 
-def evaluation_plan(params: dict, triggered_by: str | None, run_id: str, dag_id: str) -> dict:
+def evaluation_plan(
+    params: dict, triggered_by: str | None, run_id: str, dag_id: str, credentials: Mapping[str, str] | None = None
+) -> dict:
     """The ``verl_evaluate_model`` run's plan (an :class:`EvaluationPlan`'s dict): which model (the form's, else the
     exported model whose event triggered the run), which evaluation parquet (the form's, else the named dataset's
-    last processed version in the store), where the results go, and the evaluate step's argv (``steps``). The store
-    is opened as every step opens it (the caller's connection in the environment)."""
+    last processed version in the store), where the results go, and the evaluate step's argv (``steps``).
+    ``credentials``: the store client's (the worker's connection); without them, the environment's."""
     from pipeline_steps.store import open_store
 
     store = (params.get("store_uri") or default_store()).rstrip("/")
@@ -29,7 +32,7 @@ def evaluation_plan(params: dict, triggered_by: str | None, run_id: str, dag_id:
     data = params.get("eval_data_uri")
     if not data:
         name = params["eval_dataset"]
-        pointer = open_store(store).read_bytes(layout.last_processed(name))
+        pointer = open_store(store, credentials=credentials).read_bytes(layout.last_processed(name))
         if pointer is None:
             raise UserError(
                 f"eval_dataset {name!r}: no processed version in {store}; run verl_grpo_pipeline with it first or "

@@ -7,6 +7,7 @@ Every later task reads the plan from the ``plan`` task's XCom; a step given ``--
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 from pipeline_steps.errors import UserError
@@ -14,14 +15,15 @@ from pipeline_steps.planning.layout import RunLayout
 from pipeline_steps.planning.run_plan import RunPlan
 
 
-def save(run: dict) -> str:
+def save(run: dict, credentials: Mapping[str, str] | None = None) -> str:
     """Write the plan to ``plan.json`` in the run directory (one atomic write: a reader sees all of it or none);
-    returns its URI. The store is opened as every step opens it (its environment: the caller's connection)."""
+    returns its URI. ``credentials``: the store client's (the worker's connection); without them, the environment's."""
     from pipeline_steps.store import open_store
 
     plan = RunPlan.from_dict(run)
     uri = plan.layout.plan_file
-    open_store(plan.store).write_bytes(uri, json.dumps(plan.to_dict(), indent=2, sort_keys=True).encode())
+    body = json.dumps(plan.to_dict(), indent=2, sort_keys=True).encode()
+    open_store(plan.store, credentials=credentials).write_bytes(uri, body)
     return uri
 
 

@@ -175,6 +175,25 @@ def test_train_preflight_is_handed_the_credentials(recorded, monkeypatch, tmp_pa
     assert seen["environ"] == dict.fromkeys(NAMES)
 
 
+def test_the_plan_tasks_hand_the_credentials(recorded):
+    """The two DAGs' plan tasks: the pipeline's saves plan.json, the evaluation DAG's reads a dataset's pointer."""
+    from operators.hooks.store_connection import StoreHook
+    from pipeline_steps.planning import evaluation_run, plan, plan_io
+
+    store = "oss://test-bucket/store"
+    creds = StoreHook(CONN).credentials(store)
+    run = plan.plan({"experiment": "local_tiny", "backend": "local", "store_uri": store}, None, "r1", "d")
+    uri = plan_io.save(run, creds)
+    assert json.loads(recorded.objects[uri])["run_dir"] == run["run_dir"]
+    pointer = f"{store}/datasets/gsm8k/last_processed.json"
+    recorded.objects[pointer] = json.dumps({"uri": f"{store}/datasets/gsm8k/c/h"}).encode()
+    params = {"store_uri": store, "model_uri": f"{store}/models/m", "eval_dataset": "gsm8k"}
+    params.update(k=1, temperature=1.0, top_p=1.0, max_new_tokens=8)
+    ev = evaluation_run.evaluation_plan(params, None, "r2", "e", creds)
+    assert ev["data"] == f"{store}/datasets/gsm8k/c/h/test.parquet"
+    _check(recorded, {"open", "read", "write"})
+
+
 def test_the_gcs_client_reaches_the_emulator_only_handed(gcs_server, monkeypatch):
     """The library reads ``STORAGE_EMULATOR_HOST`` from the environment itself: handed, it is passed as the endpoint."""
     from pipeline_steps.store import open_store
