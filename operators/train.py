@@ -28,9 +28,10 @@ from airflow.sdk.exceptions import AirflowFailException
 from operators.backends import KubeRayJobs, LocalRayJobs, complete, submission_base, training_result
 from operators.failures import user_errors
 from operators.hooks.store_connection import StoreHook
-from operators.ray_job import RayJobBaseOperator, normalize_overrides
+from operators.ray_job import RayJobBaseOperator
+from pipeline_steps import library_env
 
-__all__ = ["GRPOTrainOperator", "as_list", "local_tracking_env", "normalize_overrides"]
+__all__ = ["GRPOTrainOperator", "as_list", "local_tracking_env"]
 
 
 def as_list(value) -> list[str]:
@@ -263,12 +264,14 @@ def local_tracking_env(exp, mlflow_conn_id: str | None = None, job: str = "job")
         return {}
     hook = MlflowHook(mlflow_conn_id)
     if hook.tracking_uri:
-        env = {"MLFLOW_TRACKING_URI": hook.tracking_uri}
+        env = {library_env.MLFLOW_TRACKING_URI: hook.tracking_uri}
         secret_file = hook.credentials_file(job)
         if secret_file:
             env[tracking_run.CREDENTIALS_FILE_ENV] = str(secret_file)
         return env
-    env = {"MLFLOW_TRACKING_URI": mlflow_server.ensure_server()}  # a failed start is retryable, not bad input
-    if mlflow_server.is_local_server(env["MLFLOW_TRACKING_URI"]):  # the embedded server wants its login (issue 46)
+    env = {library_env.MLFLOW_TRACKING_URI: mlflow_server.ensure_server()}  # a failed start is retryable, not bad input
+    if mlflow_server.is_local_server(
+        env[library_env.MLFLOW_TRACKING_URI]
+    ):  # the embedded server wants its login (issue 46)
         env[tracking_run.CREDENTIALS_FILE_ENV] = str(mlflow_server.credentials_file())  # 0600, in its own directory
     return env

@@ -11,10 +11,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from pipeline_steps import library_env
-
 FILE_NAME = "metrics.jsonl"
-ENV = library_env.VERL_FILE_LOGGER_PATH  # where verl's file logger writes
 
 
 @dataclass

@@ -22,7 +22,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ def log_to_run(run: dict, metrics: dict[str, float], artifacts: list[Path], step
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or run["tracking_uri"]
+    uri = os.environ.get(library_env.MLFLOW_TRACKING_URI) or run["tracking_uri"]
     if uri.startswith(("http://", "https://")) and not responds(uri):  # the client would retry for minutes
         log.warning("MLflow server %s does not answer: the run %s gets no evaluation/model card", uri, run["run_id"])
         return False

@@ -28,7 +28,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 from scripts.local_profile import ROOT, _free_port, prepare, stop_services
 
 # a cold start (database migration, four components, the first parse) takes about a minute alone and over five
@@ -99,7 +99,7 @@ def airflow_env(home: Path, airflow_home: Path, port: int) -> dict[str, str]:
     )
     # the Host check and the login link; a test's own plugins folder carries them too (tests/helpers/airflow_plugins)
     env.setdefault("AIRFLOW__CORE__PLUGINS_FOLDER", str(PLUGINS))
-    env.update(mlflow_env(home, env.get("MLFLOW_TRACKING_URI")))
+    env.update(mlflow_env(home, env.get(library_env.MLFLOW_TRACKING_URI)))
     ensure_password(airflow_home)
     return env
 
@@ -221,7 +221,7 @@ def main() -> int:
 
     try:
         # started before Airflow so its tasks inherit MLFLOW_TRACKING_URI (the operator would start it on demand too)
-        os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(home / "mlflow")
+        os.environ[library_env.MLFLOW_TRACKING_URI] = mlflow_server.ensure_server(home / "mlflow")
         proc, url = start(home, airflow_home, port, log_path)
     except Stop as sig:
         print(f"{sig}: stopping ...", flush=True)
@@ -231,7 +231,7 @@ def main() -> int:
         stop_services(home)
         raise
     password = ensure_password(airflow_home)
-    mlflow_login = mlflow_env(home, os.environ["MLFLOW_TRACKING_URI"])
+    mlflow_login = mlflow_env(home, os.environ[library_env.MLFLOW_TRACKING_URI])
     mlflow_user = (
         f"user {mlflow_login['MLFLOW_TRACKING_USERNAME']}, password {mlflow_login['MLFLOW_TRACKING_PASSWORD']}"
         if mlflow_login

@@ -19,7 +19,7 @@ import urllib.parse
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 from scripts.local_profile import ROOT, _free_port, newest_run, stop_services, task_states, xcom
 
 
@@ -141,7 +141,7 @@ def _run(home: Path) -> int:
     logical = datetime.now(timezone.utc).replace(microsecond=0).isoformat()
     log = home / "airflow.log"
     # the local profile's MLflow tracking server (SQLite under PIPELINE_HOME/mlflow); the DAG's tasks log to it
-    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server.ensure_server(mlflow_server.server_dir(home / "mlflow"))
+    os.environ[library_env.MLFLOW_TRACKING_URI] = mlflow_server.ensure_server(mlflow_server.server_dir(home / "mlflow"))
     print(f"MLflow UI and tracking server: {os.environ['MLFLOW_TRACKING_URI']}  (store {home / 'mlflow'})", flush=True)
     # only the demo's run: no scheduled run starts while the DAG is unpaused for it (`make airflow` parses the DAG
     # again with its own schedule)

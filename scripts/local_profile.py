@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,7 +51,7 @@ def local_profile_env(home: Path) -> dict[str, str]:
         settings.RAY_DASHBOARD_PORT: str(_free_port()),
         settings.HOME: str(home),
         settings.STORE_URI: f"file://{home / 'store'}",
-        "HF_HUB_CACHE": str(home / "hf-cache"),
+        library_env.HF_HUB_CACHE: str(home / "hf-cache"),
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

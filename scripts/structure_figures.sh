@@ -6,8 +6,8 @@ src=(pipeline_steps operators dags)
 echo "## largest modules (lines)"
 find "${src[@]}" -name '*.py' -print0 | xargs -0 wc -l | sort -rn | sed -n '2,11p'
 count() { grep -rnE --include=*.py "$1" "${src[@]}" | grep -vE '^\S+:[0-9]+:\s*#' || true; }
-echo "## places that set a derived verl key (data.train_files / trainer.default_local_dir / rollout_data_dir as a key)"
-count '"(\+)?(trainer\.default_local_dir|data\.train_files|trainer\.rollout_data_dir)"\s*:' | cut -d: -f1 | sort | uniq -c
+echo "## places that set a derived verl key (data.train_files / trainer.default_local_dir / rollout_data_dir)"
+count '("(\+)?(trainer\.default_local_dir|data\.train_files|trainer\.rollout_data_dir)"\s*:|\["(trainer\.default_local_dir|data\.train_files|trainer\.rollout_data_dir)"\]\s*=[^=])' | cut -d: -f1 | sort | uniq -c
 echo "## run-directory locations spelled as literals (checkpoints, metrics.jsonl, rollouts, eval, tensorboard, lineage.json, plan.json)"
 lit=$(count "[\"'/](checkpoints|metrics\.jsonl|rollouts|eval|tensorboard|lineage\.json|plan\.json)[\"'/]")
 echo "$lit" | grep -c . || true

@@ -26,9 +26,8 @@ from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowFailException, AirflowNotFoundException
 
 from operators.hooks import job_credentials
-from pipeline_steps import settings
+from pipeline_steps import library_env, settings
 
-URI_ENV = "MLFLOW_TRACKING_URI"
 USERNAME_ENV, PASSWORD_ENV, TOKEN_ENV = "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN"
 CREDENTIAL_ENVS = (USERNAME_ENV, PASSWORD_ENV, TOKEN_ENV)
 # the Kubernetes Secret's data keys (the same as gsm8k_qwen2_5_3b's Secret mlflow-tracking)
@@ -120,7 +119,7 @@ class MlflowHook(BaseHook):
     def env(self) -> dict[str, str]:
         """``MLFLOW_TRACKING_URI`` and the credentials, for a child process's environment; {} without a connection."""
         uri = self.tracking_uri
-        return {URI_ENV: uri, **self.credentials} if uri else {}
+        return {library_env.MLFLOW_TRACKING_URI: uri, **self.credentials} if uri else {}
 
     def credentials_file(self, name: str) -> Path | None:
         """The credentials in a file only the worker's user can read, for a local Ray job (the Ray dashboard shows a
@@ -146,10 +145,10 @@ class MlflowHook(BaseHook):
         if not isinstance(cluster.get("env") or {}, dict) or not isinstance(cluster.get("secrets") or [], list):
             return cluster
         cluster = dict(cluster)
-        names = (URI_ENV, *CREDENTIAL_ENVS)
+        names = (library_env.MLFLOW_TRACKING_URI, *CREDENTIAL_ENVS)
         env = {k: v for k, v in (cluster.get("env") or {}).items() if k not in names}
         secrets = [s for s in cluster.get("secrets") or [] if not (isinstance(s, dict) and s.get("env") in names)]
-        env[URI_ENV] = uri
+        env[library_env.MLFLOW_TRACKING_URI] = uri
         secret = settings.get(SECRET_ENV) or cluster.get("mlflow_secret")
         if self.credentials and not secret:
             self._fail(

@@ -85,7 +85,7 @@ def _mlflow_settings(core, ns: str, cluster: dict) -> tuple[str, dict[str, str],
     if os.environ.get(library_env.MLFLOW_TRACKING_URI):
         creds = {n: os.environ[n] for n in names if os.environ.get(n)}
         return os.environ[library_env.MLFLOW_TRACKING_URI], creds, "$MLFLOW_TRACKING_URI"
-    ref = _ref(cluster, "MLFLOW_TRACKING_URI")
+    ref = _ref(cluster, library_env.MLFLOW_TRACKING_URI)
     if ref is None:
         return "", {}, "no MLflow connection and the preset reads no URI from a Secret"
     uri, source = secret_value(core, ns, ref)

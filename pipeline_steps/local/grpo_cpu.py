@@ -379,7 +379,9 @@ class GRPOTrainer:
         self.data_seed = int(cfg.data.seed) if cfg.data.get("seed") is not None else 1
         self.ckpt_root = Path(str(cfg.trainer.default_local_dir))
         self.layout = RunLayout.for_checkpoints(str(self.ckpt_root))  # the run directory holds the checkpoints
-        self.metrics_path = Path(metrics_path or os.environ.get(metrics_log.ENV) or self.layout.metrics)
+        self.metrics_path = Path(
+            metrics_path or os.environ.get(library_env.VERL_FILE_LOGGER_PATH) or self.layout.metrics
+        )
         self._validate()
 
         from verl.trainer.ppo import core_algos

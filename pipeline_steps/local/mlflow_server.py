@@ -36,7 +36,6 @@ from pipeline_steps.tracking_run import responds
 
 log = logging.getLogger(__name__)
 
-ENV = library_env.MLFLOW_TRACKING_URI
 STATE_FILE = "pipeline_mlflow_server.json"
 CREDENTIALS_FILE = "credentials.json"  # {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": ...}
 AUTH_CONFIG, AUTH_DB = "basic_auth.ini", "basic_auth.db"
@@ -114,7 +113,7 @@ def _auth_config(d: Path) -> Path:
 
 def ensure_server(directory=None, *, port: int | None = None, timeout: float = 120) -> str:
     """The tracking URI to use (``http://127.0.0.1:PORT`` for a started server), starting one if needed."""
-    configured = os.environ.get(ENV)
+    configured = os.environ.get(library_env.MLFLOW_TRACKING_URI)
     if configured and not directory:
         return configured
     d = server_dir(directory).resolve()
@@ -147,7 +146,13 @@ def ensure_server(directory=None, *, port: int | None = None, timeout: float = 1
         MLFLOW_AUTH_ADMIN_PASSWORD=creds[PASSWORD_ENV],
         MLFLOW_FLASK_SERVER_SECRET_KEY=creds[FLASK_KEY],
     )
-    for name in (ENV, USERNAME_ENV, PASSWORD_ENV, "MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_TRACKING_TOKEN"):
+    for name in (
+        library_env.MLFLOW_TRACKING_URI,
+        USERNAME_ENV,
+        PASSWORD_ENV,
+        "MLFLOW_AUTH_ADMIN_USERNAME",
+        "MLFLOW_TRACKING_TOKEN",
+    ):
         env.pop(name, None)
     log_path = d / "server.log"
     with open(log_path, "ab") as out:

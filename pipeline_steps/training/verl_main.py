@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline_steps import atomic, metrics_log, tracking_run
+from pipeline_steps import atomic, library_env, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.planning.layout import RunLayout
 
@@ -53,7 +53,7 @@ def checkpointed_step(argv: list[str]) -> int:
 
 def keep_history(argv: list[str]) -> None:
     """Make verl's FileLogger start from the history of the checkpointed steps instead of an empty file."""
-    path = os.environ.get(metrics_log.ENV)
+    path = os.environ.get(library_env.VERL_FILE_LOGGER_PATH)
     if not path:
         return
     history = metrics_log.history_through(path, checkpointed_step(argv))
@@ -82,14 +82,14 @@ def mlflow_run(config) -> dict | None:
     trainer = config.trainer
     if "mlflow" not in tracking_run.loggers(trainer.get("logger")):
         return None
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    uri = os.environ.get(library_env.MLFLOW_TRACKING_URI)
     if not uri:
         log.warning("trainer.logger has mlflow but MLFLOW_TRACKING_URI is not set: verl logs into the pod only")
         return None
     layout = RunLayout.for_checkpoints(str(trainer.default_local_dir))
     ckpt, run_file = Path(layout.checkpoints), Path(layout.mlflow_record)
     # a resumed attempt continues its run; an attempt that restarts from step 1 starts a new one (as the CPU trainer)
-    previous = os.environ.get("MLFLOW_RUN_ID")
+    previous = os.environ.get(library_env.MLFLOW_RUN_ID)
     if not previous and tracker_step(ckpt) > 0:
         previous = (tracking_run.read(run_file) or {}).get("run_id")
     try:
@@ -119,7 +119,7 @@ def record_mlflow_run() -> None:
         env = original(config)
         run = mlflow_run(config) if config is not None else None
         if run:
-            env.setdefault("env_vars", {})["MLFLOW_RUN_ID"] = run["run_id"]
+            env.setdefault("env_vars", {})[library_env.MLFLOW_RUN_ID] = run["run_id"]
         return env
 
     constants_ppo.get_ppo_ray_runtime_env = get_ppo_ray_runtime_env
