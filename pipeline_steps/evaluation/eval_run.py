@@ -23,6 +23,7 @@ from pipeline_steps.evaluation import metrics as eval_metrics
 from pipeline_steps.evaluation.eval_set import row_images
 from pipeline_steps.evaluation.generation import GENERATORS
 from pipeline_steps.evaluation.scoring import SCORER, score
+from pipeline_steps.planning import layout
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +84,12 @@ def add_base(res: dict, base: dict) -> None:
 
 def write_outputs(out: Path, res: dict, base: dict | None, gens: list, rows: list[dict]) -> None:
     with atomic.atomic_dir(out, owner="evaluate") as tmp:
-        shown = write_figures(tmp / figures.DIR, rows)
+        shown = write_figures(tmp / layout.EVAL_FIGURES, rows)
         if shown:
-            res["figures"] = {"dir": figures.DIR, "count": shown}
-        atomic.write_json(tmp / "results.json", res)
+            res["figures"] = {"dir": layout.EVAL_FIGURES, "count": shown}
+        atomic.write_json(tmp / layout.EVAL_RESULTS, res)
         if base is not None:
-            atomic.write_json(tmp / "base_results.json", base)
+            atomic.write_json(tmp / layout.BASE_RESULTS, base)
         atomic.write_text(tmp / "results.md", results_page.render(res, base))
         with open(tmp / "generations.jsonl", "w", encoding="utf-8") as f:
             for p, texts in zip(res["problems"], gens):
@@ -114,8 +115,8 @@ def summary(out: Path, res: dict, base: dict | None) -> dict:
     o = res["overall"]
     return {
         "output": str(out),
-        "results": str(out / "results.json"),
-        "base_results": str(out / "base_results.json") if base is not None else None,
+        "results": str(out / layout.EVAL_RESULTS),
+        "base_results": str(out / layout.BASE_RESULTS) if base is not None else None,
         "problems": o["problems"],
         "k": o["k"],
         "samples_scored": o["samples_scored"],

@@ -14,7 +14,6 @@ import logging
 
 log = logging.getLogger(__name__)
 
-DIR = "figures"  # under the evaluate step's output (eval/)
 MAX_SIDE = 96
 MAX_BYTES = 16 * 1024
 MAX_REPORT_BYTES = 256 * 1024

@@ -154,7 +154,7 @@ def report_figures(run_dir: Path, out: Path, count: int) -> dict[int, str]:
     """The thumbnails the evaluate step wrote (``eval/figures/NNNN.png``) for the first ``count`` problems, re-encoded
     from their pixels into the report directory (:func:`figures.thumbnail`: a file that is not an image, or too big,
     is left out), within ``figures.MAX_REPORT_BYTES`` in all. Returns problem position -> file name in ``out``."""
-    src = Path(RunLayout.for_run_dir(str(run_dir)).eval) / figures.DIR
+    src = Path(RunLayout.for_run_dir(str(run_dir)).eval_figures)
     if not src.is_dir():
         return {}
     shown: dict[int, str] = {}

@@ -98,7 +98,7 @@ def write_remote_report(
                 Path(getattr(here, name)).parent.mkdir(parents=True, exist_ok=True)
                 Path(getattr(here, name)).write_bytes(data)
         fetch_rollouts(store, remote.rollouts, Path(here.rollouts))
-        fetch_figures(store, f"{remote.eval}/{figures.DIR}", Path(here.eval) / figures.DIR)
+        fetch_figures(store, remote.eval_figures, Path(here.eval_figures))
         tb_uri = remote.tensorboard
         tb = tracking_run.tensorboard_info(tb_uri) if store.list_names(tb_uri) else None
         out = Path(tmp) / "report"

@@ -37,6 +37,7 @@ TENSORBOARD = "tensorboard"
 EVAL = "eval"
 EVAL_RESULTS = "results.json"
 BASE_RESULTS = "base_results.json"
+EVAL_FIGURES = "figures"  # thumbnails of the evaluated figures (image rows)
 TRAIN_SUMMARY = "train_summary.json"
 REPORT = "report"
 MLFLOW_RECORD = tracking_run.FILE  # the MLflow record beside the checkpoints
@@ -152,6 +153,10 @@ class RunLayout:
     @property
     def base_results(self) -> str:
         return _join(self._dir(), EVAL, BASE_RESULTS)
+
+    @property
+    def eval_figures(self) -> str:
+        return _join(self._dir(), EVAL, EVAL_FIGURES)
 
     @property
     def lineage(self) -> str:
