@@ -30,7 +30,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from operators.backends import complete
 from operators.failures import JobFailed, user_errors
 from operators.hooks.store_connection import StoreHook
-from operators.ray_job import RayJobBaseOperator, normalize_overrides
+from operators.ray_job import RayJobBaseOperator
 from operators.step import PipelineStepOperator
 
 ENTRY = ["python3", "-m", "pipeline_steps.cluster_entry"]
@@ -119,14 +119,9 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
     :param step: step name, as in ``python -m pipeline_steps --help``.
     :param request: ``{"args": [...], "carry": {...}}`` as for :class:`operators.step.PipelineStepOperator`;
         without it, the argv the plan holds for the step (``plan["steps"][step]``, no placeholders).
-    :param plan: the run's plan (:func:`pipeline_steps.planning.plan.plan`, the ``plan`` task's XCom, or
-        :func:`pipeline_steps.planning.evaluation_run.evaluation_plan`): the backend, the preset as read and the
-        overrides come from it (no preset is read again); ``backend``, ``experiment`` and ``overrides`` are then not
-        used.
-    :param backend: ``"local"`` or ``"kuberay"``; ``None``/``"auto"``: the preset's (``backend: local`` or not).
-    :param experiment: preset name or file: the cluster shape, image, secrets and mounts of the RayJob.
-    :param overrides: verl overrides (list, JSON list or one per line) applied to the preset, e.g. the form's
-        ``trainer.n_gpus_per_node``; only the cluster shape is read from them.
+    :param plan: the run's plan, required (:func:`pipeline_steps.planning.plan.plan`, the ``plan`` task's XCom, or
+        :func:`pipeline_steps.planning.evaluation_run.evaluation_plan`): the backend, and for a RayJob the preset as
+        read (cluster shape, image, secrets, mounts) with the run's overrides, come from it; no preset is read again.
     :param uri_args: flags whose values are store URIs to turn into pod paths (kuberay), e.g.
         ``("--model", "--data", "--output")``; every other argument is passed as is (shell-quoted).
     :param output_args: those of ``uri_args`` the step writes (local backend on a cloud store: uploaded after it).
@@ -147,9 +142,6 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
         "request",
         "store_uri",
         "plan",
-        "backend",
-        "experiment",
-        "overrides",
         "namespace",
         "summary_dir",
     )
@@ -160,10 +152,7 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
         self,
         *,
         step: str,
-        plan: dict | None = None,
-        backend: str | None = "local",
-        experiment: str | None = None,
-        overrides=(),
+        plan: dict,
         uri_args: Sequence[str] = (),
         output_args: Sequence[str] = (),
         job_kind: str | None = None,
@@ -173,7 +162,6 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
         **kwargs,
     ):
         super().__init__(step=step, plan=plan, **kwargs)
-        self.backend, self.experiment, self.overrides = backend, experiment, overrides
         self.uri_args, self.output_args, self.job_kind = tuple(uri_args), tuple(output_args), job_kind or step
         self._published: list[str] = []  # local backend on a cloud store: the output URIs to upload at the end
         self.gpu = self.job_kind in GPU_KINDS if gpu is None else gpu
@@ -181,22 +169,12 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
         self._entry: dict | None = None
 
     # -- dispatch ---------------------------------------------------------------------------------------
-    def _backend(self) -> str:
-        from pipeline_steps.constants import resolve_backend
-
-        if self.plan:
-            return super()._backend()
-        try:
-            return resolve_backend(self.backend, self._experiment().spec.get("backend") if self.experiment else None)
-        except ValueError as exc:
-            raise AirflowFailException(str(exc)) from None
-
     def execute(self, context):
-        if self.plan and not self.request.get("args"):  # the argv the plan holds whole for this step
+        if not self.request.get("args"):  # the argv the plan holds whole for this step
             from pipeline_steps.planning.run_requests import step_request
 
             with user_errors(f"step {self.step}"):
-                self.request = step_request(self.plan, self.step)
+                self.request = step_request(self._run_plan(), self.step)
         if self._backend() == "local":
             self._mirror_inputs()
             return super().execute(context)  # the step in a child process of the worker
@@ -234,18 +212,6 @@ class PipelineStepJobOperator(RayJobBaseOperator, PipelineStepOperator):
         return super().finish(context, summary)
 
     # -- kuberay ----------------------------------------------------------------------------------------
-    def _experiment(self, derived: dict | None = None):
-        from pipeline_steps.training import experiment
-
-        if self.plan:  # the preset the plan read, and its overrides
-            return super()._experiment(derived)
-        if not self.experiment:
-            raise AirflowFailException(
-                f"step {self.step}: the kuberay backend needs experiment= (the preset with the cluster shape)"
-            )
-        with user_errors():
-            return experiment.load(self.experiment, normalize_overrides(self.overrides), derived=derived)
-
     def _summary_dir(self) -> str:
         root = self.summary_dir or (f"{str(self.store_uri).rstrip('/')}/tmp/step-summaries" if self.store_uri else "")
         if "://" not in root:

@@ -18,8 +18,6 @@ Derived operators: :class:`operators.train.GRPOTrainOperator` (the ``train`` tas
 
 from __future__ import annotations
 
-import json
-
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException
 
@@ -28,32 +26,12 @@ from operators.failures import user_errors
 from operators.links import RayDashboardLink
 
 
-def normalize_overrides(value) -> list[str]:
-    """Overrides as typed in the trigger form: a list, a JSON list, or one ``KEY=VALUE`` per line."""
-    if value is None or value == "":
-        return []
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except ValueError:
-                raise AirflowFailException(
-                    f"overrides {text[:80]!r}: not a JSON list; pass one KEY=VALUE per line or a JSON list"
-                ) from None
-        else:
-            value = [line.strip() for line in text.splitlines() if line.strip()]
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise AirflowFailException("overrides: expected a list of KEY=VALUE strings")
-    return list(value)
-
-
 class RayJobBaseOperator(BaseOperator):
     """Base of the operators that run a job on the local Ray backend or as a KubeRay RayJob.
 
     :param plan: the run's plan (the ``plan`` task's XCom: :meth:`pipeline_steps.planning.run_plan.RunPlan.to_dict`,
         or the evaluation DAG's :class:`~pipeline_steps.planning.run_plan.EvaluationPlan`): the backend, the preset as
-        read and the overrides come from it.
+        read and the overrides come from it. Required: an operator without one fails at construction.
     :param namespace: kuberay backend: namespace (default: the Kubernetes connection's, then ``default``).
     :param kubernetes_conn_id: kuberay backend: the Kubernetes connection.
     :param cluster_context: kuberay backend: kube config context.
@@ -70,7 +48,7 @@ class RayJobBaseOperator(BaseOperator):
     def __init__(
         self,
         *,
-        plan: dict | None = None,
+        plan: dict,
         namespace: str | None = None,
         kubernetes_conn_id: str | None = "kubernetes_default",
         cluster_context: str | None = None,
@@ -79,6 +57,11 @@ class RayJobBaseOperator(BaseOperator):
         dashboard_url_template: str = "http://{dashboard_url}",
         **kwargs,
     ):
+        if plan is None or plan == {}:
+            raise TypeError(
+                f"{type(self).__name__} {kwargs.get('task_id')!r}: plan= is required (the plan task's XCom: the "
+                "run's backend, preset and overrides)"
+            )
         super().__init__(**kwargs)
         self.plan = plan
         self.namespace, self.kubernetes_conn_id, self.cluster_context = namespace, kubernetes_conn_id, cluster_context

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pipeline_steps.constants import BACKENDS
 from pipeline_steps.errors import UserError
 from pipeline_steps.planning.layout import RunLayout
 
@@ -33,6 +34,16 @@ def _take(d: Any, cls, what: str) -> dict:
                 "new plan"
             )
     return out
+
+
+def _check_backend(backend: Any, what: str) -> None:
+    """A plan names the backend its tasks run on, resolved when it was made: anything but ``local`` or ``kuberay``
+    (a plan edited by hand) is refused in one line, not run as a RayJob."""
+    if backend not in BACKENDS:
+        raise UserError(
+            f"{what}: backend {backend!r}: choose 'local' or 'kuberay' (a plan edited by hand?); re-run the DAG for "
+            "a new plan"
+        )
 
 
 def _dict(obj) -> dict:
@@ -132,6 +143,7 @@ class RunPlan:
         if isinstance(d, RunPlan):
             return d
         kw = _take(d, cls, "plan")
+        _check_backend(kw["backend"], "plan")
         if not isinstance(kw["preset"], dict):
             raise UserError("plan: 'preset' is not a preset (name, spec, verl); pass the plan the plan task wrote")
         kw["datasets"] = [DatasetPlan.from_dict(item) for item in kw["datasets"]]
@@ -183,7 +195,9 @@ class EvaluationPlan:
     def from_dict(cls, d: dict) -> EvaluationPlan:
         if isinstance(d, EvaluationPlan):
             return d
-        return cls(**_take(d, cls, "evaluation plan"))
+        kw = _take(d, cls, "evaluation plan")
+        _check_backend(kw["backend"], "evaluation plan")
+        return cls(**kw)
 
     def to_dict(self) -> dict:
         return _dict(self)

@@ -35,10 +35,12 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from operators.cluster_step import PipelineStepJobOperator, map_uri_args, pod_paths_to_uris
 from operators.failures import JobFailed
 from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
+from pipeline_steps.errors import UserError
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob_manifest import rayjob_name
 from tests.helpers.deferral import deferred, run_trigger
 from tests.helpers.k8s_connection import K8S_CONN_ID, K8S_NAMESPACE
+from tests.helpers.rayjob_operators import train_plan
 
 ROOT = Path(__file__).resolve().parents[3]
 RUN_ID = "manual__2026-01-01T00:00:00+00:00"
@@ -103,12 +105,21 @@ def cluster(k8s_api, tmp_path, monkeypatch):
     return {"api": k8s_api, "store": store, "mnt": mnt}
 
 
+def kuberay_plan(store: Path) -> dict:
+    """A kuberay run's plan of ``PRESET`` (its ``cluster:`` section: shape, image, mounts) on the mounted store."""
+    return train_plan(PRESET, "kuberay", f"file://{store}")
+
+
+def local_plan(tmp_path: Path) -> dict:
+    """A local run's plan (``local_tiny``): the step runs in the worker."""
+    return train_plan("local_tiny", "local", f"file://{tmp_path / 'store'}")
+
+
 def make_op(dag_id: str, task_id: str, **kw) -> PipelineStepJobOperator:
+    """The step task of DAG ``dag_id``, polling fast; ``plan=`` (required) says the backend."""
     kw.setdefault("namespace", NS)
     with DAG(dag_id, schedule=None):
-        return PipelineStepJobOperator(
-            task_id=task_id, kubernetes_conn_id=CONN, poll_interval=0.01, experiment=PRESET, **kw
-        )
+        return PipelineStepJobOperator(task_id=task_id, kubernetes_conn_id=CONN, poll_interval=0.01, **kw)
 
 
 # -- pure helpers ------------------------------------------------------------------------------------------
@@ -232,10 +243,22 @@ def test_cluster_entry_writes_summary_and_keeps_exit_code(tmp_path):
     assert p.returncode == 2 and p.stderr.startswith("error: cluster_entry: missing '--'")
 
 
-def test_operator_rejects_bad_backend_and_missing_summary_location(cluster):
-    with pytest.raises(AirflowFailException, match="backend 'slurm': choose 'local' or 'kuberay'"):
-        make_op("t_bad", "evaluate", step="evaluate", backend="slurm").execute(context())
-    op = make_op("t_bad", "evaluate", step="evaluate", backend="kuberay", request={"args": ["--k", "1"]})
+def test_operator_needs_a_plan_and_rejects_bad_backend_and_missing_summary_location(cluster):
+    with pytest.raises(TypeError, match=r"^missing keyword argument 'plan'$"), DAG("t_bad", schedule=None):
+        PipelineStepJobOperator(task_id="evaluate", step="evaluate")
+    with pytest.raises(TypeError, match=r"^PipelineStepJobOperator 'evaluate': plan= is required \(the plan task's"):
+        make_op("t_bad", "evaluate", step="evaluate", plan=None)
+    # A bad backend: the plan task refuses the form's value where it makes the plan (tested here at the plan), and the
+    # typed plan refuses one in a plan dict (edited by hand), so the task fails in one line and no RayJob is made.
+    with pytest.raises(UserError, match=r"^backend 'slurm': choose 'local' or 'kuberay'"):
+        train_plan(PRESET, "slurm", f"file://{cluster['store']}")
+    edited = {**kuberay_plan(cluster["store"]), "backend": "slurm"}
+    op = make_op("t_bad", "evaluate", step="evaluate", plan=edited, request={"args": ["--k", "1"]})
+    with pytest.raises(AirflowFailException, match=r"^plan: backend 'slurm': choose 'local' or 'kuberay'"):
+        op.execute(context())
+    op = make_op(
+        "t_bad", "evaluate", step="evaluate", plan=kuberay_plan(cluster["store"]), request={"args": ["--k", "1"]}
+    )
     with pytest.raises(AirflowFailException, match="needs summary_dir= or store_uri="):
         op.execute(context())
     assert cluster["api"].creates == []
@@ -265,7 +288,7 @@ def test_local_backend_runs_the_real_step_and_fails_bad_input_without_retry(tiny
         "t_local",
         "evaluate",
         step="evaluate",
-        backend="local",
+        plan=local_plan(tmp_path),
         request={"args": args, "carry": {"dataset": "aime2024"}},
     )
     out = op.execute(context())
@@ -273,7 +296,9 @@ def test_local_backend_runs_the_real_step_and_fails_bad_input_without_retry(tiny
     ev = out["evaluate"]
     assert ev["results"] == str(tmp_path / "eval" / "results.json") and ev["samples_scored"] == 2 and ev["k"] == 2
     assert json.loads(Path(ev["results"]).read_text())["overall"]["avg@k"] == ev["avg@k"]
-    bad = make_op("t_local", "evaluate", step="evaluate", backend="local", request={"args": [*args, "--k", "0"]})
+    bad = make_op(
+        "t_local", "evaluate", step="evaluate", plan=local_plan(tmp_path), request={"args": [*args, "--k", "0"]}
+    )
     with pytest.raises(AirflowFailException, match=r"--k 0: must be at least 1.*\(bad input: not retried\)"):
         bad.execute(context())
 
@@ -307,7 +332,7 @@ def test_kuberay_evaluate_runs_as_gpu_rayjob_and_returns_the_local_xcom_shape(cl
         "t_eval",
         "evaluate",
         step="evaluate",
-        backend="kuberay",
+        plan=kuberay_plan(store),
         store_uri=f"file://{store}",
         uri_args=EVAL_URI_ARGS,
         request={"args": args, "carry": {"dataset": "aime2024"}},
@@ -370,7 +395,7 @@ def test_kuberay_evaluate_runs_as_gpu_rayjob_and_returns_the_local_xcom_shape(cl
         "t_eval",
         "evaluate",
         step="evaluate",
-        backend="local",
+        plan=local_plan(tmp_path),
         request={"args": local_args, "carry": {"dataset": "aime2024"}},
     ).execute(context())
     assert set(out) == set(local) == {"dataset", "evaluate"} and set(out["evaluate"]) == set(local["evaluate"])
@@ -421,7 +446,7 @@ def test_kuberay_export_is_cpu_only_retries_with_own_summary_and_skips_when_not_
             "t_export",
             "export",
             step="export",
-            backend="kuberay",
+            plan=kuberay_plan(store),
             store_uri=f"file://{store}",
             uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),
             skip_unless="promoted",
@@ -526,7 +551,7 @@ def test_kuberay_step_bad_input_fails_with_kuberay_reason_and_step_error_without
         "t_badexport",
         "export",
         step="export",
-        backend="kuberay",
+        plan=kuberay_plan(store),
         store_uri=f"file://{store}",
         namespace=None,
         uri_args=("--checkpoint-dir", "--lineage", "--eval-results", "--base-results"),

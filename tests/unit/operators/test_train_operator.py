@@ -24,7 +24,7 @@ from airflow.sdk import DAG
 from airflow.sdk.exceptions import AirflowFailException
 
 from operators.failures import JobFailed
-from operators.train import GRPOTrainOperator, normalize_overrides
+from operators.train import GRPOTrainOperator
 from tests.helpers.deferral import deferred, run_trigger
 from tests.helpers.operator_runs import RUN_ID, write_parquet
 from tests.helpers.rayjob_operators import read_through_mounts, train_plan
@@ -40,16 +40,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         raise RuntimeError("injected failure after the first checkpoint")
     return float(len(set(solution_str)) % 3)  # differs within a group: a learning signal
 """
-
-
-def test_normalize_overrides_accepts_form_shapes_and_rejects_others():
-    assert normalize_overrides("a.b=1\n  c.d='x; rm -rf /'\n") == ["a.b=1", "c.d='x; rm -rf /'"]
-    assert normalize_overrides('["a=1", "b=$(id)"]') == ["a=1", "b=$(id)"]
-    assert normalize_overrides(None) == [] and normalize_overrides(["x=1"]) == ["x=1"]
-    with pytest.raises(AirflowFailException, match="JSON list"):
-        normalize_overrides("[not json")
-    with pytest.raises(AirflowFailException, match="list of KEY=VALUE"):
-        normalize_overrides([1, 2])
 
 
 def test_bad_override_fails_in_preflight_without_retry(tmp_path, tiny_model):

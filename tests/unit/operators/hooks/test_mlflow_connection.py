@@ -156,8 +156,8 @@ def test_the_rayjob_gets_the_uri_plain_and_the_credentials_by_secret_reference(
             op = PipelineStepJobOperator(
                 task_id="export",
                 step="export",
-                backend="kuberay",
-                experiment="gsm8k_qwen2_5_3b",  # logs to mlflow; its cluster.mlflow_secret is mlflow-tracking
+                # the preset logs to mlflow; its cluster.mlflow_secret is mlflow-tracking
+                plan=train_plan("gsm8k_qwen2_5_3b", "kuberay", "gs://verl-bucket", run_dir=run_dir),
                 request={"args": ["--checkpoint-dir", f"{run_dir}/checkpoints"]},
                 uri_args=("--checkpoint-dir",),
                 store_uri="gs://verl-bucket",

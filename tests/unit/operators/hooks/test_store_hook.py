@@ -121,6 +121,7 @@ def test_progress_checkpoint_and_tracking_reads_hand_the_credentials(recorded):
 def test_step_operator_mirror_upload_and_summary_hand_the_credentials(recorded, tmp_path):
     from operators.cluster_step import PipelineStepJobOperator
     from pipeline_steps.store import mirror
+    from tests.helpers.rayjob_operators import train_plan
 
     recorded.objects["oss://test-bucket/in/data.txt"] = b"rows"
     recorded.objects["oss://test-bucket/tmp/step-summaries/job-1.json"] = json.dumps(
@@ -130,6 +131,7 @@ def test_step_operator_mirror_upload_and_summary_hand_the_credentials(recorded, 
         op = PipelineStepJobOperator(
             task_id="evaluate",
             step="evaluate",
+            plan=train_plan("local_tiny", "local", f"file://{tmp_path}/store"),  # the local backend: in the worker
             request={"args": ["--data", "oss://test-bucket/in/data.txt", "--output", "oss://test-bucket/out"]},
             uri_args=("--data", "--output"),
             output_args=("--output",),

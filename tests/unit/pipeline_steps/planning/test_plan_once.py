@@ -181,9 +181,8 @@ def test_the_evaluation_dag_plans_once_and_its_operator_runs_the_plans_argv(monk
 
     dag = runpy.run_path(str(ROOT / "dags" / "verl_evaluate_model.py"))["dag"]
     op = dag.get_task("evaluate")
-    assert isinstance(op.plan, XComArg) and op.experiment is None and not op.request
+    assert isinstance(op.plan, XComArg) and not op.request  # the backend and the argv: the plan's
     launched = []
-    monkeypatch.setattr(PipelineStepJobOperator, "_backend", lambda self: self.plan["backend"])
     monkeypatch.setattr(
         "operators.step.PipelineStepOperator.execute", lambda self, context: launched.append(self.request["args"])
     )

@@ -39,6 +39,17 @@ def test_a_plan_missing_a_key_is_refused_naming_it(run, key):
     assert "\n" not in str(err.value)
 
 
+def test_a_plan_with_a_backend_other_than_local_or_kuberay_is_refused(run):
+    """The plan task resolves the backend once; a plan dict naming another (edited by hand) is refused in one line
+    rather than run as a RayJob by the operators, which take the backend from it."""
+    with pytest.raises(UserError, match=r"^plan: backend 'slurm': choose 'local' or 'kuberay'") as err:
+        RunPlan.from_dict({**run, "backend": "slurm"})
+    assert "\n" not in str(err.value)
+    evaluation = {k: "x" for k in ("store", "model", "data", "run_key", "dag_id", "run_id")}
+    with pytest.raises(UserError, match=r"^evaluation plan: backend None: choose"):
+        EvaluationPlan.from_dict({**evaluation, "backend": None, "steps": {}, "carry": {}})
+
+
 def test_a_dataset_item_missing_a_key_is_refused_naming_the_dataset(run):
     item = {k: v for k, v in run["datasets"][0].items() if k != "steps"}
     with pytest.raises(UserError, match=r"plan dataset '\w+': no 'steps' in it"):
