@@ -24,8 +24,8 @@ from pipeline_steps.data.preprocessors import get_preprocessor
 from pipeline_steps.data.rejects import Rejects
 from pipeline_steps.data.row_batches import converted_batches
 from pipeline_steps.data.snapshot_splits import resolve_splits
+from pipeline_steps.digests import sha256_file
 from pipeline_steps.errors import UserError
-from pipeline_steps.store.checksums import sha256_file
 
 # Bump when a change to the preprocessors changes their output: earlier outputs are then rebuilt, not reused.
 PREPROCESSOR_VERSION = 5  # 5: exact dedup keys, JSONL BOM and per-line limits; 4: JSONL rollout_extra is a struct

@@ -7,8 +7,8 @@ import hashlib
 from pathlib import Path
 
 from pipeline_steps.data import registry
+from pipeline_steps.digests import sha256_file
 from pipeline_steps.errors import UserError
-from pipeline_steps.store.checksums import sha256_file
 from pipeline_steps.store.claim import CLAIM
 from pipeline_steps.store.manifest import MANIFEST, MIRROR_MARKER
 

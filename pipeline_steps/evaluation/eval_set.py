@@ -3,18 +3,13 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
+from pipeline_steps.digests import sha256_file
 from pipeline_steps.errors import UserError
 
 IMAGE_KEY = "images"  # verl's data.image_key default, the column the geometry3k preprocessor writes
 PLACEHOLDER = "<image>"  # one per image, in order (verl's RLHFDataset._build_messages)
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def row_images(row: dict) -> list[bytes]:
@@ -52,7 +47,7 @@ def load_eval_set(path: str, max_problems: int = 0, name: str | None = None) -> 
     sources = sorted({str(r["data_source"]) for r in rows})
     info = {
         "path": str(p.resolve()),
-        "sha256": file_sha256(p),
+        "sha256": sha256_file(p),
         "rows": len(rows),
         "name": name or "+".join(sources),  # the synthetic arithmetic set is scored as openai/gsm8k
         "file": p.name,

@@ -26,6 +26,7 @@ from pathlib import Path, PurePosixPath
 from pipeline_steps import atomic
 from pipeline_steps.data import hub, registry
 from pipeline_steps.data.hub import fetch_snapshot
+from pipeline_steps.digests import sha256_file
 from pipeline_steps.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -109,11 +110,6 @@ def materialise(snapshot: Path, dest: Path, allow_patterns=()) -> int:
     return n
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 STAGING = ".tmp-incoming."
 
 
@@ -151,7 +147,7 @@ def download_files(spec: registry.DatasetSpec, dest: Path) -> dict:
                 registry.check_file_uri(uri, what)
                 open_store(uri).download_file(uri, target, what)
                 sources[split] = {"uri": uri}
-            sources[split].update(sha256=_sha256(target), bytes=target.stat().st_size)
+            sources[split].update(sha256=sha256_file(target), bytes=target.stat().st_size)
         if len(commits) == 1 and all("commit" in s for s in sources.values()):
             (repo_id, revision), kind = next(iter(commits)), "hub-commit"
         else:

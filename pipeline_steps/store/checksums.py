@@ -110,11 +110,6 @@ def _native_hasher(algo: str | None):
     return None
 
 
-def sha256_file(path: str | os.PathLike, cache: _ChecksumCache | None = None) -> str:
-    """A local file's sha256 (hex): the one way the project hashes a file (with ``cache``: skipped when unchanged)."""
-    return file_checksums(Path(path), None, cache)["sha256"]
-
-
 def file_checksums(path: Path, native: str | None, cache: _ChecksumCache | None = None) -> dict[str, str]:
     """sha256 (and the backend's native checksum, unless ``native`` is None) of a local file, in one read."""
     st = path.stat()

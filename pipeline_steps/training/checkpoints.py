@@ -18,8 +18,8 @@ from pathlib import Path
 
 from pipeline_steps import atomic
 from pipeline_steps.constants import CHECKPOINT_TRACKER
+from pipeline_steps.digests import sha256_file
 from pipeline_steps.errors import UserError
-from pipeline_steps.store.checksums import sha256_file
 
 log = logging.getLogger(__name__)
 
