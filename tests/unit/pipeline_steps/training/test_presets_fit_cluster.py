@@ -120,9 +120,12 @@ def overlay_objects(cloud: str) -> set[tuple[str, str]]:
 
 
 def store_settings() -> set[str]:
-    """What the OSS store's client reads from the environment, less its optional settings."""
+    """What the OSS store's client reads (handed credentials, else the environment: ``self.setting(...)``), less its
+    optional settings. Never empty: a scan that finds nothing would make the pods' check below pass vacuously."""
     text = (ROOT / "pipeline_steps" / "store" / "oss.py").read_text()
-    return set(re.findall(r'os\.environ\.get\("(OSS_[A-Z_]+)"', text)) - {"OSS_SESSION_TOKEN", "OSS_PATH_STYLE"}
+    found = set(re.findall(r'(?:os\.environ\.get|self\.setting)\("(OSS_[A-Z_]+)"', text))
+    assert found, "pipeline_steps/store/oss.py: no OSS_* setting read; update this scan to how the client reads them"
+    return found - {"OSS_SESSION_TOKEN", "OSS_PATH_STYLE"}
 
 
 @pytest.mark.parametrize("preset,mounts,bucket,dataset", EXAMPLES, ids=[e[0] for e in EXAMPLES])
