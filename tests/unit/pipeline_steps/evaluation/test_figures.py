@@ -10,15 +10,8 @@ import json
 import re
 
 from pipeline_steps.evaluation import eval_run, figures, run_report, scoring
+from tests.helpers.eval_rows import png
 from tests.helpers.vl_rows import geo3k_rows
-
-
-def png(width, height, color="white") -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def test_a_thumbnail_is_small_and_only_pixels():

@@ -7,42 +7,8 @@ import pytest
 
 from pipeline_steps.errors import UserError
 from pipeline_steps.evaluation import generation
-
-
-def aime_rows(n=2):
-    from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
-
-    return [
-        {
-            "data_source": "aime2024",
-            "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"Find {i} + {i}.")}],
-            "ability": "MATH",
-            "reward_model": {"style": "rule-lean", "ground_truth": str(2 * i)},
-            "extra_info": {"split": "test", "index": i, "id": f"2024-I-{i + 1}"},
-        }
-        for i in range(n)
-    ]
-
-
-def png(width=40, height=30, color="white") -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def geo3k_rows(n=2):
-    """Rows as the pipeline's geometry3k preprocessor writes them (problem with one <image>, the image's bytes)."""
-    from pipeline_steps.data.preprocessors import geometry3k
-
-    raw = [
-        {"problem": f"<image>Find x if the angle is {30 + i}.", "answer": str(30 + i), "images": [{"bytes": png()}]}
-        for i in range(n)
-    ]
-    return [geometry3k.convert_row(r, "test", i, geometry3k.DATA_SOURCE) for i, r in enumerate(raw)]
+from tests.helpers.eval_rows import aime_rows, png
+from tests.helpers.eval_rows import converted_geo3k_rows as geo3k_rows
 
 
 def test_image_placeholders_become_the_rows_images_as_vllm_chat_parts():

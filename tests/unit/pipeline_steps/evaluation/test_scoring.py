@@ -3,27 +3,7 @@
 import pytest
 
 from pipeline_steps.evaluation import scoring
-
-
-def png(width=40, height=30, color="white") -> bytes:
-    import io
-
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def geo3k_rows(n=2):
-    """Rows as the pipeline's geometry3k preprocessor writes them (problem with one <image>, the image's bytes)."""
-    from pipeline_steps.data.preprocessors import geometry3k
-
-    raw = [
-        {"problem": f"<image>Find x if the angle is {30 + i}.", "answer": str(30 + i), "images": [{"bytes": png()}]}
-        for i in range(n)
-    ]
-    return [geometry3k.convert_row(r, "test", i, geometry3k.DATA_SOURCE) for i, r in enumerate(raw)]
+from tests.helpers.eval_rows import converted_geo3k_rows as geo3k_rows
 
 
 def test_geometry3k_is_scored_by_verls_geo3k_scorer_and_a_well_formed_wrong_answer_is_wrong():

@@ -12,24 +12,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline_steps import cli
-from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.evaluation import generation
 from tests.helpers import fsdp_checkpoint
+from tests.helpers.eval_rows import aime_rows
 
 K, TOKENS = 3, 6
-
-
-def aime_rows(n=2):
-    return [
-        {
-            "data_source": "aime2024",
-            "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"Find {i} + {i}.")}],
-            "ability": "MATH",
-            "reward_model": {"style": "rule-lean", "ground_truth": str(2 * i)},
-            "extra_info": {"split": "test", "index": i, "id": f"2024-I-{i + 1}"},
-        }
-        for i in range(n)
-    ]
 
 
 @pytest.fixture
