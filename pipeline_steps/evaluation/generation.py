@@ -131,6 +131,27 @@ def image_inputs(row: dict, messages: list, processor, data_cfg) -> tuple[list[i
     return enc["input_ids"][0].tolist(), mm
 
 
+def vision_inputs(input_ids, mm_rows: list, config) -> dict:
+    """A batch's image inputs beside its (padded) ``input_ids``: the rows' patches concatenated and one
+    ``image_grid_thw`` line per image, in row order (Qwen-VL models take them so), and ``mm_token_type_ids`` (image
+    tokens 1, video tokens 2, text 0) as verl's agent loop builds them (``_compute_position_ids``). transformers places
+    the multimodal rotary positions (an image's tokens on its grid, the text after it) only when handed
+    ``mm_token_type_ids``: without them every token gets a 1-D position, unlike verl's rollouts and training and a
+    user's ``model.generate(**processor(...))``. Nothing for a batch of text rows."""
+    import torch
+
+    rows = [m for m in mm_rows if m]
+    if not rows:
+        return {}
+    out = {k: torch.cat([m[k] for m in rows], dim=0) for k in ("pixel_values", "image_grid_thw")}
+    types = torch.zeros_like(input_ids)
+    for token, kind in (("image_token_id", 1), ("video_token_id", 2)):
+        if getattr(config, token, None) is not None:
+            types[input_ids == getattr(config, token)] = kind
+    out["mm_token_type_ids"] = types
+    return out
+
+
 def vision_token_ids(tokenizer) -> list[int]:
     """The ids of the Qwen-VL vision placeholders: never sampled (one in a response would be taken for an image's
     place)."""
@@ -166,7 +187,7 @@ def generate_hf(model_dir: Path, rows: list[dict], s: dict, batch_size: int = 0)
         if vision and row_images(row):
             ids, mm = image_inputs(row, row["prompt"], processor, data_cfg)
             x = torch.tensor([ids])
-            inputs = {"input_ids": x, "attention_mask": torch.ones_like(x), **mm}
+            inputs = {"input_ids": x, "attention_mask": torch.ones_like(x), **vision_inputs(x, [mm], model.config)}
         else:
             chat = row["prompt"]
             enc = tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)

@@ -48,6 +48,7 @@ from typing import Callable
 from pipeline_steps import atomic, library_env, metrics_log, tracking_run
 from pipeline_steps.constants import CHECKPOINT_TRACKER
 from pipeline_steps.errors import UserError
+from pipeline_steps.evaluation.generation import image_inputs, vision_inputs, vision_token_ids
 from pipeline_steps.planning.layout import RunLayout
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,6 @@ class Prompt:
     images: list | None = None  # its images' bytes (the report's thumbnails, the evaluation)
 
 
-def image_prompt(row: dict, messages: list, processor, data_cfg) -> tuple[list[int], dict]:
-    """An image row's prompt ids and processor outputs, made by verl's own code as its cluster path makes them
-    (:func:`pipeline_steps.evaluation.generation.image_inputs`, which the evaluate step's CPU generator uses too)."""
-    from pipeline_steps.evaluation.generation import image_inputs
-
-    return image_inputs(row, messages, processor, data_cfg)
-
-
 def reads_images(model_path) -> bool:
     """Does the model at ``model_path`` read images (a ``vision_config`` in its config.json)?"""
     import json
@@ -99,7 +92,8 @@ def reads_images(model_path) -> bool:
 
 def load_prompts(files, tokenizer, data_cfg, processor=None) -> list[Prompt]:
     """Read verl-schema parquet files and tokenize each prompt with the chat template; an image row (``data.image_key``)
-    through ``processor`` (:func:`image_prompt`), refused in one line when the model has none."""
+    through ``processor`` (verl's own code: :func:`~pipeline_steps.evaluation.generation.image_inputs`), refused in
+    one line when the model has none."""
     import pyarrow.parquet as pq
 
     image_key = data_cfg.get("image_key", "images")
@@ -147,7 +141,7 @@ def load_prompts(files, tokenizer, data_cfg, processor=None) -> list[Prompt]:
                         "train a vision-language model (preset local_tiny_vl) or a text dataset"
                     )
                 try:
-                    ids, mm = image_prompt(row, messages, processor, data_cfg)
+                    ids, mm = image_inputs(row, messages, processor, data_cfg)  # verl's own code, as the cluster
                 except Exception as exc:  # verl's filter would drop it silently: say which row and why
                     raise UserError(
                         f"data file {f} row {i}: its images could not be processed ({exc.__class__.__name__}: "
@@ -331,27 +325,6 @@ def verl_locks_in(directory: Path):
     finally:
         tempfile.tempdir = before
         shutil.rmtree(directory, ignore_errors=True)
-
-
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
-
-
-def vision_token_ids(tokenizer) -> list[int]:
-    """The ids of the Qwen-VL vision placeholders in ``tokenizer``: never sampled in a response (the model's forward
-    pass would count one as an image's place and fail on the mismatch with the image features)."""
-    ids = [tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS]
-    return sorted({i for i in ids if i is not None and i != tokenizer.unk_token_id})
-
-
-def mm_batch(rows: list) -> dict:
-    """The image inputs of a batch's rows in row order (Qwen-VL models take every row's patches concatenated, and
-    one ``image_grid_thw`` line per image), or nothing for text rows."""
-    import torch
-
-    rows = [m for m in rows if m]
-    if not rows:
-        return {}
-    return {k: torch.cat([m[k] for m in rows], dim=0) for k in rows[0]}
 
 
 class GRPOTrainer:
@@ -661,7 +634,7 @@ class GRPOTrainer:
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         mm_rows = [p.mm for p in prompts for _ in range(n)]
-        kwargs.update(mm_batch(mm_rows))
+        kwargs.update(vision_inputs(input_ids, mm_rows, self.model.config))
         if self.processor is not None:  # a response holding <|image_pad|> would be taken for an image's place
             kwargs["suppress_tokens"] = vision_token_ids(self.tokenizer)
         self.model.eval()
@@ -762,8 +735,8 @@ class GRPOTrainer:
 
         ids = batch["input_ids"][rows]
         attn = batch["attention_mask"][rows]
-        mm = mm_batch([batch["mm"][int(r)] for r in rows]) if batch.get("mm") else {}
-        if mm:  # the model places its multimodal rotary positions itself (image tokens span a grid)
+        mm = vision_inputs(ids, [batch["mm"][int(r)] for r in rows], model.config) if batch.get("mm") else {}
+        if mm:  # the model places its multimodal rotary positions from mm_token_type_ids (image tokens on a grid)
             logits = model(input_ids=ids, attention_mask=attn, use_cache=False, **mm).logits
         else:
             pos = (attn.cumsum(-1) - 1).clamp(min=0)

@@ -5,12 +5,12 @@ processor, tokenizer, chat template) that loads through ``AutoProcessor`` and ``
 ``stage-model`` builds it for ``--model tiny-vl`` (preset ``local_tiny_vl``), cached like the tiny text model by a
 digest of this code, the fixture corpus and the library versions (:func:`build_cached`). Deterministic: the same
 inputs and seed give the same files. It reads the image (the vision tower's output replaces the ``<|image_pad|>``
-embeddings). Before GRPO it gets a short supervised warm-up (:func:`format_warmup`, ``WARMUP_STEPS``) on polygons
-drawn like the fixture's, never the fixture's own: it learns the ``<think> </think> \\boxed{N}`` form verl's geo3k
-scorer reads, so GRPO's rollouts earn a reward (0.1 for the form, 1.0 when right; a random model never wrote the
-form and every reward was 0). Its targets are the right side count only half the time (else a side count drawn at
-random): what it learns of reading the figure beyond that, GRPO's reward must teach. ``warmup_steps=0`` gives the
-random model the image-path tests were written against.
+embeddings; its processor maps white to 0, ``IMAGE_MEAN``/``IMAGE_STD``). Before GRPO it gets a supervised warm-up
+(:func:`warmup`) on polygons drawn like the fixture's, never the fixture's own: it learns the
+``<think> </think> \\boxed{N}`` form verl's geo3k scorer reads and a first reading of the figure (about two thirds of
+held-out figures right; a blank gets one constant answer), so GRPO's rollouts are sometimes right and sometimes wrong
+and earn a reward (0.1 for the form, 1.0 when right). ``warmup_steps=0`` gives the random model the image-path tests
+were written against.
 
 The processor's own pixel limits are the ones a run's ``data.mm_processor_kwargs`` narrow (verl hands those to the
 processor); ``MIN_PIXELS``/``MAX_PIXELS`` are the saved defaults (at most ``MAX_PIXELS // 28**2`` image tokens).
@@ -42,10 +42,18 @@ MIN_PIXELS = 56 * 56
 MAX_PIXELS = 64 * 28 * 28  # at most 64 image tokens per image unless a run's mm_processor_kwargs say otherwise
 WARMUP_MM = {"min_pixels": 3136, "max_pixels": 12544}  # the local_tiny_vl preset's data.mm_processor_kwargs
 RESPONSE = "<think> </think> \\boxed{{{answer}}}"  # the form verl's geo3k scorer reads (format and accuracy)
-WARMUP_STEPS = 100  # the form in 100% of greedy answers on the fixture's test figures (measured)
+# White maps to 0, black to -2. The default (CLIP) normalisation maps white to about +1.9, and the patch embedding has
+# no bias: every white patch of every figure was then one constant vector that the 2-pixel lines barely moved, and the
+# warmed-up model answered one side count for every figure and for a blank (measured, docs/vision-language.md).
+IMAGE_MEAN, IMAGE_STD = [1.0, 1.0, 1.0], [0.5, 0.5, 0.5]
+# The warm-up in two stages, measured on 64 held-out polygons (docs/vision-language.md): 1024 figures, 1500 reading
+# steps and 300 answer steps read 66% of them right (a blank: one constant answer, 25%) in about 60 s of CPU.
+WARMUP_FIGURES = 1024
+READING_STEPS = 1500  # stage 1: the vision tower and the output layer learn to name the side count per image token
+READING_LR = 1e-3  # 1e-2 never left ln 4 (chance)
+WARMUP_STEPS = 300  # stage 2: the text model (vision frozen) learns the form and to answer from the image tokens
 WARMUP_LR = 3e-3
-WARMUP_RIGHT_SHARE = 0.5  # a weak start on reading the figure: GRPO needs rollouts that are sometimes right
-WARMUP_FIGURES = 64
+ANSWER_WEIGHT = 5.0  # the answer digit's loss weight among the response tokens
 CARD = """---
 license: mit
 library_name: transformers
@@ -60,10 +68,12 @@ hidden {hidden}, a {depth}-block vision tower) with a {vocab}-token byte-level B
 
 Training before GRPO: {warmup}
 """
-WARMUP_CARD = """{steps} steps of supervised warm-up on {figures} polygons drawn like the geometry3k fixture's (never
-its own figures), with its problem text: a target is `<think> </think> \\boxed{{N}}` with N the side count with
-probability {share}, else drawn uniformly from 3..6. The model learns the form verl's geo3k scorer reads; what it gains
-after the pipeline's `train` task comes from GRPO's reward (the base model's figures are in every evaluation)."""
+WARMUP_CARD = """supervised warm-up on {figures} polygons drawn like the geometry3k fixture's (never its own figures),
+with its problem text, in two stages: {reading} steps in which the vision tower and the output layer learn to name a
+figure's side count from each image token, then {steps} steps of supervised warm-up of the text model (vision frozen)
+on `<think> </think> \\boxed{{N}}`, N the side count. The model learns the form verl's geo3k scorer reads and a
+first reading of the figure; what it gains after the pipeline's `train` task comes from GRPO's reward (the base
+model's figures are in every evaluation)."""
 
 
 def _tokenizer(directory: Path, vocab_size: int):
@@ -138,7 +148,12 @@ def untrained(directory: Path, vocab_size=512, hidden_size=64, layers=2, vision_
     )
     processor = Qwen2_5_VLProcessor(
         image_processor=Qwen2VLImageProcessor(
-            min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, patch_size=PATCH, merge_size=MERGE
+            min_pixels=MIN_PIXELS,
+            max_pixels=MAX_PIXELS,
+            patch_size=PATCH,
+            merge_size=MERGE,
+            image_mean=IMAGE_MEAN,
+            image_std=IMAGE_STD,
         ),
         video_processor=Qwen2VLVideoProcessor(patch_size=PATCH, merge_size=MERGE),
         tokenizer=fast,
@@ -168,7 +183,10 @@ def build(
     seed=0,
     owner=None,
     warmup_steps: int = WARMUP_STEPS,
+    reading_steps: int = READING_STEPS,
+    figures: int = WARMUP_FIGURES,
 ) -> Path:
+    """The model's files in ``output``. ``warmup_steps=0``: the random model, no warm-up at all."""
     output = Path(output)
     if complete(output):
         log.info("tiny VL model already at %s", output)
@@ -176,7 +194,7 @@ def build(
     with atomic.atomic_dir(output, owner=owner) as tmp:
         model, processor = untrained(tmp, vocab_size, hidden_size, layers, vision_depth, seed)
         if warmup_steps:
-            format_warmup(model, processor, warmup_steps, seed)
+            warmup(model, processor, warmup_steps, reading_steps, figures, seed)
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
         card = CARD.format(
@@ -188,7 +206,7 @@ def build(
             min_pixels=MIN_PIXELS,
             max_pixels=MAX_PIXELS,
             seed=seed,
-            warmup=WARMUP_CARD.format(steps=warmup_steps, figures=WARMUP_FIGURES, share=WARMUP_RIGHT_SHARE)
+            warmup=WARMUP_CARD.format(steps=warmup_steps, reading=reading_steps, figures=figures)
             if warmup_steps
             else "none: random weights (built with `warmup_steps=0`).",
         )
@@ -243,60 +261,111 @@ def warmup_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def format_warmup(
-    model,
-    processor,
-    steps: int,
-    seed: int,
-    batch_size: int = 8,
-    lr: float = WARMUP_LR,
-    right_share: float = WARMUP_RIGHT_SHARE,
-    figures: int = WARMUP_FIGURES,
-) -> float:
-    """Supervised steps on (figure + problem -> ``<think> </think> \\boxed{R}``), R the side count with probability
-    ``right_share``, else drawn uniformly from the answers independently of the figure. Prompts are made by verl's
-    code as the CPU trainer and the evaluation make them (:func:`generation.image_inputs`) under the preset's pixel
-    limits, so the warm-up is token for token what a rollout sees. The loss covers the response tokens only. Returns
-    the last loss."""
-    import random
+def warmup(model, processor, steps: int, reading_steps: int, figures: int, seed: int, batch_size: int = 8) -> float:
+    """The two-stage warm-up on ``figures`` fresh polygons (:func:`warmup_rows`); returns the last loss. Prompts are
+    made by verl's code as the CPU trainer and the evaluation make them (:func:`generation.image_inputs`) under the
+    preset's pixel limits, so the warm-up is token for token what a rollout sees.
 
+    Why two stages: trained whole from the start, the text model learns the form and one constant answer long before
+    the vision tower tells figures apart, and the whole model then stays there (measured). So first the vision tower
+    learns, through the output layer, to make each image token name the side count (:func:`_reading_stage`); then,
+    with the vision tower frozen (its lr > 0 here undid that reading: a probe fell back to chance), the text model
+    learns to answer from those tokens (:func:`_answer_stage`)."""
     import torch
 
     from pipeline_steps.evaluation.generation import image_inputs
-    from pipeline_steps.local import geometry_figures, grpo_cpu
 
-    rng = random.Random(seed)
     torch.manual_seed(seed)
     data_cfg = {"image_key": "images", "mm_processor_kwargs": dict(WARMUP_MM)}
+    tok = processor.tokenizer
     prompts = []
     for row in warmup_rows(figures, seed + 1):
         ids, mm = image_inputs(row, row["prompt"], processor, data_cfg)
         prompts.append((ids, mm, row["reward_model"]["ground_truth"]))
-    tok = processor.tokenizer
-    answers = [str(s) for s in geometry_figures.SIDES]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    digit = {p[2]: tok.convert_tokens_to_ids(p[2]) for p in prompts}  # each side count is one token
     model.train()
+    loss = _reading_stage(model, prompts, digit, reading_steps, seed, batch_size)
+    log.info("tiny VL warm-up, reading: %d steps, last loss %.3f", reading_steps, loss)
+    loss = _answer_stage(model, tok, prompts, digit, steps, seed, batch_size)
+    log.info("tiny VL warm-up, answering: %d steps, last loss %.3f", steps, loss)
+    model.eval()
+    return loss
+
+
+def _reading_stage(model, prompts, digit, steps, seed, batch_size) -> float:
+    """The vision tower and the output layer only: each image token's features, through the text model's final norm
+    and the (tied) output layer, predict the side count's token."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    params = [*model.model.visual.parameters(), model.lm_head.weight]
+    opt = torch.optim.AdamW(params, lr=READING_LR, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / steps)
     loss = torch.tensor(0.0)
     for _ in range(steps):
-        seqs, masks, mms = [], [], []
-        for _ in range(batch_size):
-            ids, mm, truth = prompts[rng.randrange(len(prompts))]
-            answer = truth if rng.random() < right_share else rng.choice(answers)
-            r_ids = tok(RESPONSE.format(answer=answer) + "<|im_end|>", add_special_tokens=False)["input_ids"]
-            seqs.append(ids + r_ids)
-            masks.append([0] * len(ids) + [1] * len(r_ids))
-            mms.append(mm)
-        width = max(map(len, seqs))
-        pad = tok.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
-        attn = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
-        loss_mask = torch.tensor([[0] * (width - len(m)) + m for m in masks], dtype=torch.bool)
-        logits = model(input_ids=input_ids, attention_mask=attn, **grpo_cpu.mm_batch(mms)).logits[:, :-1]
-        target = loss_mask[:, 1:]
-        loss = torch.nn.functional.cross_entropy(logits[target], input_ids[:, 1:][target])
+        batch = [prompts[rng.randrange(len(prompts))] for _ in range(batch_size)]
+        pixels, grids = (torch.cat([b[1][k] for b in batch]) for k in ("pixel_values", "image_grid_thw"))
+        feats = model.model.get_image_features(pixels, grids).pooler_output
+        logits = model.lm_head(model.model.language_model.norm(torch.cat(feats)))
+        target = torch.cat([torch.full((f.shape[0],), digit[b[2]]) for f, b in zip(feats, batch)])
+        loss = torch.nn.functional.cross_entropy(logits, target)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.eval()
-    log.info("tiny VL format warm-up: %d steps, last loss %.3f", steps, float(loss.detach()))
+        sched.step()
+    return float(loss.detach())
+
+
+def _answer_stage(model, tok, prompts, digit, steps, seed, batch_size) -> float:
+    """The whole model but the vision tower, on (figure + problem -> ``<think> </think> \\boxed{N}``): the loss
+    covers the response tokens, the answer digit's weighted ``ANSWER_WEIGHT``, and the ``<|vision_end|>`` position
+    also predicts the digit (a place right after the image tokens that gathers them for the answer)."""
+    import random
+
+    import torch
+
+    from pipeline_steps.evaluation.generation import vision_inputs
+
+    rng = random.Random(seed + 2)
+    vision = {id(p) for p in model.model.visual.parameters()}
+    for p in model.model.visual.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if id(p) not in vision], lr=WARMUP_LR, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / steps)
+    vision_end = tok.convert_tokens_to_ids("<|vision_end|>")
+    loss = torch.tensor(0.0)
+    try:
+        for _ in range(steps):
+            seqs, targets, weights, mms = [], [], [], []
+            for ids, mm, truth in (prompts[rng.randrange(len(prompts))] for _ in range(batch_size)):
+                response = tok(RESPONSE.format(answer=truth) + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                seq = ids + response
+                target, weight = [-100] * len(seq), [0.0] * len(seq)  # position j predicts seq[j + 1]
+                for j in range(len(ids) - 1, len(seq) - 1):
+                    target[j] = seq[j + 1]
+                    weight[j] = ANSWER_WEIGHT if seq[j + 1] == digit[truth] else 1.0
+                k = ids.index(vision_end)
+                target[k], weight[k] = digit[truth], 1.0
+                seqs.append(seq), targets.append(target), weights.append(weight), mms.append(mm)
+            width = max(map(len, seqs))
+            left = [width - len(s) for s in seqs]  # left padding, as the rollouts pad
+            input_ids = torch.tensor([[tok.pad_token_id] * n + s for n, s in zip(left, seqs)])
+            attention = torch.tensor([[0] * n + [1] * len(s) for n, s in zip(left, seqs)])
+            target = torch.tensor([[-100] * n + t for n, t in zip(left, targets)])
+            weight = torch.tensor([[0.0] * n + w for n, w in zip(left, weights)])
+            images = vision_inputs(input_ids, mms, model.config)  # verl's rotary positions: mm_token_type_ids
+            logits = model(input_ids=input_ids, attention_mask=attention, **images).logits
+            ce = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none", ignore_index=-100
+            )
+            loss = (ce * weight.reshape(-1)).sum() / weight.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+    finally:
+        for p in model.model.visual.parameters():
+            p.requires_grad_(True)
     return float(loss.detach())

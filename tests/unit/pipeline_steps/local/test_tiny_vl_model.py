@@ -108,18 +108,26 @@ def test_image_tokens_per_row_match_the_processors_count_under_the_presets_pixel
             assert in_text == from_grid == expected, (mm, in_text, from_grid)
 
 
+def _verl_positions(verl_processor, ids, attention, mm):
+    """The rotary positions verl's agent loop hands the actor (``AgentLoopWorker._compute_position_ids``: a text row
+    and 3 multimodal rows, an image's tokens on its grid), transposed as verl's actor passes them to the model."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    worker = AgentLoopWorker.__new__(AgentLoopWorker)  # the method reads only the processor
+    worker.processor = verl_processor
+    return worker._compute_position_ids(ids, attention, {**mm, "mm_token_type_ids": True})
+
+
 def _response_logprob(model, processor, enc, response: str) -> float:
     import torch
 
     resp = processor.tokenizer(response, add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = torch.cat([enc["input_ids"], resp], dim=1)
+    attention = torch.ones_like(ids)
+    mm = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+    positions = _verl_positions(processor, ids, attention, mm).transpose(0, 1)
     with torch.no_grad():
-        logits = model(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            pixel_values=enc["pixel_values"],
-            image_grid_thw=enc["image_grid_thw"],
-        ).logits
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, **mm).logits
     logp = torch.log_softmax(logits[0, -resp.shape[1] - 1 : -1].float(), -1)
     return float(logp.gather(-1, resp[0][:, None]).sum())
 
@@ -197,6 +205,51 @@ def test_log_probability_differs_between_the_figure_and_a_blank_image_on_the_cpu
     assert torch.allclose(alone, lp["figure", True][1:], atol=1e-4)
 
 
+def test_the_cpu_path_places_image_tokens_where_verls_agent_loop_does(tiny_vl_model, tmp_path):
+    """Rotary positions: verl's agent loop hands the actor 3-D multimodal positions (an image's tokens on its grid,
+    ``AgentLoopWorker._compute_position_ids`` with the processor verl binds ``get_rope_index`` to); transformers
+    computes the same only when handed ``mm_token_type_ids``, and a user's ``model(**processor(...))`` hands them. The
+    CPU trainer's log-probabilities (``vision_inputs``) must equal the forward pass with verl's positions, and the
+    forward without ``mm_token_type_ids`` (1-D positions, what the CPU path did before) must not: it is the fault this
+    test guards against (found when the warmed-up model wrote garbage for a user's processor call)."""
+    import types
+
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from pipeline_steps.local import grpo_cpu
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_model)
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vl_model).eval()
+    verl_processor, encoded = _verl_inputs(tiny_vl_model, geo3k_rows("test", 1), tmp_path, PRESET_MM)
+    enc = encoded[0]
+    response = processor.tokenizer("<think> </think> \\boxed{5}", add_special_tokens=False)["input_ids"]
+    ids = torch.cat([enc["input_ids"], torch.tensor([response])], dim=1)
+    attention = torch.ones_like(ids)
+    mm = {"pixel_values": enc["pixel_values"], "image_grid_thw": enc["image_grid_thw"]}
+
+    verl_positions = _verl_positions(verl_processor, ids, attention, mm)
+    assert verl_positions.shape == (1, 4, ids.shape[1])  # text row + 3 multimodal rows
+    assert not torch.equal(verl_positions[0, 1], verl_positions[0, 2])  # the image spans a grid: height != width
+
+    def response_logprob(**kwargs):
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attention, **mm, **kwargs).logits
+        logp = torch.log_softmax(logits[0, -len(response) - 1 : -1], -1)
+        return logp.gather(-1, torch.tensor(response)[:, None]).sum()
+
+    verl = response_logprob(position_ids=verl_positions.transpose(0, 1))  # as verl's actor hands them
+    one_d = response_logprob()  # no mm_token_type_ids: transformers falls back to 1-D positions
+    trainer = types.SimpleNamespace(temperature=1.0)
+    batch = {"input_ids": ids, "attention_mask": attention, "responses": torch.tensor([response]), "mm": [mm]}
+    with torch.no_grad():
+        cpu = grpo_cpu.GRPOTrainer.log_probs(trainer, model, batch, torch.arange(1))[0].sum()
+    print(f"log p(response): verl positions {verl:.5f}, CPU trainer {cpu:.5f}, 1-D positions {one_d:.5f}")
+    # the random model barely weighs positions (1-D vs 3-D measured 5.4e-4 apart), so the tie is held 50x tighter
+    assert torch.allclose(cpu, verl, atol=1e-5)
+    assert abs(float(one_d - verl)) > 1e-4
+
+
 ANSWER = """
 import base64, io, json, sys
 from PIL import Image
@@ -256,16 +309,25 @@ def test_train_local_trains_on_the_figures_and_the_merged_model_answers_from_an_
     assert got["new_tokens"] > 0
 
 
-def test_the_format_warm_up_is_deterministic_and_never_sees_the_fixture(tmp_path):
-    """Two builds with a few warm-up steps give the same weights; the warm-up's figures are drawn apart from the
-    fixture's (no figure of the evaluation set is trained on)."""
+def test_the_warm_up_is_deterministic_and_never_sees_the_fixture(tmp_path):
+    """Two builds with a few steps of both warm-up stages give the same weights, which differ from the random model's
+    (both stages ran); the warm-up's figures are drawn apart from the fixture's (no figure of the evaluation set is
+    trained on)."""
     import base64
 
     from pipeline_steps.local import tiny_vl_model as builder
 
-    a, b = (builder.build(tmp_path / name, warmup_steps=2) for name in ("a", "b"))
+    a, b = (builder.build(tmp_path / name, warmup_steps=2, reading_steps=3, figures=8) for name in ("a", "b"))
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    assert "3 steps in which the vision tower" in (a / "README.md").read_text()
     assert "2 steps of supervised warm-up" in (a / "README.md").read_text()
+    from safetensors.torch import load_file
+
+    random_dir = builder.build(tmp_path / "random", warmup_steps=0)
+    warm, random_model = (load_file(d / "model.safetensors") for d in (a, random_dir))
+    changed = {k for k in warm if not (warm[k] == random_model[k]).all()}
+    assert any(k.startswith("visual.") for k in changed)  # stage 1 trained the vision tower
+    assert any(k.startswith("model.layers.") for k in changed)  # stage 2 trained the text model
     fixture = {
         base64.b64decode(im["bytes_b64"])
         for split in ("train", "validation", "test")
