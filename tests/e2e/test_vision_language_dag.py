@@ -1,7 +1,7 @@
 """geometry3k trained end to end with a vision-language model on CPU (issue 47): ``verl_grpo_pipeline`` with
 ``experiment=local_tiny_vl`` through real Airflow (``airflow dags test``) on the local profile.
 
-The run stages the tiny Qwen2.5-VL (with its format warm-up), preprocesses the offline Hub's geometry3k fixture v2
+The run stages the tiny Qwen2.5-VL (with its warm-up), preprocesses the offline Hub's geometry3k fixture v2
 (the answer, a polygon's number of sides, is in the figure only), trains GRPO steps on the figures on the local Ray
 backend, evaluates with the figures against the base model (the CPU generator, the staged processor, the preset's
 pixel limits), exports, and writes the report with the figures' thumbnails beside the answers.

@@ -36,7 +36,7 @@ def tiny_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_vl_model(tmp_path_factory):
     """The tiny vision-language model (random Qwen2.5-VL with its processor), as stage-model builds ``tiny-vl`` but
-    without its format warm-up: the random model the image-path tests were written against (the e2e test of
+    without its warm-up: the random model the image-path tests were written against (the e2e test of
     local_tiny_vl, tests/e2e/test_vision_language_dag.py, stages the warmed-up one)."""
     from pipeline_steps.local import tiny_vl_model
 

@@ -1,7 +1,9 @@
-"""Run in a fresh process (``python -m tests.helpers.vl_answers MODEL_DIR``): load an exported vision-language model
-as a user would (``AutoProcessor`` + ``AutoModelForImageTextToText``), and answer the geometry3k fixture's test
-figures and blank images of the same size. Prints one JSON object: per row the ground truth, the greedy answer with the
-figure and with the blank, and the model's probabilities of the answers 3..6 after ``\\boxed{`` with each."""
+"""Run in a fresh process (``python -m tests.helpers.vl_answers MODEL_DIR [--polygons N]``): load an exported
+vision-language model as a user would (``AutoProcessor`` + ``AutoModelForImageTextToText``), and answer the geometry3k
+fixture's test figures (or ``N`` polygons drawn like the tiny VL model's warm-up figures with a seed of their own, held
+out from it) and blank images of the same size. Prints one JSON object: per row the ground truth, the greedy answer
+with the figure and with the blank, and the model's probabilities of the answers 3..6 after ``\\boxed{`` with each;
+and the count right with the figure and with the blank."""
 
 from __future__ import annotations
 
@@ -9,8 +11,10 @@ import io
 import json
 import sys
 
+HELD_OUT_SEED = 999  # the warm-up draws with seed + 1 = 1 (tiny_vl_model.warmup_rows)
 
-def main(model_dir: str) -> dict:
+
+def main(model_dir: str, polygons: int = 0) -> dict:
     import torch
     from mathruler.grader import extract_boxed_content
     from PIL import Image
@@ -23,7 +27,13 @@ def main(model_dir: str) -> dict:
     tok = processor.tokenizer
     digits = [tok.convert_tokens_to_ids(str(d)) for d in (3, 4, 5, 6)]
     out = []
-    for row in geo3k_rows("test"):
+    if polygons:
+        from pipeline_steps.local.tiny_vl_model import warmup_rows
+
+        rows = warmup_rows(polygons, HELD_OUT_SEED)
+    else:
+        rows = geo3k_rows("test")
+    for row in rows:
         record = {"ground_truth": row["reward_model"]["ground_truth"]}
         for name, r in (("figure", row), ("blank", with_blank_images(row))):
             text = r["prompt"][0]["content"].replace("<image>", "")
@@ -39,8 +49,11 @@ def main(model_dir: str) -> dict:
             p = torch.softmax(logits, -1)[digits]
             record[name] = {"answer": extract_boxed_content(answer), "p": [float(x) for x in p]}
         out.append(record)
-    return {"rows": out}
+    right = {k: sum(r[k]["answer"] == r["ground_truth"] for r in out) for k in ("figure", "blank")}
+    return {"rows": out, "right": right, "of": len(out)}
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    args = sys.argv[1:]
+    polygons = int(args[args.index("--polygons") + 1]) if "--polygons" in args else 0
+    print(json.dumps(main(args[0], polygons)))
