@@ -110,8 +110,8 @@ def answers(run):
         timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])["rows"]
-    right = {k: sum(r[k]["answer"] == r["ground_truth"] for r in rows) for k in ("figure", "blank")}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    rows, right = result["rows"], result["right"]
     differ = sum(r["figure"]["answer"] != r["blank"]["answer"] for r in rows)
     gap = max(abs(x - y) for r in rows for x, y in zip(r["figure"]["p"], r["blank"]["p"]))
     print(

@@ -7,9 +7,9 @@ and the count right with the figure and with the blank."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
-import sys
 
 HELD_OUT_SEED = 999  # the warm-up draws with seed + 1 = 1 (tiny_vl_model.warmup_rows)
 
@@ -54,6 +54,8 @@ def main(model_dir: str, polygons: int = 0) -> dict:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    polygons = int(args[args.index("--polygons") + 1]) if "--polygons" in args else 0
-    print(json.dumps(main(args[0], polygons)))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model_dir")
+    parser.add_argument("--polygons", type=int, default=0)
+    args = parser.parse_args()
+    print(json.dumps(main(args.model_dir, args.polygons)))

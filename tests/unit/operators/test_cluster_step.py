@@ -34,11 +34,11 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from operators.cluster_step import PipelineStepJobOperator, map_uri_args, pod_paths_to_uris
 from operators.failures import JobFailed
-from pipeline_steps.data.preprocessors.dapo_math import PROMPT_TEMPLATE
 from pipeline_steps.errors import UserError
 from pipeline_steps.training.mounts import MountMap
 from pipeline_steps.training.rayjob_manifest import rayjob_name
 from tests.helpers.deferral import deferred, run_trigger
+from tests.helpers.eval_rows import aime_rows
 from tests.helpers.k8s_connection import K8S_CONN_ID, K8S_NAMESPACE
 from tests.helpers.rayjob_operators import train_plan
 
@@ -76,16 +76,7 @@ def run_entrypoint(entrypoint: str) -> subprocess.CompletedProcess:
 
 
 def aime_parquet(path: Path, n: int = 2) -> Path:
-    rows = [
-        {
-            "data_source": "aime2024",
-            "prompt": [{"role": "user", "content": PROMPT_TEMPLATE.format(problem=f"Find {i} + {i}.")}],
-            "ability": "MATH",
-            "reward_model": {"style": "rule-lean", "ground_truth": str(2 * i)},
-            "extra_info": {"split": "test", "index": i, "id": f"2024-I-{i + 1}"},
-        }
-        for i in range(n)
-    ]
+    rows = aime_rows(n)
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
